@@ -1,0 +1,145 @@
+"""Run configuration: frozen dataclasses validated at construction, loaded from TOML/JSON + CLI.
+
+A user mistake raises `ConfigError` (a ValueError) whose text names the field, the
+value given and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STRATEGIES = ("zero1", "ddp")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message says which and how to fix it."""
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Tiny char-level GPT. The defaults give ~3.2M parameters."""
+
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 256
+    seq_len: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "n_embd", "seq_len"):
+            v = getattr(self, name)
+            _need(isinstance(v, int) and v >= 1, f"model.{name} must be an integer >= 1, got {v!r}")
+        _need(self.n_embd % self.n_head == 0,
+              f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything one training run needs; identical in every process of the job."""
+
+    world_size: int = 4
+    steps: int = 60
+    seed: int = 0
+    batch_size: int = 8
+    lr: float = 3e-3
+    warmup_steps: int = 5
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    strategy: str = "zero1"
+    parity_group: int = 4
+    chunk_kb: int = 256
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 2
+    shadows: int = 1
+    heartbeat_s: float = 0.1
+    hang_timeout_s: float = 5.0
+    collective_timeout_s: float = 60.0
+    threads: int = 1
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+    def __post_init__(self) -> None:
+        _need(isinstance(self.world_size, int) and self.world_size >= 1,
+              f"world_size must be an integer >= 1, got {self.world_size!r}; e.g. --world-size 4")
+        _need(isinstance(self.steps, int) and self.steps >= 1,
+              f"steps must be an integer >= 1, got {self.steps!r}; e.g. --steps 60")
+        _need(isinstance(self.batch_size, int) and self.batch_size >= 1,
+              f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+        _need(self.lr > 0, f"lr must be > 0, got {self.lr!r}")
+        _need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
+        _need(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip!r}")
+        _need(self.strategy in STRATEGIES,
+              f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        _need(isinstance(self.parity_group, int) and self.parity_group >= 2,
+              f"parity_group must be an integer >= 2, got {self.parity_group!r}")
+        k = min(self.parity_group, self.world_size)
+        _need(self.world_size == 1 or self.world_size % k == 0,
+              f"parity_group ({self.parity_group}) must divide world_size ({self.world_size}); "
+              f"choose a divisor such as {self.world_size if self.world_size <= 4 else 4}")
+        _need(self.chunk_kb >= 1, f"chunk_kb must be >= 1, got {self.chunk_kb!r}")
+        _need(self.checkpoint_every >= 0, f"checkpoint_every must be >= 0 (0 = off), got {self.checkpoint_every!r}")
+        _need(self.checkpoint_keep >= 1, f"checkpoint_keep must be >= 1, got {self.checkpoint_keep!r}")
+        _need(self.shadows >= 0, f"shadows must be >= 0, got {self.shadows!r}")
+        _need(self.heartbeat_s > 0, f"heartbeat_s must be > 0, got {self.heartbeat_s!r}")
+        _need(self.hang_timeout_s >= 3 * self.heartbeat_s,
+              f"hang_timeout_s ({self.hang_timeout_s}) must be at least 3 heartbeats ({3 * self.heartbeat_s})")
+        _need(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
+        _need(self.threads >= 1, f"threads must be >= 1, got {self.threads!r}")
+        if isinstance(self.model, dict):  # from JSON/TOML
+            object.__setattr__(self, "model", ModelConfig(**_known(ModelConfig, self.model, "model.")))
+
+    @property
+    def effective_parity_group(self) -> int:
+        return min(self.parity_group, self.world_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "RunConfig":
+        return RunConfig(**_known(RunConfig, d, ""))
+
+
+def _known(cls: type, d: dict[str, Any], prefix: str) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]!r}; allowed keys: {', '.join(sorted(names))}")
+    return dict(d)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML (or JSON) config file into a dict; errors name the file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror}; check the path") from None
+    try:
+        return json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"config file {p} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from None
+
+
+def build_config(file: str | Path | None = None, **overrides: Any) -> RunConfig:
+    """File values first, then CLI overrides (those not None) win."""
+    base = load_config_file(file) if file else {}
+    model = dict(base.pop("model", {}) or {})
+    for k in list(overrides):
+        if k.startswith("model_") and overrides[k] is not None:
+            model[k[len("model_"):]] = overrides.pop(k)
+        elif k.startswith("model_"):
+            overrides.pop(k)
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    base["model"] = ModelConfig(**_known(ModelConfig, model, "model."))
+    return RunConfig.from_dict(base)
