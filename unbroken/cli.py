@@ -24,7 +24,15 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+from unbroken.runtime.command import run  # noqa: E402
+
+app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(run)
+
 # --- subcommands owned by subpackages (each registers itself below) ---
+from unbroken.sim.command import simulate  # noqa: E402
+app.command("simulate")(simulate)
+from unbroken.detect.command import report  # noqa: E402
+app.command("report")(report)
 
 
 def main() -> None:

@@ -22,8 +22,8 @@ KINDS: dict[str, str] = {
     "process_exited": "pid, proc, returncode, signal",
     "step": "step, loss, step_s, tokens",
     "heartbeat_missed": "proc, last_seen_s, phase, step (evidence for a hang)",
-    "fault_detected": "fault (crash|hang|exception|numerics|straggler|stall), proc, evidence",
-    "fault_classified": "fault, cls (operable|replace), action (in_place|exclude_node|tier2), reason",
+    "fault_detected": "fault (crash|hang|exception|numerics|straggler|stall|health), proc, node, evidence, occurred_at (simulated logs)",
+    "fault_classified": "fault, cls (operable|replace), action (in_place|exclude_node|tier2|none), reason, proc, node, exclude, false_positive (optional)",
     "fault_injected": "fault, phase, step",
     "process_killed": "pid, proc, why",
     "generation": "gen, members, replaced, cause",
@@ -39,6 +39,9 @@ KINDS: dict[str, str] = {
     "straggler": "rank, ratio, median_s",
     "host": "load, mem_available_gb, disk_free_gb",
     "warning": "message",
+    "collective_error": "step, phase, error (a worker saw its group fail)",
+    "worker_done": "steps, weights_sha256",
+    "tier2_restore": "step, reason",
 }
 
 

@@ -1,0 +1,1 @@
+"""Collectives: one generation's process group with bounded waits (group.py)."""

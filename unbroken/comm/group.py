@@ -1,0 +1,115 @@
+"""One generation's gloo process group, with collectives that never wait forever.
+
+Every collective is issued async and polled: it finishes, fails (a peer died),
+runs past its deadline, or is abandoned because the supervisor published a newer
+generation. The group object is never destroyed while an op may still hang in it;
+`retired` keeps old ones referenced until the process exits.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the job must move to a new generation."""
+
+
+class GenerationChanged(CollectiveError):
+    """A newer generation was published while we waited."""
+
+
+retired: list["Comm"] = []  # groups that may hold hung ops: keep them alive, never destroy
+
+
+class Comm:
+    """Collectives for `rank` of `world` in generation `gen` over `store` (prefix applied by caller)."""
+
+    def __init__(self, store: dist.Store, *, rank: int, world: int, gen: int, timeout_s: float,
+                 interrupted: Callable[[], bool] | None = None) -> None:
+        self.rank, self.world, self.gen, self.timeout_s = rank, world, gen, timeout_s
+        self._interrupted = interrupted or (lambda: False)
+        # Rendezvous (full mesh connect) itself is bounded by the group timeout.
+        self.pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
+
+    def retire(self) -> None:
+        retired.append(self)
+
+    # --- waiting -------------------------------------------------------------------
+    def _wait(self, work: dist.Work, what: str) -> None:
+        # Not every gloo op implements is_completed()/futures (reduce_scatter does not), so a
+        # daemon thread does the blocking wait while we poll for deadline and supersession.
+        done, error = threading.Event(), []
+
+        def waiter() -> None:
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller below
+                error.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=waiter, name=f"unbroken-wait-{what}", daemon=True).start()
+        deadline = time.monotonic() + self.timeout_s
+        polls = 0
+        while not done.wait(0.0005 if polls < 200 else 0.002):
+            polls += 1
+            if polls % 20 == 0 and self._interrupted():
+                raise GenerationChanged(f"{what}: generation {self.gen} superseded while waiting")
+            if time.monotonic() > deadline:
+                raise CollectiveError(f"{what} in generation {self.gen} (rank {self.rank}/{self.world}) "
+                                      f"did not finish within {self.timeout_s:.1f}s")
+        if error:
+            raise CollectiveError(f"{what} failed in generation {self.gen}: "
+                                  f"{str(error[0]).splitlines()[0][:200]}") from error[0]
+
+    # --- collectives ---------------------------------------------------------------
+    def allreduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, what: str = "allreduce") -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self._wait(self.pg.allreduce([t], opts), what)
+
+    def broadcast(self, t: torch.Tensor, src: int, what: str = "broadcast") -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        self._wait(self.pg.broadcast([t], opts), what)
+
+    def reduce(self, t: torch.Tensor, dst: int, op: dist.ReduceOp, what: str = "reduce") -> None:
+        opts = dist.ReduceOptions()
+        opts.reduceOp, opts.rootRank, opts.rootTensor = op, dst, 0
+        self._wait(self.pg.reduce([t], opts), what)
+
+    def allgather_into(self, out: torch.Tensor, mine: torch.Tensor, what: str = "allgather") -> None:
+        """`out` is (world * n,) and `mine` is out's slice for this rank (n,)."""
+        n = mine.numel()
+        outs = [out[i * n:(i + 1) * n] for i in range(self.world)]
+        self._wait(self.pg.allgather([outs], [mine]), what)
+
+    def reduce_scatter_xor(self, out: torch.Tensor, inputs: list[torch.Tensor], what: str = "parity") -> None:
+        """out = XOR over ranks of their inputs[self.rank] (integer tensors)."""
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.BXOR
+        self._wait(self.pg.reduce_scatter([out], [inputs], opts), what)
+
+    def allgather_object(self, obj: object, what: str = "allgather_object") -> list:
+        """Small metadata exchange: pickled into a fixed-size byte tensor."""
+        import pickle
+
+        data = pickle.dumps(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = torch.zeros(self.world, dtype=torch.int64)
+        self.allgather_into(sizes, size, what + ":sizes")
+        cap = int(sizes.max())
+        buf = torch.zeros(cap, dtype=torch.uint8)
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = torch.zeros(cap * self.world, dtype=torch.uint8)
+        self.allgather_into(out, buf, what)
+        return [pickle.loads(out[i * cap:i * cap + int(sizes[i])].numpy().tobytes()) for i in range(self.world)]
+
+    def barrier(self, what: str = "barrier") -> None:
+        self.allreduce(torch.zeros(1), what=what)

@@ -1,0 +1,1 @@
+"""Built-in training jobs that `unbroken run` / `unbroken demo` launch."""

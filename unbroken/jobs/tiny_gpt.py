@@ -1,0 +1,22 @@
+"""The built-in job: the tiny char-level GPT on the embedded corpus, under unbroken."""
+from __future__ import annotations
+
+import unbroken
+from unbroken.models import VOCAB_SIZE, Corpus, batch_for
+from unbroken.models.gpt import build_model
+
+
+def main() -> None:
+    cfg = unbroken.current_config()
+    model = build_model(cfg.model, VOCAB_SIZE, seed=cfg.seed)
+    trainer = unbroken.Trainer(model)  # a shadow waits here until it is given a rank
+    corpus = Corpus.embedded()
+    for step in trainer.steps():
+        x, y = batch_for(corpus, seed=cfg.seed, step=step, rank=trainer.rank, world_size=trainer.world_size,
+                         batch_size=cfg.batch_size, seq_len=cfg.model.seq_len)
+        trainer.step(lambda: model.loss(x, y))
+    trainer.finish()
+
+
+if __name__ == "__main__":
+    main()

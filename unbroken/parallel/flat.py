@@ -1,0 +1,69 @@
+"""One flat float32 buffer for all parameters (and one for gradients), sharded by rank.
+
+The model's parameters become views into `params`, so updating a shard of the flat
+buffer updates the model. Gradients are copied into `grads` after backward (autograd
+may replace a .grad tensor, so we never rely on aliasing it); `grads[-1]` carries the
+local loss so that one all-reduce also averages the loss.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+
+def plan_chunks(n: int, world: int, chunk_elems: int, multiple: int) -> tuple[int, int]:
+    """(chunks per rank, elements per chunk) covering n elements over `world` shards.
+
+    The chunk count is a multiple of `multiple` (k-1 for parity windows); elements per
+    chunk is rounded up to 16 so that padding stays small.
+    """
+    per_rank = math.ceil(n / world)
+    chunks = max(1, math.ceil(per_rank / chunk_elems))
+    chunks = math.ceil(chunks / multiple) * multiple
+    elems = math.ceil(math.ceil(per_rank / chunks) / 16) * 16
+    return chunks, elems
+
+
+class FlatModel:
+    def __init__(self, model: nn.Module, *, world: int, chunk_elems: int, multiple: int) -> None:
+        self.model = model
+        self.plist = [p for p in model.parameters() if p.requires_grad]
+        if not self.plist:
+            raise ValueError("the model has no trainable parameters")
+        for p in self.plist:
+            if p.dtype != torch.float32:
+                raise ValueError(f"unbroken trains float32 parameters; got {p.dtype} for a tensor of shape {tuple(p.shape)}")
+        self.n = sum(p.numel() for p in self.plist)
+        self.chunks_per_rank, self.chunk_elems = plan_chunks(self.n, world, chunk_elems, multiple)
+        self.shard = self.chunks_per_rank * self.chunk_elems
+        self.n_pad = self.shard * world
+        self.params = torch.zeros(self.n_pad)
+        self.grads = torch.zeros(self.n_pad + 1)  # + local loss
+        off = 0
+        with torch.no_grad():
+            for p in self.plist:
+                k = p.numel()
+                self.params[off:off + k].copy_(p.reshape(-1))
+                p.data = self.params[off:off + k].view_as(p)
+                off += k
+
+    def zero_grad(self) -> None:
+        for p in self.plist:
+            p.grad = None
+
+    def collect_grads(self, loss: float) -> None:
+        off = 0
+        for p in self.plist:
+            k = p.numel()
+            if p.grad is None:
+                self.grads[off:off + k].zero_()
+            else:
+                self.grads[off:off + k].copy_(p.grad.reshape(-1))
+            off += k
+        self.grads[self.n:self.n_pad].zero_()
+        self.grads[-1] = loss
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard, (rank + 1) * self.shard

@@ -1,0 +1,273 @@
+"""Tier 2: asynchronous persistent checkpoints, atomic and checksummed, one DCP directory per rank.
+
+The training thread only copies tensors into preallocated buffers; a background thread
+writes them with `torch.distributed.checkpoint` and commits a checksummed manifest.
+no_dist=True is what makes DCP safe off the training thread: without it DCP plans the
+save with gather/scatter collectives from the calling thread (checked in the tests). Layout:
+
+    directory/step_00000120/rank0.json                  manifest: the commit point
+    directory/step_00000120/rank0.g3-1a2b3c4d.dcp/      a standalone DCP checkpoint
+
+Each rank directory loads with plain `dcp.load(sd, checkpoint_id=..., no_dist=True)`;
+`load_checkpoint` does the same but only from bytes whose sha256 it has just verified.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from unbroken.fsutil import atomic_write_bytes
+from unbroken.protect._tier2_files import (FORMAT, CheckpointError, VerifiedReader, fsync_dir,
+                                           list_steps, manifest_digest, manifest_path, parse_dtype,
+                                           read_manifest, remove_rank_entries, sha256_file, step_dir,
+                                           verify_files)
+
+if TYPE_CHECKING:
+    from unbroken.events import EventLog
+
+__all__ = ["CheckpointError", "CheckpointWriteError", "CheckpointWriter", "latest_valid_step",
+           "load_checkpoint", "verify_step"]
+
+# no_dist is deliberate here (each rank writes its own standalone checkpoint), so DCP's
+# "assuming the intent is to save in a single process" warning is noise. A process-wide
+# filter because warnings.catch_warnings is not thread-safe and the save runs in a thread.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A background checkpoint write failed (disk full, permissions...); the cause is chained."""
+
+
+class CheckpointWriter:
+    """Writes one rank's checkpoints in a background thread from preallocated snapshot buffers."""
+
+    def __init__(self, directory: str | os.PathLike, *, rank: int, world_size: int, run_id: str,
+                 strategy: str, keep: int = 2, events: "EventLog | None" = None,
+                 wait_timeout: float = 60.0) -> None:
+        if not (isinstance(world_size, int) and world_size >= 1):
+            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        if not (isinstance(rank, int) and 0 <= rank < world_size):
+            raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+        if not (isinstance(keep, int) and keep >= 1):
+            raise ValueError(f"keep must be an integer >= 1 (checkpoints retained per rank), got {keep!r}")
+        if not (isinstance(run_id, str) and run_id):
+            raise ValueError(f"run_id must be a non-empty string naming the job, got {run_id!r}")
+        if wait_timeout <= 0:
+            raise ValueError(f"wait_timeout must be > 0 seconds, got {wait_timeout!r}")
+        self.directory = Path(directory)
+        self.rank, self.world_size, self.run_id = rank, world_size, run_id
+        self.strategy, self.keep, self.events, self.wait_timeout = str(strategy), keep, events, wait_timeout
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        self._inflight: int | None = None
+        self._error: tuple[int, BaseException] | None = None
+        self._closed = False
+        self.last_snapshot_s = 0.0  # how long save_async held the training thread
+        self.last_save_s = 0.0  # snapshot start -> manifest committed
+        self.last_path: Path | None = None
+
+    def save_async(self, step: int, generation: int, tensors: dict[str, torch.Tensor],
+                   meta: dict | None = None) -> None:
+        """Copy tensors into preallocated buffers now (allocated on first call, reused after;
+        if a previous write is still running, wait for it first with a timeout), write in a
+        background thread."""
+        if self._closed:
+            raise RuntimeError(f"CheckpointWriter for rank {self.rank} is closed; create a new one")
+        _check_save_args(step, generation, tensors, meta)
+        self.wait(self.wait_timeout)  # its buffers are about to be overwritten
+        start = time.perf_counter()
+        self._snapshot(tensors)
+        self.last_snapshot_s = time.perf_counter() - start
+        self._inflight = step
+        self._thread = threading.Thread(
+            target=self._run, args=(step, generation, dict(meta or {}), start),
+            name=f"unbroken-tier2-rank{self.rank}-step{step}", daemon=True)
+        self._thread.start()
+
+    def _snapshot(self, tensors: dict[str, torch.Tensor]) -> None:
+        buffers: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            buf = self._buffers.get(name)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                # pinned host memory makes the copy from an accelerator a plain DMA
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                                  pin_memory=t.device.type == "cuda")
+            buf.copy_(t.detach())
+            buffers[name] = buf
+        self._buffers = buffers
+
+    def _run(self, step: int, generation: int, meta: dict, start: float) -> None:
+        try:
+            path, nbytes = self._write(step, generation, meta)
+            self._retain()
+            self.last_save_s, self.last_path = time.perf_counter() - start, path
+            if self.events is not None:
+                self.events.emit("checkpoint_saved", step=step, path=str(path), bytes=nbytes,
+                                 save_s=round(self.last_save_s, 6))
+        except BaseException as e:  # surfaced to the training thread by wait()
+            self._error = (step, e)
+
+    def _write(self, step: int, generation: int, meta: dict) -> tuple[Path, int]:
+        """DCP into a temp dir, checksum, rename it into place, then commit the manifest."""
+        sdir = step_dir(self.directory, step)
+        sdir.mkdir(parents=True, exist_ok=True)
+        name = f"rank{self.rank}.g{generation}-{uuid.uuid4().hex[:8]}.dcp"
+        tmp = sdir / f"{name}.tmp"
+        writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
+        dcp.save(self._buffers, storage_writer=writer, no_dist=True)
+        files = {}
+        for f in sorted(tmp.iterdir()):
+            digest, size = sha256_file(f)
+            files[f"{name}/{f.name}"] = {"sha256": digest, "bytes": size}
+        fsync_dir(tmp)
+        os.rename(tmp, sdir / name)
+        fsync_dir(sdir)
+        doc = {"format": FORMAT, "step": step, "generation": generation, "world_size": self.world_size,
+               "rank": self.rank, "strategy": self.strategy, "run_id": self.run_id,
+               "written_at": time.time(), "data_dir": name, "files": files, "meta": meta,
+               "tensors": {k: {"dtype": str(v.dtype), "shape": list(v.shape)}
+                           for k, v in self._buffers.items()}}
+        doc["manifest_sha256"] = manifest_digest(doc)
+        body = (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+        manifest = manifest_path(self.directory, step, self.rank)
+        atomic_write_bytes(manifest, body)
+        # Earlier attempts at this step (a crash, a re-save after rollback) are now unreferenced.
+        remove_rank_entries(sdir, self.rank, keep=(manifest.name, name))
+        return manifest, len(body) + sum(f["bytes"] for f in files.values())
+
+    def _retain(self) -> None:
+        """Drop this rank's files of steps older than the `keep` newest this rank committed.
+        Other ranks may still be writing newer steps, so only older ones are touched."""
+        mine = [s for s in list_steps(self.directory)
+                if manifest_path(self.directory, s, self.rank).exists()]
+        if len(mine) <= self.keep:
+            return
+        oldest_kept = mine[-self.keep]
+        for s in list_steps(self.directory):
+            if s >= oldest_kept:
+                break
+            sdir = step_dir(self.directory, s)
+            remove_rank_entries(sdir, self.rank)
+            try:
+                sdir.rmdir()  # only succeeds once every rank's files are gone
+            except OSError:
+                pass
+
+    def wait(self, timeout: float = 60.0) -> None:
+        """Block until the write in flight is committed; raise TimeoutError naming the step if not."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                raise TimeoutError(
+                    f"rank {self.rank}: checkpoint of step {self._inflight} still writing to "
+                    f"{step_dir(self.directory, self._inflight)} after {timeout:.1f}s; the disk is slow "
+                    "or hung (check free space and I/O), or raise the timeout")
+            self._thread = self._inflight = None
+        if self._error is not None:
+            step, err = self._error
+            self._error = None
+            raise CheckpointWriteError(
+                f"rank {self.rank}: writing checkpoint step {step} under {self.directory} failed: "
+                f"{type(err).__name__}: {err}") from err
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish the write in flight and free the snapshot buffers; idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait(timeout)
+        finally:
+            if self._thread is None:
+                self._closed = True
+                self._buffers = {}
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(self.wait_timeout)
+
+
+def _check_save_args(step: int, generation: int, tensors: dict[str, torch.Tensor], meta: dict | None) -> None:
+    if not (isinstance(step, int) and step >= 0):
+        raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    if not (isinstance(generation, int) and generation >= 0):
+        raise ValueError(f"generation must be an integer >= 0, got {generation!r}")
+    if not isinstance(tensors, dict) or not tensors:
+        raise ValueError("tensors must be a non-empty dict of name -> torch.Tensor")
+    for name, t in tensors.items():
+        if not (isinstance(name, str) and name) or not isinstance(t, torch.Tensor):
+            raise ValueError(f"tensors must map non-empty str names to torch.Tensor, got "
+                             f"{name!r}: {type(t).__name__}")
+    try:
+        json.dumps(meta or {})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"meta must be JSON-serializable (it goes into the manifest): {e}") from None
+
+
+def verify_step(directory: str | os.PathLike, step: int, *, world_size: int, run_id: str) -> None:
+    """Check every rank's manifest and every file's sha256; raise CheckpointError naming the
+    first bad file."""
+    for rank in range(world_size):
+        doc = read_manifest(directory, step, rank=rank, world_size=world_size, run_id=run_id)
+        verify_files(step_dir(directory, step), doc, keep_bytes=False)
+
+
+def latest_valid_step(directory: str | os.PathLike, *, world_size: int, run_id: str,
+                      events: "EventLog | None" = None) -> int | None:
+    """Newest step whose files exist for ALL ranks and whose checksums all verify; corrupted/incomplete
+    ones are skipped with a `checkpoint_invalid` event (if events given) and a warning naming the file."""
+    for step in reversed(list_steps(directory)):
+        try:
+            verify_step(directory, step, world_size=world_size, run_id=run_id)
+            return step
+        except CheckpointError as e:
+            if events is not None:
+                events.emit("checkpoint_invalid", path=e.path, error=str(e))
+            warnings.warn(f"skipping checkpoint step {step}: {e}", stacklevel=2)
+    return None
+
+
+def load_checkpoint(directory: str | os.PathLike, step: int, *, rank: int, world_size: int, run_id: str,
+                    into: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Verify checksum BEFORE deserializing; raise CheckpointError (a ValueError subclass) naming the
+    file on mismatch, wrong run_id, wrong world size.
+
+    Returns (tensors, info): info holds step, generation, world_size, rank, strategy, run_id and
+    the caller's `meta`. With `into`, tensors are loaded in place into those (same names, shapes
+    and dtypes as saved) and `into` is returned.
+    """
+    doc = read_manifest(directory, step, rank=rank, world_size=world_size, run_id=run_id)
+    sdir = step_dir(directory, step)
+    mpath = manifest_path(directory, step, rank)
+    specs = {name: (parse_dtype(s["dtype"], mpath), torch.Size(s["shape"]))
+             for name, s in doc["tensors"].items()}
+    if into is None:
+        state = {name: torch.empty(shape, dtype=dtype) for name, (dtype, shape) in specs.items()}
+    else:
+        got = {name: (t.dtype, t.shape) for name, t in into.items()}
+        if got != specs:
+            raise CheckpointError(
+                f"checkpoint file {mpath} holds tensors {_describe(specs)} but `into` has "
+                f"{_describe(got)}; load without `into`, or build `into` for the saved layout", mpath)
+        state = into
+    blobs = verify_files(sdir, doc, keep_bytes=True)
+    dcp.load(state, storage_reader=VerifiedReader(sdir / doc["data_dir"], blobs), no_dist=True)
+    info = {k: doc[k] for k in ("step", "generation", "world_size", "rank", "strategy", "run_id", "meta")}
+    return state, info
+
+
+def _describe(specs: dict[str, tuple[torch.dtype, torch.Size]]) -> str:
+    return "{" + ", ".join(f"{n}: {str(d).removeprefix('torch.')}{list(s)}"
+                           for n, (d, s) in sorted(specs.items())) + "}"

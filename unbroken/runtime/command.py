@@ -1,0 +1,124 @@
+"""`unbroken run` and `unbroken demo`: the CLI face of the runtime."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from unbroken.config import ConfigError, build_config
+from unbroken.runtime.faults import FaultSpec, chaos_schedule
+from unbroken.runtime.run import launch, new_run_dir
+from unbroken.runtime.supervisor import LaunchError, LaunchOptions
+
+BUILTIN_JOB = "unbroken.jobs.tiny_gpt"
+
+
+def _error(msg: str) -> None:
+    typer.secho(f"error: {msg}", err=True, fg=typer.colors.RED)
+    raise typer.Exit(2)
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        _error(f"environment variable {name}={v!r} is not an integer")
+
+
+def run(
+    script: Optional[List[str]] = typer.Argument(None, help="training script (.py) and its args; default: built-in tiny GPT"),
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML/JSON config file (CLI flags win)"),
+    world_size: Optional[int] = typer.Option(None, "--world-size", help="number of ranks (default 4, or WORLD_SIZE)"),
+    steps: Optional[int] = typer.Option(None, "--steps"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size"),
+    lr: Optional[float] = typer.Option(None, "--lr"),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help="zero1 (sharded optimizer, default) or ddp"),
+    parity_group: Optional[int] = typer.Option(None, "--parity-group"),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="tier-2 checkpoint period (0 = off)"),
+    shadows: Optional[int] = typer.Option(None, "--shadows", help="pre-started shadows per node"),
+    n_layer: Optional[int] = typer.Option(None, "--n-layer"),
+    n_embd: Optional[int] = typer.Option(None, "--n-embd"),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="run directory (default: a new one under runs/)"),
+    host: Optional[str] = typer.Option(None, "--host", help="store address (default MASTER_ADDR or 127.0.0.1)"),
+    port: Optional[int] = typer.Option(None, "--port", help="store port (default MASTER_PORT or a free one)"),
+    token: Optional[str] = typer.Option(None, "--token", envvar="UNBROKEN_TOKEN", help="join token for multi-node"),
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", help="number of nodes (default NNODES or 1)"),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="this node's index (default NODE_RANK or 0)"),
+    inject: Optional[List[str]] = typer.Option(None, "--inject", help="fault, e.g. sigkill:rank=2,step=30,phase=backward"),
+    chaos: Optional[str] = typer.Option(None, "--chaos", help="random kills, e.g. seed=1,rate=0.05"),
+    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
+    json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+) -> None:
+    """Run a training job under unbroken (torchrun-compatible env vars are honoured)."""
+    summary = _launch(script=script, config=config, run_dir=run_dir, host=host, port=port, token=token,
+                      nnodes=nnodes, node_rank=node_rank, inject=inject, chaos=chaos, progress=not no_progress,
+                      overrides=dict(world_size=world_size if world_size is not None else _env_int("WORLD_SIZE"),
+                                     steps=steps, seed=seed, batch_size=batch_size, lr=lr, strategy=strategy,
+                                     parity_group=parity_group, checkpoint_every=checkpoint_every, shadows=shadows,
+                                     model_n_layer=n_layer, model_n_embd=n_embd))
+    if json_out:
+        print(json.dumps(summary, indent=2, default=str))
+    elif "steps" in summary:
+        print_summary(summary)
+    if "ok" in summary and not summary["ok"]:
+        raise typer.Exit(1)
+
+
+def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, inject, chaos, progress,
+            overrides: dict) -> dict:
+    try:
+        cfg = build_config(config, **overrides)
+        faults = [FaultSpec.parse(s) for s in (inject or [])]
+        if chaos:
+            faults += chaos_schedule(chaos, world=cfg.world_size, steps=cfg.steps)
+        for f in faults:
+            if f.rank >= cfg.world_size:
+                raise ConfigError(f"fault {f} names rank {f.rank} but the world has {cfg.world_size} ranks")
+        if script and script[0].endswith(".py") and not Path(script[0]).is_file():
+            raise ConfigError(f"training script {script[0]} not found")
+        job = (BUILTIN_JOB,)
+        if script:
+            job = (str(Path(script[0]).resolve()) if script[0].endswith(".py") else script[0], *script[1:])
+        opts = LaunchOptions(
+            script=job,
+            run_dir=(run_dir or new_run_dir()).resolve(),
+            host=host or os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            port=port if port is not None else (_env_int("MASTER_PORT") or 0),
+            token=token, nnodes=nnodes or _env_int("NNODES") or 1,
+            node_rank=node_rank if node_rank is not None else (_env_int("NODE_RANK") or 0),
+            faults=tuple(faults))
+        return launch(cfg, opts, progress=progress)
+    except (ConfigError, ValueError, LaunchError) as e:
+        _error(str(e))
+    except KeyboardInterrupt:
+        typer.secho("interrupted: every process of the job was stopped", err=True)
+        raise typer.Exit(130)
+
+
+def print_summary(s: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    t = Table(title="run summary", show_header=False)
+    for key in ("steps", "world_size", "strategy", "final_loss", "tokens_per_s", "wall_s", "weights_sha256",
+                "ranks_agree", "faults", "steps_lost"):
+        v = s.get(key)
+        t.add_row(key, f"{v:.3f}" if isinstance(v, float) else str(v))
+    console.print(t)
+    recs = [r for r in s.get("recoveries", []) if r.get("complete")]
+    if recs:
+        rt = Table(title="recoveries (seconds)")
+        for col in ("gen", "fault", "rank", "path", "detect", "decide", "regroup", "rebuild", "redo", "kill→step done"):
+            rt.add_column(col)
+        for r in recs:
+            rt.add_row(str(r["gen"]), str(r["fault"]), str(r["rank"]), str(r["path"]),
+                       *(f"{r[k]:.3f}" for k in ("detect_s", "decide_s", "regroup_s", "rebuild_s", "redo_s",
+                                                 "recovery_s")))
+        console.print(rt)

@@ -1,0 +1,94 @@
+"""The generation protocol over TCPStore: who is rank r in generation g.
+
+Keys (all JSON values):
+  gen                 latest generation number
+  gen/{g}             {"members": {rank: proc}, "replaced": [rank], "cause": str}
+  assign/{proc}       {"rank": r, "gen": g} for a shadow taken into service
+  hb/{proc}           {"t": time, "step": s, "phase": p, "gen": g, "rank": r}
+  ready/{proc}        a shadow is built and waiting
+  progress            rank 0's {"step", "loss", "tokens_per_s"}
+  shutdown            the run is over; shadows exit
+Each generation's gloo group lives under PrefixStore(f"gen{g}/").
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+
+class MembershipTimeout(TimeoutError):
+    pass
+
+
+@dataclass(frozen=True)
+class Generation:
+    gen: int
+    members: dict[int, str]
+    replaced: tuple[int, ...]
+    cause: str
+
+    @property
+    def world(self) -> int:
+        return len(self.members)
+
+
+def connect_store(host: str, port: int, *, timeout_s: float) -> dist.TCPStore:
+    """A client connection to the job's store (the supervisor hosts it)."""
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False, use_libuv=True)
+
+
+def put(store: dist.Store, key: str, value: Any) -> None:
+    store.set(key, json.dumps(value))
+
+
+def get(store: dist.Store, key: str, default: Any = None) -> Any:
+    if not store.check([key]):
+        return default
+    return json.loads(store.get(key))
+
+
+def wait_key(store: dist.Store, key: str, timeout_s: float, who: str) -> Any:
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except RuntimeError as e:  # the store raises DistStoreError (a RuntimeError) on timeout
+        raise MembershipTimeout(f"waited {timeout_s:.1f}s for {who} (store key {key!r}): {e}") from None
+    return json.loads(store.get(key))
+
+
+def publish(store: dist.Store, gen: Generation) -> None:
+    """Supervisor side: the generation record first, then the pointer to it."""
+    put(store, f"gen/{gen.gen}", {"members": {str(r): p for r, p in gen.members.items()},
+                                  "replaced": list(gen.replaced), "cause": gen.cause})
+    store.set("gen", str(gen.gen))
+
+
+def read_generation(store: dist.Store, g: int, timeout_s: float) -> Generation:
+    d = wait_key(store, f"gen/{g}", timeout_s, f"generation {g} to be published by the supervisor")
+    return Generation(g, {int(r): p for r, p in d["members"].items()}, tuple(d["replaced"]), d["cause"])
+
+
+def latest_gen(store: dist.Store) -> int:
+    return int(store.get("gen")) if store.check(["gen"]) else -1
+
+
+def wait_newer_generation(store: dist.Store, than: int, timeout_s: float) -> Generation:
+    """Block until a generation newer than `than` exists; return the newest."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        g = latest_gen(store)
+        if g > than:
+            return read_generation(store, g, timeout_s=max(1.0, deadline - time.monotonic()))
+        if time.monotonic() > deadline:
+            raise MembershipTimeout(f"no generation newer than {than} within {timeout_s:.1f}s; "
+                                    "is the supervisor alive?")
+        time.sleep(0.002)
+
+
+def group_store(store: dist.Store, gen: int, name: str = "world") -> dist.PrefixStore:
+    return dist.PrefixStore(f"gen{gen}/{name}/", store)

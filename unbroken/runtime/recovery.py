@@ -1,0 +1,171 @@
+"""In-place recovery: survivors and new members agree on a version and rebuild state.
+
+Run by every member of a new generation right after joining it (survivors from
+inside their interrupted step, new members from the shadow's wait):
+1. exchange status (committed step, which step's gradient each holds, versions);
+2. target T: the interrupted step if any survivor holds its averaged gradient
+   (roll forward), else the last committed step (the interrupted step is redone);
+3. rebuild new members: replicated state is broadcast from a survivor; a sharded
+   shard is decoded from tier-1 parity at the versions the parity reflects;
+4. roll every chunk forward to T, rebuild parity, all-gather parameters.
+If tier 1 cannot decode (two losses in one parity group, a version no longer
+reachable), every rank restores the newest valid tier-2 checkpoint instead.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from unbroken.protect.txn import UnrecoverableChunk
+from unbroken.runtime import membership
+
+if TYPE_CHECKING:
+    from unbroken.runtime.worker import Trainer
+
+
+class RecoveryFailed(RuntimeError):
+    """Neither tier 1 nor tier 2 can restore the job's state."""
+
+
+def recover(tr: "Trainer", *, new_member: bool) -> None:
+    """Bring this process into the newest generation with state at an agreed version."""
+    from unbroken.comm.group import CollectiveError
+
+    ctx = tr.ctx
+    ctx.set_phase("recovery")
+    joined = new_member  # a shadow has already joined the generation that took it in
+    while True:  # a failure during recovery moves everyone to the next generation
+        try:
+            if not joined:
+                t0 = time.time()
+                tr._join(membership.wait_newer_generation(ctx.store, tr.gen.gen, tr.cfg.collective_timeout_s))
+                _phase(tr, "regroup", t0)
+                tr._point("recovery", tr.step_count + 1)
+            joined = False
+            _rebuild(tr, new_member=not tr.has_state)
+            tr.has_state = True
+            return
+        except CollectiveError as e:
+            ctx.events.emit("collective_error", step=tr.step_count + 1, phase="recovery", error=str(e)[:300])
+
+
+def _phase(tr: "Trainer", name: str, start: float) -> None:
+    if tr.rank == min(r for r in tr.gen.members if r not in tr.gen.replaced) or not tr.gen.replaced:
+        tr.ctx.events.emit("recovery_phase", phase=name, start=start, end=time.time(), step=tr.step_count + 1)
+
+
+def _rebuild(tr: "Trainer", new_member: bool) -> None:
+    t0 = time.time()
+    owned, comm = tr.owned, tr.comm
+    mine = {"rank": tr.rank, "new": new_member, "committed": tr.step_count, "grads_step": tr.grads_step,
+            "parity_ver": owned.txn.parity_ver.tolist() if not new_member else None}
+    status = comm.allgather_object(mine, what="recovery status")
+    survivors = [s for s in status if not s["new"]]
+    new_ranks = [s["rank"] for s in status if s["new"]]
+    if not survivors:
+        raise RecoveryFailed("every rank of the job was lost at once; restart from a tier-2 checkpoint")
+    c_max = max(s["committed"] for s in survivors)
+    holders = [s["rank"] for s in survivors if s["grads_step"] == c_max + 1]
+    target = c_max + 1 if holders else c_max
+    if holders:
+        comm.broadcast(owned.flat.grads, src=min(holders), what="gradient hand-off")
+        tr.grads_step = target
+        tr.scalars = tr.optim.scalars(target, owned.flat.grads[:owned.flat.n_pad])
+        tr.last_loss = float(owned.flat.grads[-1])
+    src = min(s["rank"] for s in survivors)
+    if owned.sharded and owned.tier1 is not None:
+        path = _rebuild_sharded(tr, status, new_ranks, target, src)
+    else:
+        path = _rebuild_replicated(tr, new_member, target, src)
+    _phase(tr, "rebuild", t0)
+    if path == "tier2":
+        return
+    tr.step_count = target
+    tr.ctx.events.emit("recovered", step=target, steps_lost=0, steps_redone=0 if holders else 1,
+                       path=path, rank=tr.rank, new=new_member, rebuild_s=round(time.time() - t0, 4))
+
+
+def _rebuild_replicated(tr: "Trainer", new_member: bool, target: int, src: int) -> str:
+    owned = tr.owned
+    if not new_member and tr.grads_step == target and target > 0:
+        owned.roll_forward(tr.scalars)
+    for name, t in (("parameters", owned.flat.params), ("adam m", owned.m), ("adam v", owned.v)):
+        tr.comm.broadcast(t, src=src, what=f"replica hand-off of {name}")
+    owned.txn.chunk_ver[:] = target
+    return "replica"
+
+
+def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], target: int, src: int) -> str:
+    owned, k = tr.owned, tr.owned.k
+    lost_by_group: dict[int, list[int]] = {}
+    for r in new_ranks:
+        lost_by_group.setdefault(r // k, []).append(r)
+    can = all(len(v) == 1 for v in lost_by_group.values())
+    if target == 0:
+        # Nothing was ever updated: everyone holds the initial parameters; moments are zero.
+        tr.comm.broadcast(owned.flat.params, src=src, what="initial parameter hand-off")
+        if tr.rank in new_ranks:
+            owned.m.zero_()
+            owned.v.zero_()
+            owned.txn.chunk_ver[:] = 0
+        owned.tier1.build(tr.group, 0)
+        return "initial"
+    mine_lost = lost_by_group.get(tr.rank // k, [])
+    ok = True
+    buf = None
+    if can and mine_lost:
+        lost = mine_lost[0]
+        first = (tr.rank // k) * k
+        pv = [status[first + s]["parity_ver"] for s in range(k)]
+        try:
+            if tr.rank == lost:
+                buf = torch.zeros((owned.layout.n_windows, k - 1, *owned.state.chunk_shape), dtype=torch.int32)
+            else:
+                buf = owned.tier1.decode_contribution(lost % k, pv)
+        except UnrecoverableChunk as e:
+            tr.ctx.events.emit("warning", message=f"tier 1 cannot decode rank {lost}: {e}")
+            ok = False
+    # Everyone must agree before the decode collective: one rank unable means tier 2.
+    flag = torch.tensor([0 if (can and ok) else 1], dtype=torch.int32)
+    tr.comm.allreduce(flag, what="tier-1 feasibility vote")
+    if int(flag) != 0:
+        return _restore_tier2(tr, reason="tier 1 cannot decode (two losses in a parity group or a lost version)")
+    if mine_lost:
+        lost = mine_lost[0]
+        tr.group.reduce(buf, dst=lost % k, op=dist.ReduceOp.BXOR, what=f"tier-1 decode of rank {lost}")
+        if tr.rank == lost:
+            owned.tier1.install_decoded(buf, pv)
+    if tr.grads_step == target:
+        owned.roll_forward(tr.scalars)
+    behind = [int(v) for v in set(owned.txn.chunk_ver.tolist()) if v != target]
+    assert not behind, f"rank {tr.rank}: chunks at versions {behind} after roll-forward to {target}"
+    owned.tier1.build(tr.group, target)
+    owned.commit(tr.comm)
+    return "tier1"
+
+
+def _restore_tier2(tr: "Trainer", *, reason: str) -> str:
+    from unbroken.protect.tier2 import latest_valid_step, load_checkpoint
+
+    owned, cfg = tr.owned, tr.cfg
+    sharded = owned.sharded
+    directory = tr.ctx.run_dir / "checkpoints"
+    world = tr.world_size if sharded else 1
+    step = latest_valid_step(directory, world_size=world, run_id=tr.ctx.run_dir.name, events=tr.ctx.events) \
+        if directory.exists() else None
+    if step is None:
+        raise RecoveryFailed(f"{reason}, and no valid tier-2 checkpoint exists; "
+                             f"enable checkpoint_every (now {cfg.checkpoint_every}) to survive this")
+    tr.ctx.events.emit("tier2_restore", step=step, reason=reason)
+    tensors, _meta = load_checkpoint(directory, step, rank=tr.rank if sharded else 0, world_size=world,
+                                     run_id=tr.ctx.run_dir.name)
+    owned.load(tensors, step)
+    if owned.tier1 is not None:
+        owned.tier1.build(tr.group, step)
+    owned.commit(tr.comm)
+    tr.grads_step = None
+    tr.step_count = step
+    return "tier2"

@@ -1,0 +1,96 @@
+"""Run a job end to end: prepare the run directory, supervise, summarize.
+
+`launch()` is what `unbroken run` and `unbroken demo` call; it returns the summary
+that it also writes (atomically) to RUN_DIR/summary.json.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from unbroken.config import RunConfig
+from unbroken.events import read_events
+from unbroken.fsutil import atomic_write_json
+from unbroken.runtime.breakdown import recoveries
+from unbroken.runtime.supervisor import LaunchOptions, Supervisor, install_signal_handlers
+
+
+def new_run_dir(root: Path = Path("runs")) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in range(1000):
+        d = root / (stamp if i == 0 else f"{stamp}-{i}")
+        if not d.exists():
+            return d
+    raise RuntimeError(f"cannot find a free run directory under {root}")
+
+
+def prepare_run_dir(cfg: RunConfig, run_dir: Path) -> None:
+    if (run_dir / "events.jsonl").exists():
+        raise ValueError(f"run directory {run_dir} already holds a run; pick a new --run-dir (nothing was overwritten)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(run_dir / "config.json", cfg.to_dict())
+
+
+def launch(cfg: RunConfig, opts: LaunchOptions, *, console: Console | None = None, progress: bool = True) -> dict:
+    console = console or Console(stderr=True)
+    install_signal_handlers()
+    if opts.node_rank == 0:
+        prepare_run_dir(cfg, opts.run_dir)
+    else:
+        opts.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(opts.run_dir / "config.json", cfg.to_dict())
+    t0 = time.time()
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
+                  TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                  TimeRemainingColumn(), console=console, disable=not progress, transient=False) as bar:
+        task = bar.add_task("training", total=cfg.steps, loss="-", tps="-")
+
+        def show(info: dict) -> None:
+            status = info.get("status", "running")
+            desc = "[yellow]" + status if status.startswith("recovering") else "training"
+            loss = f"{info['loss']:.3f}" if "loss" in info else "-"
+            tps = f"{info['tokens_per_s']:.0f}" if "tokens_per_s" in info else "-"
+            bar.update(task, completed=info.get("step", 0), description=desc, loss=loss, tps=tps)
+
+        sup = Supervisor(cfg, opts, on_progress=show)
+        sup.run()
+    if opts.node_rank != 0:
+        return {"node": opts.node_rank, "wall_s": time.time() - t0}
+    summary = summarize(cfg, opts.run_dir, wall_s=time.time() - t0)
+    atomic_write_json(opts.run_dir / "summary.json", summary)
+    return summary
+
+
+def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float) -> dict:
+    events = read_events(run_dir)
+    done = [e for e in events if e.kind == "worker_done"]
+    shas = {e.rank: e.fields["weights_sha256"] for e in done}
+    steps = [e for e in events if e.kind == "step" and e.rank == 0]
+    last = max(steps, key=lambda e: e.fields["step"]) if steps else None
+    tokens = cfg.steps * cfg.world_size * cfg.batch_size * cfg.model.seq_len
+    train_s = (steps[-1].time - steps[0].time) if len(steps) > 1 else wall_s
+    per_step_tokens = cfg.world_size * cfg.batch_size * cfg.model.seq_len
+    recs = recoveries(events)
+    return {
+        "steps": last.fields["step"] if last else 0,
+        "world_size": cfg.world_size,
+        "strategy": cfg.strategy,
+        "final_loss": last.fields["loss"] if last else None,
+        "tokens_per_s": per_step_tokens * (len(steps) - 1) / train_s if len(steps) > 1 else tokens / wall_s,
+        "weights_sha256": shas.get(0),
+        "ranks_agree": len(set(shas.values())) == 1 and len(shas) == cfg.world_size,
+        "rank_weights_sha256": {str(r): s for r, s in sorted(shas.items())},
+        "wall_s": wall_s,
+        "recoveries": recs,
+        "faults": sum(1 for e in events if e.kind == "fault_detected"),
+        "steps_lost": 0 if all(r.get("complete") for r in recs) else None,
+        "ok": bool(done) and len(shas) == cfg.world_size and last is not None and last.fields["step"] == cfg.steps,
+    }
+
+
+def load_summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())

@@ -1,0 +1,348 @@
+"""The per-node supervisor: owns every process it starts, detects faults, drives generations.
+
+Node 0's supervisor hosts the TCPStore and is the leader: it publishes each generation
+(who is rank r), assigns shadows to failed ranks, and decides when the run is over.
+Every supervisor watches its own children (exit codes, heartbeats), SIGKILLs a hung
+one so a hang becomes a crash, reports faults to the leader through the store, and
+keeps its pool of pre-started shadows full.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from unbroken.config import RunConfig
+from unbroken.events import EventLog
+from unbroken.runtime import auth, membership
+from unbroken.runtime.faults import FaultSpec
+from unbroken.runtime.procs import Child, ProcessTable, exit_description
+
+_TICK_S = 0.01
+_STARTUP_GRACE_S = 180.0
+
+
+class LaunchError(RuntimeError):
+    """The job cannot start as asked (port in use, join refused, ...)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    script: tuple[str, ...] = ("unbroken.jobs.tiny_gpt",)
+    run_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    token: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    faults: tuple[FaultSpec, ...] = ()
+    max_recoveries: int = 16
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be within 0..nnodes-1, got node_rank={self.node_rank} nnodes={self.nnodes}")
+        loopback = self.host in ("127.0.0.1", "localhost", "::1")
+        if not loopback and not self.token:
+            raise ValueError(f"binding to {self.host} (not loopback) needs a join token: pass --token or set UNBROKEN_TOKEN")
+        if self.nnodes > 1 and self.node_rank > 0 and not self.port:
+            raise ValueError("a joining node needs node 0's port: pass --port or MASTER_PORT")
+
+
+@dataclass
+class _Fault:
+    proc: str
+    rank: int | None
+    fault: str
+    time: float
+    evidence: dict = field(default_factory=dict)
+
+
+class Supervisor:
+    def __init__(self, cfg: RunConfig, opts: LaunchOptions, *, on_progress=None) -> None:
+        if cfg.world_size % opts.nnodes:
+            raise ValueError(f"world_size ({cfg.world_size}) must be divisible by nnodes ({opts.nnodes})")
+        self.cfg, self.opts = cfg, opts
+        self.leader = opts.node_rank == 0
+        self.node = opts.node_rank
+        self.local = cfg.world_size // opts.nnodes
+        self.on_progress = on_progress or (lambda info: None)
+        self.run_dir = opts.run_dir
+        self.events = EventLog(self.run_dir / "events.jsonl", source="supervisor", node=self.node)
+        self.store = self._open_store()
+        env = {"MASTER_ADDR": opts.host, "MASTER_PORT": str(self.port), "WORLD_SIZE": str(cfg.world_size),
+               "NNODES": str(opts.nnodes), "NODE_RANK": str(self.node), "UNBROKEN_RUN_DIR": str(self.run_dir),
+               "UNBROKEN_FAULTS": json.dumps([str(f) for f in opts.faults]), "OMP_NUM_THREADS": str(cfg.threads)}
+        self.table = ProcessTable(self.run_dir, env, list(opts.script))
+        self.gen: membership.Generation | None = None
+        self.faults_seen = 0
+        self.recoveries = 0
+        self.killed: set[str] = set()
+        self.shadow_seq = 0
+        self.verdicts: dict[int, bool] = {}
+        self.status = "starting"
+
+    # --- store and admission ---------------------------------------------------------
+    def _open_store(self) -> dist.Store:
+        o = self.opts
+        try:
+            if self.leader:
+                store = dist.TCPStore(o.host, o.port, is_master=True, timeout=timedelta(seconds=30),
+                                      wait_for_workers=False, use_libuv=True)
+            else:
+                store = membership.connect_store(o.host, o.port, timeout_s=30)
+        except (RuntimeError, OSError) as e:
+            if self.leader:
+                raise LaunchError(f"cannot listen on {o.host}:{o.port} ({str(e).splitlines()[0][:120]}); "
+                                  "the port is probably in use: choose another with --port, or omit it") from None
+            raise LaunchError(f"cannot reach node 0's store at {o.host}:{o.port}; start node 0 first "
+                              "and check --host/--port") from None
+        self.port = store.port if self.leader else o.port
+        if self.leader:
+            auth.publish_nonce(store)
+            store.set("token_required", "1" if o.token else "0")
+        else:
+            self._join(store)
+        return store
+
+    def _join(self, store: dist.Store) -> None:
+        store.wait(["auth/nonce"], timedelta(seconds=30))
+        if store.get("token_required").decode() == "1":
+            try:
+                auth.request_join(store, token=self.opts.token or "", node=self.node, timeout_s=30)
+            except (auth.JoinRefused, TimeoutError) as e:
+                raise LaunchError(str(e)) from None
+        else:
+            store.set(f"joined/{self.node}", "1")
+
+    # --- processes -----------------------------------------------------------------
+    def _start_worker(self, rank: int, proc: str) -> Child:
+        c = self.table.start(proc, "worker", {"RANK": str(rank), "LOCAL_RANK": str(rank % self.local)})
+        self.events.emit("process_started", pid=c.pid, role="worker", proc=proc, cold=False, rank=rank)
+        return c
+
+    def _start_shadow(self, cold: bool = False) -> Child:
+        proc = f"n{self.node}-s{self.shadow_seq}"
+        self.shadow_seq += 1
+        c = self.table.start(proc, "shadow", {"LOCAL_RANK": "-1"})
+        i = self.store.add(f"shadows/{self.node}/n", 1) - 1
+        self.store.set(f"shadows/{self.node}/{i}", proc)
+        self.events.emit("process_started", pid=c.pid, role="shadow", proc=proc, cold=cold)
+        return c
+
+    def _replenish(self) -> None:
+        if self.status != "running":
+            return
+        standby = [c for c in self.table.children.values()
+                   if c.role == "shadow" and not c.taken and c.poll() is None
+                   and not self.store.check([f"assign/{c.proc}"])]
+        for _ in range(self.cfg.shadows - len(standby)):
+            self._start_shadow()
+
+    # --- detection -----------------------------------------------------------------
+    def _check_children(self) -> None:
+        for c in list(self.table.children.values()):
+            if c.reaped:
+                continue
+            code = c.poll()
+            if code is None:
+                self._check_heartbeat(c)
+                continue
+            c.reaped = True
+            self.events.emit("process_exited", pid=c.pid, proc=c.proc, returncode=code,
+                             signal=-code if code < 0 else None, rank=self._rank_of(c.proc))
+            if code == 0 or self.status == "stopping":
+                continue
+            if c.proc not in self.killed:
+                fault = "crash" if code < 0 else "exception"
+                self._report(_Fault(c.proc, self._rank_of(c.proc), fault, time.time(),
+                                    {"exit": exit_description(code), "log_tail": self.table.log_tail(c.proc, 3)}))
+
+    def _check_heartbeat(self, c: Child) -> None:
+        hb = membership.get(self.store, f"hb/{c.proc}")
+        now = time.time()
+        if hb is None:
+            if now - c.started > _STARTUP_GRACE_S:
+                self._kill_hung(c, {"why": f"no heartbeat within {_STARTUP_GRACE_S:.0f}s of start"})
+            return
+        age = now - hb["t"]
+        if age > self.cfg.hang_timeout_s:
+            self._kill_hung(c, {"last_seen_s": round(age, 3), "phase": hb.get("phase"), "step": hb.get("step"),
+                                "deadline_s": self.cfg.hang_timeout_s})
+
+    def _kill_hung(self, c: Child, evidence: dict) -> None:
+        rank = self._rank_of(c.proc)
+        self.events.emit("heartbeat_missed", proc=c.proc, rank=rank, **{k: v for k, v in evidence.items() if k != "rank"})
+        self._report(_Fault(c.proc, rank, "hang", time.time(), evidence))
+        self.killed.add(c.proc)
+        self.events.emit("process_killed", pid=c.pid, proc=c.proc, why="hang: missed heartbeats", rank=rank)
+        self.table.kill(c)
+
+    def _rank_of(self, proc: str) -> int | None:
+        if self.gen is None:
+            return None
+        for r, p in self.gen.members.items():
+            if p == proc:
+                return r
+        return None
+
+    def _report(self, f: _Fault) -> None:
+        """Record the fault first, then hand it to the leader."""
+        self.events.emit("fault_detected", fault=f.fault, proc=f.proc, rank=f.rank, evidence=f.evidence)
+        i = self.store.add("faults/n", 1) - 1
+        membership.put(self.store, f"faults/{i}", {"proc": f.proc, "fault": f.fault, "time": f.time, "node": self.node})
+
+    # --- the leader's decisions ---------------------------------------------------------
+    def _take_faults(self) -> None:
+        n = self.store.add("faults/n", 0)
+        pending = []
+        while self.faults_seen < n:
+            pending.append(membership.get(self.store, f"faults/{self.faults_seen}"))
+            self.faults_seen += 1
+        dead = {}
+        for f in pending:
+            if f is None:
+                continue
+            rank = next((r for r, p in self.gen.members.items() if p == f["proc"]), None)
+            self.store.set(f"dead/{f['proc']}", "1")
+            if rank is not None:
+                dead[rank] = f
+        if dead:
+            self._next_generation(dead)
+
+    def _next_generation(self, dead: dict[int, dict]) -> None:
+        self.recoveries += 1
+        if self.recoveries > self.opts.max_recoveries:
+            raise LaunchError(f"gave up after {self.opts.max_recoveries} recoveries; see {self.run_dir / 'events.jsonl'}")
+        members = dict(self.gen.members)
+        assigned = []
+        for rank, f in sorted(dead.items()):
+            self.events.emit("fault_classified", fault=f["fault"], cls="operable", action="in_place", rank=rank,
+                             reason="process-level fault: recover in place with a shadow")
+            proc, cold = self._pick_shadow(exclude=set(members.values()))
+            members[rank] = proc
+            assigned.append((rank, proc, cold))
+        gen = membership.Generation(self.gen.gen + 1, members, tuple(sorted(dead)),
+                                    ",".join(f"{dead[r]['fault']}@rank{r}" for r in sorted(dead)))
+        membership.publish(self.store, gen)
+        for rank, proc, cold in assigned:
+            membership.put(self.store, f"assign/{proc}", {"rank": rank, "gen": gen.gen})
+            self.events.emit("shadow_assigned", proc=proc, rank=rank, gen=gen.gen, cold=cold)
+        t_detect = min(f["time"] for f in dead.values())
+        self.events.emit("recovery_phase", phase="decide", start=t_detect, end=time.time(), step=None)
+        self.events.emit("generation", gen=gen.gen, members=gen.members, replaced=list(gen.replaced), cause=gen.cause)
+        self.gen = gen
+        self.status = f"recovering rank {','.join(map(str, sorted(dead)))} (generation {gen.gen})"
+
+    def _pick_shadow(self, exclude: set[str]) -> tuple[str, bool]:
+        candidates = []
+        for node in [self.node] + [n for n in range(self.opts.nnodes) if n != self.node]:
+            for i in range(self.store.add(f"shadows/{node}/n", 0)):
+                proc = self.store.get(f"shadows/{node}/{i}").decode()
+                if proc in exclude or self.store.check([f"assign/{proc}"]) or self.store.check([f"dead/{proc}"]):
+                    continue
+                candidates.append((not self.store.check([f"ready/{proc}"]), node != self.node, proc))
+        if candidates:
+            proc = min(candidates)[2]
+        else:
+            proc = self._start_shadow(cold=True).proc
+        if proc in self.table.children:
+            self.table.children[proc].taken = True
+        return proc, not candidates
+
+    def _all_done(self) -> bool:
+        return all(self.store.check([f"done/{r}"]) for r in range(self.cfg.world_size))
+
+    # --- the loop --------------------------------------------------------------------
+    def run(self) -> dict:
+        t0 = time.time()
+        if self.leader:
+            self.events.emit("run_start", config=self.cfg.to_dict(), world_size=self.cfg.world_size,
+                             nodes=self.opts.nnodes, port=self.port)
+            self._wait_for_nodes()
+            members = {r: f"n{r // self.local}-w{r}" for r in range(self.cfg.world_size)}
+            self.gen = membership.Generation(0, members, (), "start")
+            membership.publish(self.store, self.gen)
+        else:
+            self.gen = membership.read_generation(self.store, 0, 60)
+        for r in range(self.node * self.local, (self.node + 1) * self.local):
+            self._start_worker(r, self.gen.members[r])
+        self.status = "running"
+        try:
+            self._loop()
+        finally:
+            self.status = "stopping"
+            if self.leader:
+                self.store.set("shutdown", "1")
+            self._drain()
+        return {"wall_s": time.time() - t0, "port": self.port}
+
+    def _wait_for_nodes(self) -> None:
+        if self.opts.nnodes == 1:
+            return
+        deadline = time.monotonic() + 120
+        while len(self.verdicts) < self.opts.nnodes - 1 or not all(self.verdicts.values()):
+            if self.opts.token:
+                auth.verify_joins(self.store, token=self.opts.token, nnodes=self.opts.nnodes, verdicts=self.verdicts)
+            else:
+                for node in range(1, self.opts.nnodes):
+                    if self.store.check([f"joined/{node}"]):
+                        self.verdicts[node] = True
+            if any(v is False for v in self.verdicts.values()):
+                bad = [n for n, v in self.verdicts.items() if not v]
+                self.events.emit("warning", message=f"refused node(s) {bad}: wrong join token")
+                self.verdicts = {n: v for n, v in self.verdicts.items() if v}
+                self.store.delete_key(f"auth/join/{bad[0]}")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"only {len(self.verdicts) + 1} of {self.opts.nnodes} nodes joined within 120s")
+            time.sleep(0.05)
+
+    def _loop(self) -> None:
+        next_beat = 0.0
+        while True:
+            now = time.time()
+            self._check_children() if now >= next_beat else self._check_exits()
+            if now >= next_beat:
+                next_beat = now + self.cfg.heartbeat_s
+            if self.leader:
+                self._take_faults()
+                if self._all_done():
+                    return
+                self._progress()
+            elif self.store.check(["shutdown"]):
+                return
+            self._replenish()
+            time.sleep(_TICK_S)
+
+    def _check_exits(self) -> None:
+        if any(not c.reaped and c.poll() is not None for c in self.table.children.values()):
+            self._check_children()
+
+    def _progress(self) -> None:
+        info = membership.get(self.store, "progress") or {}
+        if info.get("step", 0) > (getattr(self, "_last_step", 0)):
+            self._last_step = info["step"]
+            if self.status.startswith("recovering"):
+                self.status = "running"
+        self.on_progress({**info, "status": self.status})
+
+    def _drain(self) -> None:
+        """Give workers a moment to exit on their own, then stop everything we own."""
+        deadline = time.time() + 10
+        workers = [c for c in self.table.children.values() if c.role == "worker" or c.taken]
+        while time.time() < deadline and any(c.poll() is None for c in workers):
+            time.sleep(0.02)
+        self.table.stop_all(grace_s=2.0)
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM behaves like Ctrl-C: unwind through `finally` and reap every child."""
+    def _raise(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, _raise)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -1,0 +1,243 @@
+"""`Trainer`: the training-loop side of unbroken, the API a user script calls.
+
+    trainer = unbroken.Trainer(model)           # a shadow blocks here until it gets a rank
+    for step in trainer.steps():                # step numbers continue across recoveries
+        x, y = my_batch(step, trainer.rank, trainer.world_size)
+        trainer.step(lambda: model.loss(x, y))  # forward only: backward, all-reduce and the
+    trainer.finish()                            # optimizer are unbroken's, and redone on failure
+
+On a collective error the Trainer does not exit: it waits for the supervisor's next
+generation, joins it, brings its state to the agreed version and continues.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from unbroken.comm.group import CollectiveError, Comm
+from unbroken.fsutil import atomic_write_bytes
+from unbroken.parallel.adamw import AdamW
+from unbroken.parallel.strategy import OwnedState
+from unbroken.protect.txn import StepScalars
+from unbroken.runtime import membership
+from unbroken.runtime.context import ProcessContext
+from unbroken.runtime.faults import FaultInjector
+
+
+class NumericsFault(RuntimeError):
+    """The averaged gradient holds NaN/Inf: the step is redone, never applied."""
+
+
+class Trainer:
+    def __init__(self, model: nn.Module) -> None:
+        self.ctx = ctx = ProcessContext.from_env()
+        cfg = self.cfg = ctx.config
+        torch.set_num_threads(cfg.threads)  # same threads everywhere: bitwise-reproducible kernels
+        self.model = model
+        self.world_size = cfg.world_size
+        self.optim = AdamW(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                           warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
+        self.step_count = 0
+        self.grads_step: int | None = None  # the step whose averaged gradient flat.grads holds
+        self.scalars: StepScalars | None = None
+        self.last_loss = float("nan")
+        self.comm: Comm | None = None
+        self.group: Comm | None = None
+        self.gen: membership.Generation | None = None
+        self._nan_pending = False
+        self._t_step = time.perf_counter()
+        ctx.start_heartbeat()
+        if ctx.role == "shadow":
+            self._serve_as_shadow()
+        else:
+            self._start_as_worker(ctx.rank)
+
+    # --- start-up ----------------------------------------------------------------------
+    def _build_state(self, rank: int) -> None:
+        self.rank = rank
+        self.owned = OwnedState(self.model, strategy=self.cfg.strategy, rank=rank, world=self.world_size,
+                                group_size=self.cfg.effective_parity_group,
+                                chunk_elems=max(16, self.cfg.chunk_kb * 1024 // 12), optim=self.optim)
+        if self.ctx.role == "worker" or self.has_state is not None:
+            self.ctx.phase["rank"] = rank
+            self.ctx.events.rank = rank
+        self.ckpt = self._make_checkpoint_writer()
+
+    def _start_as_worker(self, rank: int) -> None:
+        from unbroken.runtime.recovery import recover
+
+        self.has_state = True
+        self._build_state(rank)
+        self._join(membership.read_generation(self.ctx.store, 0, self.cfg.collective_timeout_s))
+        self.ctx.set_phase("build", 0)
+        try:
+            self.comm.broadcast(self.owned.flat.params, src=0, what="initial parameter sync")
+            self._point("build")
+            if self.owned.tier1 is not None:
+                secs = self.owned.tier1.build(self.group, 0)
+                self.ctx.events.emit("parity_built", bytes=self.owned.tier1.parity_bytes, seconds=round(secs, 4))
+        except CollectiveError as e:
+            self.ctx.events.emit("collective_error", step=0, phase="build", error=str(e)[:300])
+            recover(self, new_member=False)
+        self._maybe_checkpoint(0)
+
+    def _serve_as_shadow(self) -> None:
+        from unbroken.runtime.shadow import wait_for_assignment
+
+        # Touch the flat buffers now so that taking over costs only the state transfer.
+        self.has_state = None  # not yet a member: build buffers without claiming a rank
+        self._build_state(0)
+        self.has_state = False
+        rank, gen = wait_for_assignment(self.ctx)
+        self._build_state(rank)
+        self.ctx.set_phase("shadow", 0)
+        self._point("shadow")
+        from unbroken.runtime.recovery import recover
+
+        self._join(gen)
+        recover(self, new_member=True)
+
+    def _join(self, gen: membership.Generation) -> None:
+        """Build this generation's groups over PrefixStore(f"gen{g}/...")."""
+        store, cfg = self.ctx.store, self.cfg
+        if self.comm is not None:
+            self.comm.retire()
+        self.gen = gen
+        self.ctx.phase["gen"] = gen.gen
+        self.ctx.events.gen = gen.gen
+        stale = lambda: membership.latest_gen(store) > gen.gen  # noqa: E731
+        self.comm = Comm(membership.group_store(store, gen.gen), rank=self.rank, world=self.world_size,
+                         gen=gen.gen, timeout_s=cfg.collective_timeout_s, interrupted=stale)
+        k = self.owned.k
+        if k < 2 or k == self.world_size:
+            self.group = self.comm
+        else:
+            self.group = Comm(membership.group_store(store, gen.gen, f"parity{self.rank // k}"),
+                              rank=self.rank % k, world=k, gen=gen.gen,
+                              timeout_s=cfg.collective_timeout_s, interrupted=stale)
+
+    # --- the loop ------------------------------------------------------------------------
+    def steps(self, total: int | None = None):
+        """Yield the next step number until `total` (default: config.steps) steps are done."""
+        total = total or self.cfg.steps
+        while self.step_count < total:
+            yield self.step_count + 1
+
+    def step(self, closure: Callable[[], torch.Tensor]) -> float | None:
+        """Run step `step_count + 1`: closure() returns the loss; returns the mean loss.
+
+        Returns None if a recovery rolled the job back further (the loop's next step
+        number tells where it resumes).
+        """
+        from unbroken.runtime.recovery import recover
+
+        t = self.step_count + 1
+        while True:
+            try:
+                self._attempt(t, closure)
+                return self.last_loss
+            except NumericsFault as e:
+                self.ctx.events.emit("numerics", step=t, what=str(e), action="redo step from protected state")
+            except CollectiveError as e:
+                self.ctx.events.emit("collective_error", step=t, phase=self.ctx.phase["phase"], error=str(e)[:300])
+                recover(self, new_member=False)
+                if self.step_count >= t:
+                    return self.last_loss
+                if self.step_count < t - 1:
+                    return None
+
+    def _attempt(self, t: int, closure: Callable[[], torch.Tensor]) -> None:
+        ctx, flat = self.ctx, self.owned.flat
+        ctx.set_phase("forward", t)
+        self._point("forward", t)
+        flat.zero_grad()
+        loss = closure()
+        ctx.set_phase("backward")
+        self._point("backward", t)
+        loss.backward()
+        flat.collect_grads(float(loss.detach()))
+        if self._nan_pending:
+            self._nan_pending = False
+            flat.grads[0] = float("nan")
+        ctx.set_phase("allreduce")
+        self._point("allreduce", t)
+        self.grads_step = None
+        self.comm.allreduce(flat.grads, what=f"gradient all-reduce step {t}")
+        flat.grads.div_(self.world_size)
+        if not bool(torch.isfinite(flat.grads).all()):
+            raise NumericsFault(f"non-finite averaged gradient at step {t}")
+        self.grads_step = t
+        self.scalars = self.optim.scalars(t, flat.grads[:flat.n_pad])
+        ctx.set_phase("optimizer")
+        self.owned.update(self.scalars, self.group, lambda phase, c: self._point(phase, t, c))
+        ctx.set_phase("allgather")
+        self._point("allgather", t)
+        self.owned.commit(self.comm)
+        self._finish_step(t, float(flat.grads[-1]))
+
+    def _finish_step(self, t: int, loss: float) -> None:
+        self.step_count, self.last_loss = t, loss
+        now = time.perf_counter()
+        step_s, self._t_step = now - self._t_step, now
+        tokens = self.world_size * self.cfg.batch_size * self.cfg.model.seq_len
+        self.ctx.phase["step_s"] = step_s
+        self.ctx.events.emit("step", step=t, loss=round(loss, 6), step_s=round(step_s, 4), tokens=tokens)
+        if self.rank == 0:
+            membership.put(self.ctx.store, "progress",
+                           {"step": t, "loss": loss, "step_s": step_s, "tokens_per_s": tokens / max(step_s, 1e-9)})
+        self._maybe_checkpoint(t)
+
+    # --- faults and checkpoints ------------------------------------------------------------
+    def _point(self, phase: str, step: int | None = None, chunk: int = 0) -> None:
+        spec = self.ctx.faults.due(phase, rank=self.rank, step=self.step_count + 1 if step is None else step,
+                                   chunk=chunk)
+        if spec is None:
+            return
+        self.ctx.events.emit("fault_injected", fault=spec.kind, phase=phase, step=spec.step, chunk=chunk)
+        if spec.kind == "nan":
+            self._nan_pending = True
+        else:
+            FaultInjector.fire(spec)
+
+    def _make_checkpoint_writer(self):
+        if self.cfg.checkpoint_every <= 0:
+            return None
+        if not self.owned.sharded and self.rank != 0:
+            return None  # replicated state: rank 0's copy is the checkpoint
+        from unbroken.protect.tier2 import CheckpointWriter
+
+        sharded = self.owned.sharded
+        return CheckpointWriter(self.ctx.run_dir / "checkpoints", rank=self.rank if sharded else 0,
+                                world_size=self.world_size if sharded else 1, run_id=self.ctx.run_dir.name,
+                                strategy=self.cfg.strategy, keep=self.cfg.checkpoint_keep, events=self.ctx.events)
+
+    def _maybe_checkpoint(self, t: int) -> None:
+        if self.ckpt is not None and t % self.cfg.checkpoint_every == 0:
+            self.ctx.set_phase("checkpoint", t)
+            self._point("checkpoint", t)
+            self.ckpt.save_async(t, self.gen.gen, self.owned.tensors(), {"strategy": self.cfg.strategy})
+
+    # --- the end ---------------------------------------------------------------------------
+    def weights_sha256(self) -> str:
+        flat = self.owned.flat
+        return hashlib.sha256(flat.params[:flat.n].numpy().tobytes()).hexdigest()
+
+    def finish(self) -> str:
+        """Write the final weights (rank 0, atomically, with checksum); returns their sha256."""
+        self.ctx.set_phase("done", self.step_count)
+        if self.ckpt is not None:
+            self.ckpt.close(timeout=self.cfg.collective_timeout_s)
+        digest = self.weights_sha256()
+        if self.rank == 0:
+            buf = io.BytesIO()
+            torch.save({k: v.detach().clone() for k, v in self.model.state_dict().items()}, buf)
+            atomic_write_bytes(self.ctx.run_dir / "weights.pt", buf.getvalue())
+            atomic_write_bytes(self.ctx.run_dir / "weights.sha256", f"{digest}  parameters\n".encode())
+        self.ctx.events.emit("worker_done", steps=self.step_count, weights_sha256=digest)
+        membership.put(self.ctx.store, f"done/{self.rank}", {"sha256": digest, "steps": self.step_count})
+        return digest
