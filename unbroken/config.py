@@ -55,6 +55,7 @@ class RunConfig:
     grad_clip: float = 1.0
     strategy: str = "zero1"
     parity_group: int = 4
+    tier1: bool = True
     chunk_kb: int = 256
     checkpoint_every: int = 0
     checkpoint_keep: int = 2

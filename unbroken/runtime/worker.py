@@ -61,7 +61,7 @@ class Trainer:
     def _build_state(self, rank: int) -> None:
         self.rank = rank
         self.owned = OwnedState(self.model, strategy=self.cfg.strategy, rank=rank, world=self.world_size,
-                                group_size=self.cfg.effective_parity_group,
+                                group_size=self.cfg.effective_parity_group if self.cfg.tier1 else 1,
                                 chunk_elems=max(16, self.cfg.chunk_kb * 1024 // 12), optim=self.optim)
         if self.ctx.role == "worker" or self.has_state is not None:
             self.ctx.phase["rank"] = rank
