@@ -24,9 +24,10 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-from unbroken.runtime.command import run  # noqa: E402
+from unbroken.runtime.command import demo, run  # noqa: E402
 
 app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(run)
+app.command("demo")(demo)
 
 # --- subcommands owned by subpackages (each registers itself below) ---
 from unbroken.sim.command import simulate  # noqa: E402

@@ -33,7 +33,8 @@ class OwnedState:
         self.lo, self.hi = self.flat.shard_range(rank if sharded else 0)
         n = self.hi - self.lo
         self.m, self.v = torch.zeros(n), torch.zeros(n)
-        self.state = ChunkedState([self.flat.params[self.lo:self.hi], self.m, self.v], self.flat.chunk_elems)
+        self.state = ChunkedState([self.flat.params[self.lo:self.hi], self.m, self.v], self.flat.chunk_elems,
+                                  trailer_words=self.k if self.k >= 2 else 0)
         self.layout = ParityLayout(self.k, self.state.n_chunks) if self.k >= 2 else None
         self.member = rank % self.k
         n_parity = self.layout.n_windows if self.layout else 0
@@ -69,8 +70,7 @@ class OwnedState:
                 point("optimizer", c)
                 undo = self.state.pack(c, self.txn.undo_buffer(c))
                 self.apply_chunk(c, s, point)
-                delta = self.state.pack(c, self.tier1.delta_slot(holder))
-                delta.bitwise_xor_(undo)
+                self.tier1.stage_delta(holder, c, undo)
             point("parity", w)
             self.tier1.absorb_window(group, w, s.step)
             # Collective w completed here, so every holder absorbed window w-1: drop its undo.

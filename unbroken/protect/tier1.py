@@ -6,6 +6,11 @@ from every other member. So each member stores C/(k-1) parity chunks: memory
 overhead 1/(k-1), no member holds more than its share. One reduce-scatter with
 ReduceOp.BXOR over a window delivers every row's parity (or parity delta) to its
 holder at once.
+
+Every packed chunk carries a trailer of k int32 words; member i writes the CRC-32 of its
+chunk into word i. XOR keeps distinct words apart, so each parity chunk also holds the
+checksum of every member's chunk in its row, and a decoded chunk is verified against
+it before it is trusted.
 """
 from __future__ import annotations
 
@@ -18,7 +23,12 @@ from unbroken.protect.chunks import ChunkedState
 from unbroken.protect.txn import TxnLog
 from unbroken.comm.group import Comm
 
-_BUILD_BATCH_WINDOWS = 8  # windows per collective in a full build: bounds transient memory
+_BUILD_BATCH_WINDOWS = 8
+
+
+class CorruptParity(RuntimeError):
+    """A decoded chunk does not match the checksum its parity carries."""
+  # windows per collective in a full build: bounds transient memory
 
 
 @dataclass(frozen=True)
@@ -59,10 +69,15 @@ class Tier1:
         self._deltas = torch.zeros((layout.k, *shape), dtype=torch.int32)   # one window's inputs
         self._received = torch.zeros(shape, dtype=torch.int32)
         self.bytes_protected = state.n_chunks * state.chunk_bytes
+        assert state.trailer_words >= layout.k, "ChunkedState needs a trailer of k words for checksums"
+        self.crcs = [0] * state.n_chunks  # CRC-32 of our chunks as the parity knows them
 
     @property
     def parity_bytes(self) -> int:
         return self.parity.numel() * 4
+
+    def _crc_word(self) -> int:
+        return self.state.data_words + self.member
 
     # --- full build ----------------------------------------------------------------
     def build(self, comm: Comm, step: int) -> float:
@@ -74,15 +89,24 @@ class Tier1:
             inputs = [torch.zeros((len(ws), *self.state.chunk_shape), dtype=torch.int32) for _ in range(lay.k)]
             for s in lay.holders(j):
                 for i, w in enumerate(ws):
-                    self.state.pack(lay.chunk(j, w, s), inputs[s][i])
+                    c = lay.chunk(j, w, s)
+                    self.state.pack(c, inputs[s][i])
+                    self.crcs[c] = self.state.crc(c)
+                    inputs[s][i][self._crc_word()] = self.crcs[c]
             comm.reduce_scatter_xor(self.parity[w0:w0 + len(ws)], inputs, what=f"parity build windows {w0}+")
         self.txn.parity_ver[:] = step
         return time.perf_counter() - t0
 
     # --- per-step deltas -----------------------------------------------------------
-    def delta_slot(self, holder: int) -> torch.Tensor:
-        """Where the update writes (old XOR new) of its chunk for row (w, holder)."""
-        return self._deltas[holder]
+    def stage_delta(self, holder: int, c: int, old: torch.Tensor) -> None:
+        """Chunk c (row (w, holder)) was just updated from `old`: stage old XOR new, checksums too."""
+        d, dw = self._deltas[holder], self.state.data_words
+        self.state.pack(c, d)
+        d[:dw].bitwise_xor_(old[:dw])
+        d[dw:].zero_()
+        new = self.state.crc(c)
+        d[self._crc_word()] = self.crcs[c] ^ new
+        self.crcs[c] = new
 
     def absorb_window(self, comm: Comm, w: int, step: int) -> None:
         """Send this window's deltas to their holders; XOR what we receive into our parity."""
@@ -110,8 +134,16 @@ class Tier1:
         return out
 
     def install_decoded(self, decoded: torch.Tensor, parity_versions: list[list[int]]) -> None:
-        """On the new member: write decoded chunks into state and record their versions."""
-        lay, j = self.layout, self.member
+        """On the new member: verify each decoded chunk's CRC, then write it and its version."""
+        lay, j, dw = self.layout, self.member, self.state.data_words
+        for w in range(lay.n_windows):
+            for idx, s in enumerate(lay.holders(j)):
+                got = ChunkedState.crc_of_packed(decoded[w, idx], dw)
+                want = int(decoded[w, idx][dw + j])
+                if got != want:
+                    raise CorruptParity(f"decoded chunk for window {w} (parity holder: group member {s}) fails its "
+                                        f"checksum (crc {got:#x}, parity says {want:#x}): a parity or data chunk "
+                                        "is corrupted; falling back to tier 2")
         for w in range(lay.n_windows):
             for idx, s in enumerate(lay.holders(j)):
                 c = lay.chunk(j, w, s)

@@ -1,6 +1,7 @@
 """Fault injection at named phases: `sigkill:rank=2,step=30,phase=optimizer,chunk=1`.
 
-Kinds: sigkill (crash), sigstop (hang), exception (Python error), nan (poisoned gradient).
+Kinds: sigkill (crash), sigstop (hang), exception (Python error), nan (poisoned gradient),
+bitflip (silent corruption of this rank's tier-1 parity chunk `chunk`).
 Phases: forward, backward, allreduce, optimizer (before chunk `chunk`), midchunk (inside
 chunk `chunk`, parameters updated but not yet the Adam moments), parity (delta of window
 `chunk`), allgather, checkpoint, recovery (a survivor, during a recovery), shadow (the
@@ -14,7 +15,7 @@ import random
 import signal
 from dataclasses import dataclass
 
-KINDS = ("sigkill", "sigstop", "exception", "nan")
+KINDS = ("sigkill", "sigstop", "exception", "nan", "bitflip")
 PHASES = ("forward", "backward", "allreduce", "optimizer", "midchunk", "parity", "allgather",
           "checkpoint", "recovery", "shadow", "build")
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from unbroken.protect.tier1 import CorruptParity
 from unbroken.protect.txn import UnrecoverableChunk
 from unbroken.runtime import membership
 
@@ -133,11 +134,20 @@ def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], ta
     tr.comm.allreduce(flag, what="tier-1 feasibility vote")
     if int(flag) != 0:
         return _restore_tier2(tr, reason="tier 1 cannot decode (two losses in a parity group or a lost version)")
+    bad = None
     if mine_lost:
         lost = mine_lost[0]
         tr.group.reduce(buf, dst=lost % k, op=dist.ReduceOp.BXOR, what=f"tier-1 decode of rank {lost}")
         if tr.rank == lost:
-            owned.tier1.install_decoded(buf, pv)
+            try:
+                owned.tier1.install_decoded(buf, pv)
+            except CorruptParity as e:
+                bad = str(e)
+                tr.ctx.events.emit("warning", message=f"rank {lost}: {e}")
+    flag = torch.tensor([1 if bad else 0], dtype=torch.int32)
+    tr.comm.allreduce(flag, what="tier-1 checksum vote")
+    if int(flag) != 0:
+        return _restore_tier2(tr, reason="a tier-1 decoded chunk failed its checksum (corrupted parity or data)")
     if tr.grads_step == target:
         owned.roll_forward(tr.scalars)
     behind = [int(v) for v in set(owned.txn.chunk_ver.tolist()) if v != target]
@@ -154,8 +164,13 @@ def _restore_tier2(tr: "Trainer", *, reason: str) -> str:
     sharded = owned.sharded
     directory = tr.ctx.run_dir / "checkpoints"
     world = tr.world_size if sharded else 1
-    step = latest_valid_step(directory, world_size=world, run_id=tr.ctx.run_dir.name, events=tr.ctx.events) \
+    if tr.ckpt is not None:
+        tr.ckpt.wait(timeout=cfg.collective_timeout_s)  # our own pending write lands first
+    mine = latest_valid_step(directory, world_size=world, run_id=tr.ctx.run_dir.name, events=tr.ctx.events) \
         if directory.exists() else None
+    agreed = torch.tensor([-1 if mine is None else mine], dtype=torch.int64)
+    tr.comm.allreduce(agreed, op=dist.ReduceOp.MIN, what="tier-2 step agreement")
+    step = None if int(agreed) < 0 else int(agreed)
     if step is None:
         raise RecoveryFailed(f"{reason}, and no valid tier-2 checkpoint exists; "
                              f"enable checkpoint_every (now {cfg.checkpoint_every}) to survive this")

@@ -201,6 +201,9 @@ class Trainer:
         self.ctx.events.emit("fault_injected", fault=spec.kind, phase=phase, step=spec.step, chunk=chunk)
         if spec.kind == "nan":
             self._nan_pending = True
+        elif spec.kind == "bitflip":
+            if self.owned.tier1 is not None:
+                self.owned.tier1.parity[chunk % self.owned.layout.n_windows][0] ^= 1
         else:
             FaultInjector.fire(spec)
 
