@@ -43,6 +43,7 @@ def run(
     lr: Optional[float] = typer.Option(None, "--lr"),
     strategy: Optional[str] = typer.Option(None, "--strategy", help="zero1 (sharded optimizer, default) or ddp"),
     parity_group: Optional[int] = typer.Option(None, "--parity-group"),
+    chunk_kb: Optional[int] = typer.Option(None, "--chunk-kb", help="transaction/parity chunk size"),
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="tier-2 checkpoint period (0 = off)"),
     shadows: Optional[int] = typer.Option(None, "--shadows", help="pre-started shadows per node"),
     n_layer: Optional[int] = typer.Option(None, "--n-layer"),
@@ -63,7 +64,7 @@ def run(
                       nnodes=nnodes, node_rank=node_rank, inject=inject, chaos=chaos, progress=not no_progress,
                       overrides=dict(world_size=world_size if world_size is not None else _env_int("WORLD_SIZE"),
                                      steps=steps, seed=seed, batch_size=batch_size, lr=lr, strategy=strategy,
-                                     parity_group=parity_group, checkpoint_every=checkpoint_every, shadows=shadows,
+                                     parity_group=parity_group, chunk_kb=chunk_kb, checkpoint_every=checkpoint_every, shadows=shadows,
                                      model_n_layer=n_layer, model_n_embd=n_embd))
     if json_out:
         print(json.dumps(summary, indent=2, default=str))

@@ -1,0 +1,96 @@
+"""Kill, hang, corrupt: every run must end with weights bitwise equal to a failure-free run."""
+from __future__ import annotations
+
+import pytest
+
+from .conftest import SMALL, events, run_job
+
+pytestmark = pytest.mark.timeout(300)
+
+# (phase, chunk) points covering each stage of a step, including the middle of one chunk's update
+ZERO1_POINTS = [("forward", 0), ("backward", 0), ("allreduce", 0), ("optimizer", 0), ("optimizer", 3),
+                ("midchunk", 2), ("parity", 1), ("allgather", 0)]
+
+
+def _faulted(tmp_path, strategy, *injects, extra=()):
+    args = [*SMALL, "--strategy", strategy, "--checkpoint-every", "2", *extra]
+    for spec in injects:
+        args += ["--inject", spec]
+    return run_job(tmp_path / "run", *args)
+
+
+@pytest.mark.parametrize("phase,chunk", ZERO1_POINTS)
+def test_zero1_sigkill_at_each_phase_is_bitwise_invisible(tmp_path, reference, phase, chunk):
+    got = _faulted(tmp_path, "zero1", f"sigkill:rank=2,step=4,phase={phase},chunk={chunk}")
+    assert got["ok"] and got["ranks_agree"]
+    assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+    [rec] = got["recoveries"]
+    assert rec["complete"] and rec["path"] in ("tier1", "initial")
+    assert got["steps_lost"] == 0
+
+
+@pytest.mark.parametrize("phase", ["backward", "optimizer", "allgather"])
+def test_ddp_sigkill_recovers_from_a_replica(tmp_path, reference, phase):
+    got = _faulted(tmp_path, "ddp", f"sigkill:rank=1,step=5,phase={phase}")
+    assert got["weights_sha256"] == reference["ddp"]["weights_sha256"]
+    assert got["recoveries"][0]["path"] == "replica"
+
+
+def test_kill_during_initial_parity_build(tmp_path, reference):
+    got = _faulted(tmp_path, "zero1", "sigkill:rank=3,step=1,phase=build")
+    assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+
+
+def test_sigstop_hang_is_detected_killed_and_recovered(tmp_path, reference):
+    got = _faulted(tmp_path, "zero1", "sigstop:rank=1,step=4,phase=backward")
+    assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+    kinds = [(e["kind"], e["fields"].get("fault")) for e in events(tmp_path / "run")]
+    assert ("fault_detected", "hang") in kinds
+    assert any(k == "process_killed" for k, _ in kinds)
+
+
+def test_two_failures_in_sequence(tmp_path, reference):
+    got = _faulted(tmp_path, "zero1", "sigkill:rank=2,step=3,phase=optimizer", "sigkill:rank=0,step=6,phase=backward")
+    assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+    assert len(got["recoveries"]) == 2
+
+
+def test_failure_during_recovery(tmp_path, reference):
+    got = _faulted(tmp_path, "zero1", "sigkill:rank=2,step=4,phase=optimizer,chunk=1",
+                   "sigkill:rank=0,step=4,phase=recovery")
+    assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+
+
+def test_shadow_dies_while_being_assigned(tmp_path, reference):
+    got = _faulted(tmp_path, "zero1", "sigkill:rank=1,step=4,phase=optimizer", "sigkill:rank=1,step=0,phase=shadow",
+                   extra=("--shadows", "2"))
+    assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+
+
+def test_python_exception_in_a_rank(tmp_path, reference):
+    got = _faulted(tmp_path, "zero1", "exception:rank=3,step=5,phase=forward")
+    assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+    assert any(e["kind"] == "fault_detected" and e["fields"]["fault"] == "exception" for e in events(tmp_path / "run"))
+
+
+def test_nan_gradient_is_caught_and_the_step_redone(tmp_path, reference):
+    got = _faulted(tmp_path, "zero1", "nan:rank=1,step=4,phase=backward")
+    assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+    assert got["recoveries"] == []
+    assert any(e["kind"] == "numerics" and e["fields"]["step"] == 4 for e in events(tmp_path / "run"))
+
+
+def test_two_losses_in_one_parity_group_fall_back_to_tier2(tmp_path, reference):
+    got = _faulted(tmp_path, "zero1", "sigkill:rank=1,step=5,phase=optimizer", "sigkill:rank=2,step=5,phase=optimizer",
+                   extra=("--shadows", "2"))
+    assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+    assert any(e["kind"] == "tier2_restore" for e in events(tmp_path / "run"))
+
+
+def test_corrupted_parity_chunk_is_detected_and_tier2_used(tmp_path, reference):
+    got = _faulted(tmp_path, "zero1", "bitflip:rank=1,step=5,phase=forward,chunk=0",
+                   "sigkill:rank=2,step=5,phase=optimizer,chunk=1")
+    assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+    evs = events(tmp_path / "run")
+    assert any(e["kind"] == "warning" and "checksum" in e["fields"]["message"] for e in evs)
+    assert any(e["kind"] == "tier2_restore" for e in evs)
