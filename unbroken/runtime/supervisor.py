@@ -224,7 +224,7 @@ class Supervisor:
         for rank, f in sorted(dead.items()):
             self.events.emit("fault_classified", fault=f["fault"], cls="operable", action="in_place", rank=rank,
                              reason="process-level fault: recover in place with a shadow")
-            proc, cold = self._pick_shadow(exclude=set(members.values()))
+            proc, cold = self._pick_shadow(exclude=set(members.values()), prefer=int(f.get("node", 0)))
             members[rank] = proc
             assigned.append((rank, proc, cold))
         gen = membership.Generation(self.gen.gen + 1, members, tuple(sorted(dead)),
@@ -239,14 +239,15 @@ class Supervisor:
         self.gen = gen
         self.status = f"recovering rank {','.join(map(str, sorted(dead)))} (generation {gen.gen})"
 
-    def _pick_shadow(self, exclude: set[str]) -> tuple[str, bool]:
+    def _pick_shadow(self, exclude: set[str], prefer: int) -> tuple[str, bool]:
+        """A standby shadow: ready ones first, on the failed rank's node first; else a cold start."""
         candidates = []
-        for node in [self.node] + [n for n in range(self.opts.nnodes) if n != self.node]:
+        for node in range(self.opts.nnodes):
             for i in range(self.store.add(f"shadows/{node}/n", 0)):
                 proc = self.store.get(f"shadows/{node}/{i}").decode()
                 if proc in exclude or self.store.check([f"assign/{proc}"]) or self.store.check([f"dead/{proc}"]):
                     continue
-                candidates.append((not self.store.check([f"ready/{proc}"]), node != self.node, proc))
+                candidates.append((not self.store.check([f"ready/{proc}"]), node != prefer, proc))
         if candidates:
             proc = min(candidates)[2]
         else:

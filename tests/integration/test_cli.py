@@ -1,0 +1,124 @@
+"""The job end to end through the CLI: completion, determinism, bad input, tokens, two nodes, signals."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import SMALL, _procs_of, run_cli, run_job
+
+pytestmark = pytest.mark.timeout(300)
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "train_unbroken.py")
+
+
+def test_four_ranks_twenty_steps_complete_and_are_deterministic(tmp_path):
+    args = [*SMALL, "--steps", "20", "--seed", "3"]
+    a = run_job(tmp_path / "a", *args)
+    b = run_job(tmp_path / "b", *args)
+    assert a["ok"] and a["steps"] == 20 and a["ranks_agree"]
+    assert a["weights_sha256"] == b["weights_sha256"]
+    for key in ("steps", "world_size", "final_loss", "tokens_per_s", "weights_sha256", "wall_s"):
+        assert key in a
+    digest = (tmp_path / "a" / "weights.sha256").read_text().split()[0]
+    assert digest == a["weights_sha256"]
+
+
+def test_user_script_example_survives_a_kill(tmp_path):
+    common = ["--world-size", "4", "--chunk-kb", "16", EXAMPLE]
+    ref = run_job(tmp_path / "ref", *common)
+    got = run_job(tmp_path / "got", "--inject", "sigkill:rank=1,step=10,phase=optimizer,chunk=2", *common)
+    assert got["weights_sha256"] == ref["weights_sha256"]
+    assert len(got["recoveries"]) == 1
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--world-size", "0"], "world_size must be an integer >= 1"),
+    (["--steps", "0"], "steps must be an integer >= 1"),
+    (["--strategy", "zero9"], "strategy must be one of"),
+    (["--inject", "sigkill:rank=9,step=2"], "names rank 9"),
+    (["--inject", "explode:rank=1"], "unknown fault kind"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, args, needle):
+    p = run_cli(tmp_path / "r", *args)
+    assert p.returncode == 2
+    assert needle in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "r" / "events.jsonl").exists()
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("steps = 10\nbogus = 1\n", "unknown config key 'bogus'"),
+    ("steps = [[[\n", "is not valid TOML"),
+    ("[model]\nn_head = 3\n", "must be divisible"),
+])
+def test_bad_config_file(tmp_path, text, needle):
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(text)
+    p = run_cli(tmp_path / "r", "--config", str(cfg))
+    assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr
+
+
+def test_port_in_use_is_refused(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        p = run_cli(tmp_path / "r", *SMALL, "--port", str(s.getsockname()[1]))
+    assert p.returncode == 2 and "in use" in p.stderr
+
+
+def _start_node0(run_dir: Path, port: int, token: str, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir), "--no-progress", "--json",
+           "--nnodes", "2", "--node-rank", "0", "--port", str(port), "--token", token, *SMALL, *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_wrong_token_is_refused_and_sigterm_reaps_everything(tmp_path):
+    port = _free_port()
+    node0 = _start_node0(tmp_path / "r", port, "right-token")
+    try:
+        time.sleep(1.0)
+        p = run_cli(tmp_path / "r", *SMALL, "--nnodes", "2", "--node-rank", "1", "--port", str(port),
+                    "--token", "wrong-token", timeout=60, check=False)
+        assert p.returncode == 2 and "wrong join token" in p.stderr
+    finally:
+        node0.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        node0.wait(timeout=10)
+        assert time.time() - t0 < 5
+        time.sleep(0.3)
+        assert _procs_of((tmp_path / "r").resolve()) == []
+
+
+def test_two_nodes_train_together_and_recover_a_rank_on_node_1(tmp_path):
+    port = _free_port()
+    run_dir = tmp_path / "r"
+    node0 = _start_node0(run_dir, port, "tok", "--inject", "sigkill:rank=3,step=4,phase=optimizer,chunk=1")
+    try:
+        time.sleep(1.0)
+        p1 = run_cli(run_dir, *SMALL, "--nnodes", "2", "--node-rank", "1", "--port", str(port), "--token", "tok",
+                     "--inject", "sigkill:rank=3,step=4,phase=optimizer,chunk=1", timeout=240, check=False)
+        out, err = node0.communicate(timeout=240)
+    finally:
+        if node0.poll() is None:
+            node0.kill()
+    assert node0.returncode == 0, err[-2000:]
+    assert p1.returncode == 0, p1.stderr[-2000:]
+    import json
+    summary = json.loads(out)
+    assert summary["ranks_agree"] and summary["ok"]
+    [rec] = summary["recoveries"]
+    assert rec["rank"] == 3
+    ref = run_job(tmp_path / "ref", *SMALL)
+    assert summary["weights_sha256"] == ref["weights_sha256"]
+    assert _procs_of(run_dir.resolve()) == []

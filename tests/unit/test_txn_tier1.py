@@ -1,0 +1,154 @@
+"""Chunk transactions and tier-1 parity layout/decoding, checked in one process.
+
+A fake group runs the k members' collectives in lock-step so that the protocol
+(deltas, undo window, decode at the parity's version) is tested without processes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unbroken.protect.chunks import ChunkedState
+from unbroken.protect.tier1 import CorruptParity, ParityLayout, Tier1
+from unbroken.protect.txn import StepScalars, TxnLog, UnrecoverableChunk
+
+
+@settings(max_examples=30, deadline=None)
+@given(k=st.integers(2, 6), windows=st.integers(1, 4))
+def test_layout_rotates_parity_and_covers_every_chunk_once(k, windows):
+    lay = ParityLayout(k, windows * (k - 1))
+    for j in range(k):
+        seen = sorted(lay.chunk(j, w, s) for w in range(lay.n_windows) for s in lay.holders(j))
+        assert seen == list(range(lay.n_chunks))
+    # each member holds one parity chunk per window: overhead 1/(k-1) of its data
+    assert lay.n_windows * (k - 1) == lay.n_chunks
+
+
+def test_layout_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="multiple of k-1"):
+        ParityLayout(4, 4)
+    with pytest.raises(ValueError, match="at least 2"):
+        ParityLayout(1, 3)
+
+
+def test_txn_undo_window_is_bounded_and_versions_reachable():
+    log = TxnLog(n_chunks=6, n_parity=2, chunk_shape=(4,), undo_slots=2)
+    log.begin(StepScalars(step=1, lr=0.1, clip_coef=1.0))
+    cur = torch.arange(4, dtype=torch.int32)
+    log.undo_buffer(0).copy_(cur)
+    log.commit_chunk(0, 1)
+    log.undo_buffer(1).copy_(cur)
+    with pytest.raises(RuntimeError, match="undo window full"):
+        log.undo_buffer(2)
+    out = torch.zeros(4, dtype=torch.int32)
+    assert torch.equal(log.chunk_at(0, 0, cur + 5, out), cur)       # old version from undo
+    assert torch.equal(log.chunk_at(0, 1, cur + 5, out), cur + 5)   # current version
+    log.release([0])
+    with pytest.raises(UnrecoverableChunk, match="undo bytes are gone"):
+        log.chunk_at(0, 0, cur, out)
+
+
+class _Member:
+    def __init__(self, j: int, k: int, n_chunks: int, elems: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed * 100 + j)
+        self.tensors = [torch.randn(n_chunks * elems, generator=g) for _ in range(3)]
+        self.state = ChunkedState(self.tensors, elems, trailer_words=k)
+        self.txn = TxnLog(n_chunks, n_chunks // (k - 1), self.state.chunk_shape, undo_slots=2 * (k - 1))
+        self.t1 = Tier1(self.state, ParityLayout(k, n_chunks), j, self.txn)
+
+
+class _FakeGroup:
+    """Runs one collective for all members at once (they call in turn; the last one triggers it)."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.pending = k, []
+
+    def reduce_scatter_xor(self, out, inputs, what=""):
+        self.pending.append((out, inputs))
+        if len(self.pending) == self.k:
+            for s in range(self.k):
+                acc = torch.zeros_like(self.pending[0][1][s])
+                for _, inp in self.pending:
+                    acc ^= inp[s]
+                self.pending[s][0].copy_(acc)
+            self.pending = []
+
+
+def _decode(members, lost, pv):
+    contrib = [m.t1.decode_contribution(lost, pv) for j, m in enumerate(members) if j != lost]
+    acc = torch.zeros_like(contrib[0])
+    for c in contrib:
+        acc ^= c
+    return acc
+
+
+@settings(max_examples=12, deadline=None)
+@given(k=st.sampled_from([2, 3, 4]), windows=st.integers(1, 3), lost=st.integers(0, 3), seed=st.integers(0, 99))
+def test_parity_build_delta_and_decode_bitwise(k, windows, lost, seed):
+    lost %= k
+    n_chunks, elems = windows * (k - 1), 8
+    members = [_Member(j, k, n_chunks, elems, seed) for j in range(k)]
+    # build parity with the real reduce-scatter layout, but lock-stepped windows
+    for m in members:
+        m.t1.crcs = [m.state.crc(c) for c in range(n_chunks)]
+    for w in range(windows):
+        group = _FakeGroup(k)
+        for j, m in enumerate(members):
+            inputs = [torch.zeros(m.state.chunk_shape, dtype=torch.int32) for _ in range(k)]
+            for s in m.t1.layout.holders(j):
+                c = m.t1.layout.chunk(j, w, s)
+                m.state.pack(c, inputs[s])
+                inputs[s][m.state.data_words + j] = m.t1.crcs[c]
+            group.reduce_scatter_xor(m.t1.parity[w], inputs)
+    for m in members:
+        m.txn.parity_ver[:] = 0
+    original = [t.clone() for t in members[lost].tensors]
+    # one step: change every chunk of window 0 with deltas absorbed, leave window 1+ un-absorbed
+    for j, m in enumerate(members):
+        m.txn.begin(StepScalars(step=1, lr=0.1, clip_coef=1.0))
+        for s, c in zip(m.t1.layout.holders(j), m.t1.layout.window_chunks(j, 0)):
+            undo = m.state.pack(c, m.txn.undo_buffer(c))
+            for t in m.tensors:
+                t[c * elems:(c + 1) * elems] += 1.0
+            m.txn.commit_chunk(c, 1)
+            m.t1.stage_delta(s, c, undo)
+    # the window's reduce-scatter, done by hand: holder s absorbs the XOR of everyone's delta for it
+    for s_, holder in enumerate(members):
+        acc = torch.zeros(holder.state.chunk_shape, dtype=torch.int32)
+        for j, m in enumerate(members):
+            if j != s_:
+                acc ^= m.t1._deltas[s_]
+        holder.t1.parity[0] ^= acc
+        holder.txn.parity_absorbed(0, 1)
+    expected = [t.clone() for t in members[lost].tensors]
+    pv = [m.txn.parity_ver.tolist() for m in members]
+    decoded = _decode(members, lost, pv)
+    fresh = _Member(lost, k, n_chunks, elems, seed + 1)  # a new process: different garbage
+    fresh.t1.install_decoded(decoded, pv)
+    for got, want in zip(fresh.tensors, expected):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert not torch.equal(expected[0], original[0])
+
+
+def test_corrupted_parity_fails_the_checksum():
+    k, n_chunks, elems = 3, 2, 8
+    members = [_Member(j, k, n_chunks, elems, 1) for j in range(k)]
+    for m in members:
+        m.t1.crcs = [m.state.crc(c) for c in range(n_chunks)]
+    group = _FakeGroup(k)
+    for j, m in enumerate(members):
+        inputs = [torch.zeros(m.state.chunk_shape, dtype=torch.int32) for _ in range(k)]
+        for s in m.t1.layout.holders(j):
+            c = m.t1.layout.chunk(j, 0, s)
+            m.state.pack(c, inputs[s])
+            inputs[s][m.state.data_words + j] = m.t1.crcs[c]
+        group.reduce_scatter_xor(m.t1.parity[0], inputs)
+    for m in members:
+        m.txn.parity_ver[:] = 0
+    members[1].t1.parity[0][3] ^= 1 << 7
+    pv = [m.txn.parity_ver.tolist() for m in members]
+    decoded = _decode(members, 0, pv)
+    with pytest.raises(CorruptParity, match="fails its checksum"):
+        _Member(0, k, n_chunks, elems, 5).t1.install_decoded(decoded, pv)

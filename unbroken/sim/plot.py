@@ -1,0 +1,39 @@
+"""The ETTR-versus-cluster-size figure (PNG), one line per policy with its 95% band."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from unbroken.fsutil import atomic_write_bytes  # noqa: E402
+from unbroken.sim.montecarlo import Summary  # noqa: E402
+
+
+def plot_ettr(curves: dict[str, list[Summary]], path: str | Path, *, title: str) -> None:
+    """Write the figure atomically to `path` (parents created)."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
+    try:
+        for name, rows in curves.items():
+            x = [r.gpus for r in rows]
+            ax.plot(x, [100 * r.ettr for r in rows], marker="o", label=name)
+            ax.fill_between(x, [100 * r.ettr_low for r in rows], [100 * r.ettr_high for r in rows], alpha=0.2)
+        ax.set_xscale("log", base=2)
+        sizes = sorted({r.gpus for rows in curves.values() for r in rows})
+        ax.set_xticks(sizes, [f"{g / 1024:g}k" if g >= 1024 else str(g) for g in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("ETTR (productive / wall time), %")
+        ax.axhline(95, color="grey", linestyle=":", linewidth=1)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.set_title(title, fontsize=10)
+        ax.legend(loc="lower left")
+        buf = io.BytesIO()
+        fig.tight_layout()
+        fig.savefig(buf, format="png")
+    finally:
+        plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
