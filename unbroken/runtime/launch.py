@@ -6,8 +6,10 @@ SCRIPT is a path to a .py file or a module name (the built-in job is
 """
 from __future__ import annotations
 
+import os
 import runpy
 import sys
+import traceback
 
 
 def main() -> None:
@@ -15,10 +17,22 @@ def main() -> None:
         sys.exit("usage: python -m unbroken.runtime.launch SCRIPT [ARGS...]")
     script, args = sys.argv[1], sys.argv[2:]
     sys.argv = [script, *args]
-    if script.endswith(".py"):
-        runpy.run_path(script, run_name="__main__")
-    else:
-        runpy.run_module(script, run_name="__main__", alter_sys=True)
+    code = 0
+    try:
+        if script.endswith(".py"):
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported through the exit status and the log
+        traceback.print_exc()
+        code = 1
+    # Skip interpreter teardown: gloo groups kept alive on purpose (an old generation may
+    # hold a hung op) abort in their destructors, which would turn a clean exit into SIGABRT.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
