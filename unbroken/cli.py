@@ -16,6 +16,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Keep PyTorch training productive while hardware fails.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: print ratios side by side, write bench/results/*.json.")
 app.add_typer(bench_app, name="bench")
+from unbroken.bench.command import throughput, protect, recovery  # noqa: E402
+bench_app.command("throughput")(throughput)
+bench_app.command("protect")(protect)
+bench_app.command("recovery")(recovery)
 
 
 def fail(message: str) -> None:

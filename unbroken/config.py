@@ -63,6 +63,9 @@ class RunConfig:
     heartbeat_s: float = 0.1
     hang_timeout_s: float = 5.0
     collective_timeout_s: float = 60.0
+    straggler_window_steps: int = 10
+    exclude_after_faults: int = 3
+    exclude_window_s: float = 3600.0
     threads: int = 1
     model: ModelConfig = field(default_factory=ModelConfig)
 
@@ -92,6 +95,10 @@ class RunConfig:
         _need(self.hang_timeout_s >= 3 * self.heartbeat_s,
               f"hang_timeout_s ({self.hang_timeout_s}) must be at least 3 heartbeats ({3 * self.heartbeat_s})")
         _need(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
+        _need(self.straggler_window_steps >= 1,
+              f"straggler_window_steps must be >= 1, got {self.straggler_window_steps!r}")
+        _need(self.exclude_after_faults >= 1, f"exclude_after_faults must be >= 1, got {self.exclude_after_faults!r}")
+        _need(self.exclude_window_s > 0, f"exclude_window_s must be > 0, got {self.exclude_window_s!r}")
         _need(self.threads >= 1, f"threads must be >= 1, got {self.threads!r}")
         if isinstance(self.model, dict):  # from JSON/TOML
             object.__setattr__(self, "model", ModelConfig(**_known(ModelConfig, self.model, "model.")))

@@ -34,6 +34,7 @@ class Comm:
                  interrupted: Callable[[], bool] | None = None) -> None:
         self.rank, self.world, self.gen, self.timeout_s = rank, world, gen, timeout_s
         self._interrupted = interrupted or (lambda: False)
+        self.waited_s = 0.0  # total time spent inside collectives (straggler evidence)
         # Rendezvous (full mesh connect) itself is bounded by the group timeout.
         self.pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
 
@@ -55,7 +56,14 @@ class Comm:
                 done.set()
 
         threading.Thread(target=waiter, name=f"unbroken-wait-{what}", daemon=True).start()
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        try:
+            self._poll(done, error, what, start)
+        finally:
+            self.waited_s += time.monotonic() - start
+
+    def _poll(self, done: threading.Event, error: list, what: str, start: float) -> None:
+        deadline = start + self.timeout_s
         polls = 0
         while not done.wait(0.0005 if polls < 200 else 0.002):
             polls += 1

@@ -33,9 +33,9 @@ class AdamW:
         frac = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
         return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
-    def scalars(self, step: int, grads: torch.Tensor) -> StepScalars:
-        """Global scalars from the full (replicated, averaged) gradient."""
-        norm = float(torch.linalg.vector_norm(grads))
+    def scalars(self, step: int, grad_norm: float) -> StepScalars:
+        """Global scalars from the norm of the full (replicated, averaged) gradient."""
+        norm = grad_norm
         clip = 1.0 if self.grad_clip <= 0 else min(1.0, self.grad_clip / (norm + 1e-6))
         return StepScalars(step=step, lr=self.lr_at(step), clip_coef=clip)
 

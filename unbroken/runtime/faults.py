@@ -1,7 +1,8 @@
 """Fault injection at named phases: `sigkill:rank=2,step=30,phase=optimizer,chunk=1`.
 
 Kinds: sigkill (crash), sigstop (hang), exception (Python error), nan (poisoned gradient),
-bitflip (silent corruption of this rank's tier-1 parity chunk `chunk`).
+bitflip (silent corruption of this rank's tier-1 parity chunk `chunk`), slow (from this
+step on the rank spends `ms` extra milliseconds per step: a straggler).
 Phases: forward, backward, allreduce, optimizer (before chunk `chunk`), midchunk (inside
 chunk `chunk`, parameters updated but not yet the Adam moments), parity (delta of window
 `chunk`), allgather, checkpoint, recovery (a survivor, during a recovery), shadow (the
@@ -15,7 +16,7 @@ import random
 import signal
 from dataclasses import dataclass
 
-KINDS = ("sigkill", "sigstop", "exception", "nan", "bitflip")
+KINDS = ("sigkill", "sigstop", "exception", "nan", "bitflip", "slow")
 PHASES = ("forward", "backward", "allreduce", "optimizer", "midchunk", "parity", "allgather",
           "checkpoint", "recovery", "shadow", "build")
 
@@ -31,13 +32,14 @@ class FaultSpec:
     step: int
     phase: str = "backward"
     chunk: int = 0
+    ms: int = 0  # `slow` only: extra milliseconds per step
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown fault kind {self.kind!r}; use one of {', '.join(KINDS)}")
         if self.phase not in PHASES:
             raise ValueError(f"unknown fault phase {self.phase!r}; use one of {', '.join(PHASES)}")
-        if self.rank < 0 or self.step < 0 or self.chunk < 0:
+        if self.rank < 0 or self.step < 0 or self.chunk < 0 or self.ms < 0:
             raise ValueError(f"fault rank, step and chunk must be >= 0, got {self}")
 
     @staticmethod
@@ -50,17 +52,20 @@ class FaultSpec:
             if not eq:
                 raise ValueError(f"bad fault field {part!r} in {text!r}; expected key=value")
             fields[key.strip()] = val.strip()
-        unknown = set(fields) - {"rank", "step", "phase", "chunk"}
+        unknown = set(fields) - {"rank", "step", "phase", "chunk", "ms"}
         if unknown:
-            raise ValueError(f"unknown fault field {sorted(unknown)[0]!r} in {text!r}; allowed: rank, step, phase, chunk")
+            raise ValueError(f"unknown fault field {sorted(unknown)[0]!r} in {text!r}; "
+                             "allowed: rank, step, phase, chunk, ms")
         try:
             return FaultSpec(kind=kind.strip(), rank=int(fields.get("rank", 0)), step=int(fields.get("step", 1)),
-                             phase=fields.get("phase", "backward"), chunk=int(fields.get("chunk", 0)))
+                             phase=fields.get("phase", "backward"), chunk=int(fields.get("chunk", 0)),
+                             ms=int(fields.get("ms", 0)))
         except ValueError as e:
             raise ValueError(f"bad fault spec {text!r}: {e}") from None
 
     def __str__(self) -> str:
-        return f"{self.kind}:rank={self.rank},step={self.step},phase={self.phase},chunk={self.chunk}"
+        extra = f",ms={self.ms}" if self.ms else ""
+        return f"{self.kind}:rank={self.rank},step={self.step},phase={self.phase},chunk={self.chunk}{extra}"
 
 
 def chaos_schedule(text: str, *, world: int, steps: int) -> list[FaultSpec]:

@@ -74,7 +74,7 @@ def _rebuild(tr: "Trainer", new_member: bool) -> None:
     if holders:
         comm.broadcast(owned.flat.grads, src=min(holders), what="gradient hand-off")
         tr.grads_step = target
-        tr.scalars = tr.optim.scalars(target, owned.flat.grads[:owned.flat.n_pad])
+        tr.scalars = tr.optim.scalars(target, float(torch.linalg.vector_norm(owned.flat.grads[:owned.flat.n_pad])))
         tr.last_loss = float(owned.flat.grads[-1])
     src = min(s["rank"] for s in survivors)
     if owned.sharded and owned.tier1 is not None:

@@ -22,10 +22,11 @@ from unbroken.config import RunConfig
 from unbroken.events import EventLog
 from unbroken.runtime import auth, membership
 from unbroken.runtime.faults import FaultSpec
-from unbroken.runtime.procs import Child, ProcessTable, exit_description
+from unbroken.runtime.procs import Child, ProcessTable
+from unbroken.runtime.watch import Watch
 
 _TICK_S = 0.01
-_STARTUP_GRACE_S = 180.0
+_KILL_ON = ("hang", "stall", "straggler", "health")  # faults whose process is still alive: kill it first
 
 
 class LaunchError(RuntimeError):
@@ -54,15 +55,6 @@ class LaunchOptions:
             raise ValueError("a joining node needs node 0's port: pass --port or MASTER_PORT")
 
 
-@dataclass
-class _Fault:
-    proc: str
-    rank: int | None
-    fault: str
-    time: float
-    evidence: dict = field(default_factory=dict)
-
-
 class Supervisor:
     def __init__(self, cfg: RunConfig, opts: LaunchOptions, *, on_progress=None) -> None:
         if cfg.world_size % opts.nnodes:
@@ -86,6 +78,9 @@ class Supervisor:
         self.shadow_seq = 0
         self.verdicts: dict[int, bool] = {}
         self.status = "starting"
+        self.watch = Watch(cfg, node=self.node, nnodes=opts.nnodes, checkpoint_dir=self.run_dir, events=self.events)
+        self.chain = None  # the retry chain of the recovery in progress (leader)
+        self.attempt = None
 
     # --- store and admission ---------------------------------------------------------
     def _open_store(self) -> dist.Store:
@@ -123,6 +118,7 @@ class Supervisor:
     # --- processes -----------------------------------------------------------------
     def _start_worker(self, rank: int, proc: str) -> Child:
         c = self.table.start(proc, "worker", {"RANK": str(rank), "LOCAL_RANK": str(rank % self.local)})
+        self.watch.spawned(c, rank)
         self.events.emit("process_started", pid=c.pid, role="worker", proc=proc, cold=False, rank=rank)
         return c
 
@@ -130,6 +126,7 @@ class Supervisor:
         proc = f"n{self.node}-s{self.shadow_seq}"
         self.shadow_seq += 1
         c = self.table.start(proc, "shadow", {"LOCAL_RANK": "-1"})
+        self.watch.spawned(c, None)
         i = self.store.add(f"shadows/{self.node}/n", 1) - 1
         self.store.set(f"shadows/{self.node}/{i}", proc)
         self.events.emit("process_started", pid=c.pid, role="shadow", proc=proc, cold=cold)
@@ -145,43 +142,39 @@ class Supervisor:
             self._start_shadow()
 
     # --- detection -----------------------------------------------------------------
-    def _check_children(self) -> None:
+    def _check_exits(self) -> None:
         for c in list(self.table.children.values()):
-            if c.reaped:
-                continue
-            code = c.poll()
+            code = None if c.reaped else c.poll()
             if code is None:
-                self._check_heartbeat(c)
                 continue
             c.reaped = True
+            rank = self._rank_of(c.proc)
             self.events.emit("process_exited", pid=c.pid, proc=c.proc, returncode=code,
-                             signal=-code if code < 0 else None, rank=self._rank_of(c.proc))
-            if code == 0 or self.status == "stopping":
-                continue
-            if c.proc not in self.killed:
-                fault = "crash" if code < 0 else "exception"
-                self._report(_Fault(c.proc, self._rank_of(c.proc), fault, time.time(),
-                                    {"exit": exit_description(code), "log_tail": self.table.log_tail(c.proc, 3)}))
+                             signal=-code if code < 0 else None, rank=rank)
+            if self.status != "stopping" and c.proc not in self.killed:
+                self.watch.exited(c, rank, code)
 
-    def _check_heartbeat(self, c: Child) -> None:
-        hb = membership.get(self.store, f"hb/{c.proc}")
-        now = time.time()
-        if hb is None:
-            if now - c.started > _STARTUP_GRACE_S:
-                self._kill_hung(c, {"why": f"no heartbeat within {_STARTUP_GRACE_S:.0f}s of start"})
+    def _detect(self) -> None:
+        """Run the detectors; record each finding and its classification, then act."""
+        if self.status == "stopping":
             return
-        age = now - hb["t"]
-        if age > self.cfg.hang_timeout_s:
-            self._kill_hung(c, {"last_seen_s": round(age, 3), "phase": hb.get("phase"), "step": hb.get("step"),
-                                "deadline_s": self.cfg.hang_timeout_s})
-
-    def _kill_hung(self, c: Child, evidence: dict) -> None:
-        rank = self._rank_of(c.proc)
-        self.events.emit("heartbeat_missed", proc=c.proc, rank=rank, **{k: v for k, v in evidence.items() if k != "rank"})
-        self._report(_Fault(c.proc, rank, "hang", time.time(), evidence))
-        self.killed.add(c.proc)
-        self.events.emit("process_killed", pid=c.pid, proc=c.proc, why="hang: missed heartbeats", rank=rank)
-        self.table.kill(c)
+        for f, d in self.watch.poll(self.store, list(self.table.children.values()), self._rank_of):
+            self.events.emit("fault_detected", rank=f.rank, **f.event_fields())
+            self.events.emit("fault_classified", rank=d.rank, **d.event_fields())
+            if d.exclude:
+                self.store.set(f"excluded/{d.node}", "1")
+                self.events.emit("node_excluded", **self.watch.offenders.exclude(d.node, f.time))
+            child = self.table.children.get(f.proc)
+            if child is None or d.action == "none":
+                continue
+            if f.fault in _KILL_ON and child.poll() is None:
+                self.killed.add(child.proc)
+                self.events.emit("process_killed", pid=child.pid, proc=child.proc, why=f"{f.fault}: {d.reason}",
+                                 rank=f.rank)
+                self.table.kill(child)
+            i = self.store.add("faults/n", 1) - 1
+            membership.put(self.store, f"faults/{i}", {"proc": f.proc, "fault": f.fault, "time": f.time,
+                                                       "node": self.node, "action": d.action})
 
     def _rank_of(self, proc: str) -> int | None:
         if self.gen is None:
@@ -190,12 +183,6 @@ class Supervisor:
             if p == proc:
                 return r
         return None
-
-    def _report(self, f: _Fault) -> None:
-        """Record the fault first, then hand it to the leader."""
-        self.events.emit("fault_detected", fault=f.fault, proc=f.proc, rank=f.rank, evidence=f.evidence)
-        i = self.store.add("faults/n", 1) - 1
-        membership.put(self.store, f"faults/{i}", {"proc": f.proc, "fault": f.fault, "time": f.time, "node": self.node})
 
     # --- the leader's decisions ---------------------------------------------------------
     def _take_faults(self) -> None:
@@ -221,9 +208,9 @@ class Supervisor:
             raise LaunchError(f"gave up after {self.opts.max_recoveries} recoveries; see {self.run_dir / 'events.jsonl'}")
         members = dict(self.gen.members)
         assigned = []
+        self._retry_link(dead)
         for rank, f in sorted(dead.items()):
-            self.events.emit("fault_classified", fault=f["fault"], cls="operable", action="in_place", rank=rank,
-                             reason="process-level fault: recover in place with a shadow")
+            self.watch.replaced(members[rank])
             proc, cold = self._pick_shadow(exclude=set(members.values()), prefer=int(f.get("node", 0)))
             members[rank] = proc
             assigned.append((rank, proc, cold))
@@ -243,6 +230,8 @@ class Supervisor:
         """A standby shadow: ready ones first, on the failed rank's node first; else a cold start."""
         candidates = []
         for node in range(self.opts.nnodes):
+            if node != 0 and self.store.check([f"excluded/{node}"]):
+                continue
             for i in range(self.store.add(f"shadows/{node}/n", 0)):
                 proc = self.store.get(f"shadows/{node}/{i}").decode()
                 if proc in exclude or self.store.check([f"assign/{proc}"]) or self.store.check([f"dead/{proc}"]):
@@ -255,6 +244,27 @@ class Supervisor:
         if proc in self.table.children:
             self.table.children[proc].taken = True
         return proc, not candidates
+
+    def _retry_link(self, dead: dict[int, dict]) -> None:
+        """Each generation published for one incident is a link of its retry chain."""
+        from unbroken.detect import RetryChain, RetryPolicy
+
+        if self.chain is not None and self.attempt is not None:  # the previous attempt did not resume
+            self.events.emit("retry", **self.chain.record(self.attempt, "failed"))
+        else:
+            fault = ",".join(sorted({f["fault"] for f in dead.values()}))
+            self.chain = RetryChain(RetryPolicy(budget=self.opts.max_recoveries, base_backoff_s=0.0),
+                                    action="in_place", fault=fault)
+        self.attempt = self.chain.next_attempt()
+        if self.attempt is None:
+            raise LaunchError(f"retry budget exhausted ({self.opts.max_recoveries} attempts) for one incident; "
+                              f"see {self.run_dir / 'events.jsonl'}")
+
+    def _retry_done(self) -> None:
+        if self.chain is not None and self.attempt is not None:
+            self.events.emit("retry", **self.chain.record(self.attempt, "ok"))
+        self.chain = self.attempt = None
+        self.watch.recovered()
 
     def _all_done(self) -> bool:
         return all(self.store.check([f"done/{r}"]) for r in range(self.cfg.world_size))
@@ -307,9 +317,10 @@ class Supervisor:
         next_beat = 0.0
         while True:
             now = time.time()
-            self._check_children() if now >= next_beat else self._check_exits()
+            self._check_exits()
             if now >= next_beat:
-                next_beat = now + self.cfg.heartbeat_s
+                next_beat = now + self.cfg.heartbeat_s / 2
+                self._detect()
             if self.leader:
                 self._take_faults()
                 if self._all_done():
@@ -320,16 +331,13 @@ class Supervisor:
             self._replenish()
             time.sleep(_TICK_S)
 
-    def _check_exits(self) -> None:
-        if any(not c.reaped and c.poll() is not None for c in self.table.children.values()):
-            self._check_children()
-
     def _progress(self) -> None:
         info = membership.get(self.store, "progress") or {}
         if info.get("step", 0) > (getattr(self, "_last_step", 0)):
             self._last_step = info["step"]
             if self.status.startswith("recovering"):
                 self.status = "running"
+                self._retry_done()
         self.on_progress({**info, "status": self.status})
 
     def _drain(self) -> None:

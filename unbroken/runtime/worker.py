@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from unbroken.comm.group import CollectiveError, Comm
+from unbroken.detect.detectors import numerics_check
 from unbroken.fsutil import atomic_write_bytes
 from unbroken.parallel.adamw import AdamW
 from unbroken.parallel.strategy import OwnedState
@@ -50,6 +51,9 @@ class Trainer:
         self.group: Comm | None = None
         self.gen: membership.Generation | None = None
         self._nan_pending = False
+        self._slow_s = 0.0  # injected straggling (fault kind `slow`): extra seconds per step
+        self._waited = 0.0
+        self._norms: list[float] = []  # recent gradient norms (spike detection)
         self._t_step = time.perf_counter()
         ctx.start_heartbeat()
         if ctx.role == "shadow":
@@ -155,6 +159,8 @@ class Trainer:
         ctx, flat = self.ctx, self.owned.flat
         ctx.set_phase("forward", t)
         self._point("forward", t)
+        if self._slow_s:
+            time.sleep(self._slow_s)
         flat.zero_grad()
         loss = closure()
         ctx.set_phase("backward")
@@ -169,10 +175,10 @@ class Trainer:
         self.grads_step = None
         self.comm.allreduce(flat.grads, what=f"gradient all-reduce step {t}")
         flat.grads.div_(self.world_size)
-        if not bool(torch.isfinite(flat.grads).all()):
-            raise NumericsFault(f"non-finite averaged gradient at step {t}")
+        norm = float(torch.linalg.vector_norm(flat.grads[:flat.n_pad]))
+        self._check_numerics(t, float(flat.grads[-1]), norm)
         self.grads_step = t
-        self.scalars = self.optim.scalars(t, flat.grads[:flat.n_pad])
+        self.scalars = self.optim.scalars(t, norm)
         ctx.set_phase("optimizer")
         self.owned.update(self.scalars, self.group, lambda phase, c: self._point(phase, t, c))
         ctx.set_phase("allgather")
@@ -185,12 +191,33 @@ class Trainer:
         now = time.perf_counter()
         step_s, self._t_step = now - self._t_step, now
         tokens = self.world_size * self.cfg.batch_size * self.cfg.model.seq_len
-        self.ctx.phase["step_s"] = step_s
+        waited = self.comm.waited_s + (self.group.waited_s if self.group is not self.comm else 0.0)
+        # Heartbeats pair `step` (being executed) with the times of step-1: update them together.
+        self.ctx.phase.update({"step": t + 1, "step_s": step_s, "wait_s": max(0.0, waited - self._waited)})
+        self._waited = waited
         self.ctx.events.emit("step", step=t, loss=round(loss, 6), step_s=round(step_s, 4), tokens=tokens)
         if self.rank == 0:
             membership.put(self.ctx.store, "progress",
                            {"step": t, "loss": loss, "step_s": step_s, "tokens_per_s": tokens / max(step_s, 1e-9)})
         self._maybe_checkpoint(t)
+
+    def _check_numerics(self, t: int, loss: float, norm: float) -> None:
+        """NaN/Inf in the averaged gradient: record, then redo the step (never apply it)."""
+        f = numerics_check(loss, norm, self._norms, proc=self.ctx.proc, rank=self.rank, node=self.ctx.node,
+                           step=t, now=time.time())
+        if f is None:
+            self._norms.append(norm)
+            del self._norms[:-200]
+            return
+        nonfinite = f.evidence.get("what") != "grad_spike"
+        if self.rank == 0:  # the averaged gradient is the same everywhere: one rank reports
+            ev = self.ctx.events
+            ev.emit("fault_detected", **f.event_fields())
+            ev.emit("fault_classified", fault="numerics", cls="operable", action="in_place" if nonfinite else "none",
+                    reason="non-finite gradient: the step is redone from protected state, never applied"
+                    if nonfinite else "gradient-norm spike: recorded; clipping bounds the update")
+        if nonfinite:
+            raise NumericsFault(f"non-finite averaged gradient at step {t} ({f.evidence.get('what')})")
 
     # --- faults and checkpoints ------------------------------------------------------------
     def _point(self, phase: str, step: int | None = None, chunk: int = 0) -> None:
@@ -201,6 +228,8 @@ class Trainer:
         self.ctx.events.emit("fault_injected", fault=spec.kind, phase=phase, step=spec.step, chunk=chunk)
         if spec.kind == "nan":
             self._nan_pending = True
+        elif spec.kind == "slow":
+            self._slow_s = spec.ms / 1000.0
         elif spec.kind == "bitflip":
             if self.owned.tier1 is not None:
                 self.owned.tier1.parity[chunk % self.owned.layout.n_windows][0] ^= 1

@@ -1,0 +1,84 @@
+"""What every benchmark shares: running a job under unbroken, reading its step times, saving results.
+
+Results go to `bench/results/NAME.json` (atomically) with a `machine` block, because on a
+shared 2-core box the absolute numbers only mean something next to the ratios.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Iterable
+
+from rich.console import Console
+
+from unbroken.config import RunConfig
+from unbroken.events import Event, read_events
+from unbroken.fsutil import atomic_write_json
+
+RESULTS_DIR = Path("bench/results")
+SKIP_STEPS = 2  # the first steps pay for start-up (lazy allocation, the shadow importing torch)
+
+
+def machine() -> dict:
+    """Where the numbers came from; load average because other work shares the cores."""
+    import torch
+
+    return {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform(terse=True), "loadavg": [round(x, 2) for x in os.getloadavg()],
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def write_result(name: str, data: dict, out_dir: Path = RESULTS_DIR) -> Path:
+    path = Path(out_dir) / f"{name}.json"
+    atomic_write_json(path, {**data, "benchmark": name, "machine": machine()})
+    return path
+
+
+def median(xs: Iterable[float]) -> float | None:
+    xs = list(xs)
+    return statistics.median(xs) if xs else None
+
+
+def step_events(events: list[Event], *, rank: int = 0) -> list[Event]:
+    """Rank `rank`'s `step` events in time order (one per completed step execution)."""
+    return [e for e in events if e.kind == "step" and e.rank == rank]
+
+
+def steady_step_times(events: list[Event], *, skip: int = SKIP_STEPS, rank: int = 0) -> list[float]:
+    """step_s of every step after the first `skip` (start-up noise), from one rank."""
+    return [float(e.fields["step_s"]) for e in step_events(events, rank=rank) if e.fields.get("step", 0) > skip]
+
+
+def run_job(cfg: RunConfig, run_dir: Path, *, faults: tuple = (), console: Console | None = None) -> dict:
+    """Run the built-in tiny-GPT job under unbroken and return its summary (events stay in run_dir)."""
+    from unbroken.runtime.run import launch
+    from unbroken.runtime.supervisor import LaunchOptions
+
+    opts = LaunchOptions(run_dir=Path(run_dir).resolve(), faults=tuple(faults))
+    return launch(cfg, opts, console=console or Console(stderr=True), progress=False)
+
+
+def job_events(run_dir: Path) -> list[Event]:
+    return read_events(Path(run_dir))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fmt(v: object, digits: int = 3) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def goal(ok: bool | None) -> str:
+    return "[dim]n/a[/]" if ok is None else ("[green]met[/]" if ok else "[red]missed[/]")
