@@ -94,3 +94,10 @@ def test_corrupted_parity_chunk_is_detected_and_tier2_used(tmp_path, reference):
     evs = events(tmp_path / "run")
     assert any(e["kind"] == "warning" and "checksum" in e["fields"]["message"] for e in evs)
     assert any(e["kind"] == "tier2_restore" for e in evs)
+
+
+def test_without_shadows_a_cold_process_takes_over(tmp_path, reference):
+    got = _faulted(tmp_path, "zero1", "sigkill:rank=1,step=4,phase=optimizer", extra=("--shadows", "0"))
+    assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+    assigned = [e for e in events(tmp_path / "run") if e["kind"] == "shadow_assigned"]
+    assert [e["fields"]["cold"] for e in assigned] == [True]

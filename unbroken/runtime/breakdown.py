@@ -26,9 +26,10 @@ def recoveries(events: list[Event]) -> list[dict]:
         rebuild = _end(later, "rebuild", gen_no)
         rec = [e for e in later if e.kind == "recovered" and e.gen == gen_no]
         resumed_step = rec[0].fields.get("step", 0) if rec else None
+        redo = _end(later, "redo", gen_no)
         steps = [e for e in later if e.kind == "step" and resumed_step is not None and e.gen >= gen_no
                  and e.fields.get("step", 0) > resumed_step]
-        done = steps[0].time if steps else None
+        done = redo if redo is not None else (steps[0].time if steps else None)
         marks = [kill_t, det.time, g.time, regroup, rebuild, done]
         if any(m is None for m in marks):
             out.append({"gen": gen_no, "complete": False, "fault": det.fields.get("fault")})

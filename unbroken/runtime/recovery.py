@@ -53,8 +53,13 @@ def recover(tr: "Trainer", *, new_member: bool) -> None:
             ctx.events.emit("collective_error", step=tr.step_count + 1, phase="recovery", error=str(e)[:300])
 
 
+def reporter(tr: "Trainer") -> bool:
+    """One member reports the recovery's phases: the lowest-ranked survivor."""
+    return tr.rank == min(r for r in tr.gen.members if r not in tr.gen.replaced) or not tr.gen.replaced
+
+
 def _phase(tr: "Trainer", name: str, start: float) -> None:
-    if tr.rank == min(r for r in tr.gen.members if r not in tr.gen.replaced) or not tr.gen.replaced:
+    if reporter(tr):
         tr.ctx.events.emit("recovery_phase", phase=name, start=start, end=time.time(), step=tr.step_count + 1)
 
 
@@ -85,8 +90,13 @@ def _rebuild(tr: "Trainer", new_member: bool) -> None:
     if path == "tier2":
         return
     tr.step_count = target
-    tr.ctx.events.emit("recovered", step=target, steps_lost=0, steps_redone=0 if holders else 1,
-                       path=path, rank=tr.rank, new=new_member, rebuild_s=round(time.time() - t0, 4))
+    tr.redo_since = time.time()  # the first step completed from here closes the `redo` phase
+    if reporter(tr):
+        secs = time.time() - t0
+        nbytes = owned.state.n_chunks * owned.state.chunk_bytes * len(new_ranks)
+        tr.ctx.events.emit("recovered", step=target, steps_lost=0, steps_redone=0 if holders else 1, path=path,
+                           replaced=new_ranks, rebuild_s=round(secs, 4), rebuilt_bytes=nbytes,
+                           rebuild_gbps=round(nbytes / secs / 1e9, 3))
 
 
 def _rebuild_replicated(tr: "Trainer", new_member: bool, target: int, src: int) -> str:

@@ -172,9 +172,10 @@ class Supervisor:
                 self.events.emit("process_killed", pid=child.pid, proc=child.proc, why=f"{f.fault}: {d.reason}",
                                  rank=f.rank)
                 self.table.kill(child)
+            occurred = f.time - float(f.evidence.get("last_heartbeat_age_s") or 0.0) if f.fault == "hang" else f.time
             i = self.store.add("faults/n", 1) - 1
             membership.put(self.store, f"faults/{i}", {"proc": f.proc, "fault": f.fault, "time": f.time,
-                                                       "node": self.node, "action": d.action})
+                                                       "occurred": occurred, "node": self.node, "action": d.action})
 
     def _rank_of(self, proc: str) -> int | None:
         if self.gen is None:
@@ -217,10 +218,13 @@ class Supervisor:
         gen = membership.Generation(self.gen.gen + 1, members, tuple(sorted(dead)),
                                     ",".join(f"{dead[r]['fault']}@rank{r}" for r in sorted(dead)))
         membership.publish(self.store, gen)
+        self.events.gen = gen.gen
         for rank, proc, cold in assigned:
             membership.put(self.store, f"assign/{proc}", {"rank": rank, "gen": gen.gen})
             self.events.emit("shadow_assigned", proc=proc, rank=rank, gen=gen.gen, cold=cold)
         t_detect = min(f["time"] for f in dead.values())
+        t_fault = min(f.get("occurred", f["time"]) for f in dead.values())
+        self.events.emit("recovery_phase", phase="detect", start=t_fault, end=t_detect, step=None)
         self.events.emit("recovery_phase", phase="decide", start=t_detect, end=time.time(), step=None)
         self.events.emit("generation", gen=gen.gen, members=gen.members, replaced=list(gen.replaced), cause=gen.cause)
         self.gen = gen
@@ -321,6 +325,8 @@ class Supervisor:
             if now >= next_beat:
                 next_beat = now + self.cfg.heartbeat_s / 2
                 self._detect()
+            if self.store.check(["abort"]):
+                raise LaunchError(f"the job cannot run: {self.store.get('abort').decode()}")
             if self.leader:
                 self._take_faults()
                 if self._all_done():

@@ -30,6 +30,10 @@ from unbroken.runtime.context import ProcessContext
 from unbroken.runtime.faults import FaultInjector
 
 
+class LayoutMismatch(ValueError):
+    """Ranks disagree on model size, chunking, world size or strategy."""
+
+
 class NumericsFault(RuntimeError):
     """The averaged gradient holds NaN/Inf: the step is redone, never applied."""
 
@@ -54,6 +58,7 @@ class Trainer:
         self._slow_s = 0.0  # injected straggling (fault kind `slow`): extra seconds per step
         self._waited = 0.0
         self._norms: list[float] = []  # recent gradient norms (spike detection)
+        self.redo_since: float | None = None
         self._t_step = time.perf_counter()
         ctx.start_heartbeat()
         if ctx.role == "shadow":
@@ -80,6 +85,11 @@ class Trainer:
         self._join(membership.read_generation(self.ctx.store, 0, self.cfg.collective_timeout_s))
         self.ctx.set_phase("build", 0)
         try:
+            try:
+                self._check_layout()
+            except LayoutMismatch as e:
+                self.ctx.store.set("abort", str(e))  # not recoverable: the supervisor stops the job
+                raise
             self.comm.broadcast(self.owned.flat.params, src=0, what="initial parameter sync")
             self._point("build")
             if self.owned.tier1 is not None:
@@ -89,6 +99,18 @@ class Trainer:
             self.ctx.events.emit("collective_error", step=0, phase="build", error=str(e)[:300])
             recover(self, new_member=False)
         self._maybe_checkpoint(0)
+
+    def _check_layout(self) -> None:
+        """Every rank must shard and chunk the same way; say which rank differs and how."""
+        flat = self.owned.flat
+        mine = {"params": flat.n, "dtype": "float32", "chunk_elems": flat.chunk_elems,
+                "chunks": self.owned.state.n_chunks, "world": self.world_size, "strategy": self.cfg.strategy}
+        everyone = self.comm.allgather_object(mine, what="layout check")
+        for r, other in enumerate(everyone):
+            if other != mine:
+                diff = {k: (mine[k], other[k]) for k in mine if mine[k] != other.get(k)}
+                raise LayoutMismatch(f"rank {r} has a different state layout from rank {self.rank}: {diff} "
+                                     "(mine, theirs); every rank must run the same model and config")
 
     def _serve_as_shadow(self) -> None:
         from unbroken.runtime.shadow import wait_for_assignment
@@ -196,6 +218,12 @@ class Trainer:
         self.ctx.phase.update({"step": t + 1, "step_s": step_s, "wait_s": max(0.0, waited - self._waited)})
         self._waited = waited
         self.ctx.events.emit("step", step=t, loss=round(loss, 6), step_s=round(step_s, 4), tokens=tokens)
+        if self.redo_since is not None:
+            from unbroken.runtime.recovery import reporter
+
+            if reporter(self):
+                self.ctx.events.emit("recovery_phase", phase="redo", start=self.redo_since, end=time.time(), step=t)
+            self.redo_since = None
         if self.rank == 0:
             membership.put(self.ctx.store, "progress",
                            {"step": t, "loss": loss, "step_s": step_s, "tokens_per_s": tokens / max(step_s, 1e-9)})
