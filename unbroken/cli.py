@@ -20,6 +20,8 @@ from unbroken.bench.command import throughput, protect, recovery  # noqa: E402
 bench_app.command("throughput")(throughput)
 bench_app.command("protect")(protect)
 bench_app.command("recovery")(recovery)
+from unbroken.bench.detect import detect as detect_bench  # noqa: E402
+bench_app.command("detect")(detect_bench)
 
 
 def fail(message: str) -> None:

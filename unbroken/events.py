@@ -20,7 +20,7 @@ KINDS: dict[str, str] = {
     "run_end": "steps, wall_s, weights_sha256, ok",
     "process_started": "pid, role (worker|shadow), proc, cold",
     "process_exited": "pid, proc, returncode, signal",
-    "step": "step, loss, step_s, tokens",
+    "step": "step, loss, step_s, wait_s (time inside collectives), tokens",
     "heartbeat_missed": "proc, last_seen_s, phase, step (evidence for a hang)",
     "fault_detected": "fault (crash|hang|exception|numerics|straggler|stall|health), proc, node, evidence, occurred_at (simulated logs)",
     "fault_classified": "fault, cls (operable|replace), action (in_place|exclude_node|tier2|none), reason, proc, node, exclude, false_positive (optional)",

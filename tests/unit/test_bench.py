@@ -148,13 +148,15 @@ def test_throughput_result_schema():
 def test_protect_result_schema():
     enc = {"encode_gbps": 6.0, "memcpy_gbps": 10.0, "encode_vs_memcpy": 0.6, "nbytes": 64 << 20}
     steps = {"samples": {"none": [1.0, 1.0, 1.2], "tier1": [1.01, 1.01, 1.3], "tier1+tier2": [1.02, 1.02, 2.0]},
-             "steps": 10, "rounds": 1, "runs": [], "weights_equal_across_variants": True}
+             "steps": 10, "rounds": 1, "runs": [], "weights_equal_across_variants": True,
+             "weights_reproducible": True, "weights_sha256": {}}
     rb = rebuild.aggregate(_fake_members(), lost=1)
-    r = protect.protect_result(enc, steps, rb)
+    r = protect.protect_result(enc, steps, rb, rb)
     assert r["step_overhead"] == pytest.approx(0.01)
     assert r["step_overhead_tier2"] == pytest.approx(0.02)
     assert r["step_overhead_tier2_mean"] == pytest.approx(4.04 / 3.2 - 1)
     assert r["memory_overhead"] == pytest.approx(1 / 3) and r["memory_overhead_expected"] == pytest.approx(1 / 3)
+    assert r["step_overhead_estimate"] == pytest.approx(0.3 / 1.0)  # delta update 0.3 s / median unprotected step
     for key in ("encode_gbps", "memcpy_gbps", "encode_vs_memcpy", "rebuild_s", "delta_update_s",
                 "allreduce_same_bytes_s"):
         assert key in r
@@ -183,13 +185,16 @@ def test_recovery_result_schema_and_ratio():
     base = {"recovery_s": [8.0, 6.0, 7.0], "regain_s": [9.0, 6.0, 8.0], "steps_redone": [2, 1, 1],
             "breakdown": {}, "wall_s": 50.0, "productive_fraction": 0.5, "median_step_s": 0.4}
     ub = {"recovery_s": [1.0, 0.5, 0.7], "steps_redone": [1, 1, 1], "steps_lost": 0,
-          "breakdown": {p: [0.1, 0.1, 0.1] for p in recovery.PHASES}, "wall_s": 40.0}
+          "breakdown": {p: [0.1, 0.1, 0.1] for p in recovery.PHASES}, "wall_s": 40.0, "failure_free_wall_s": 36.0}
     r = recovery.recovery_result(steps=30, world=4, kills=[(1, 8), (2, 17), (3, 25)],
                                  save={"save_s": 0.1, "bytes": 10}, mtbf_s=3.0, every=2, base=base,
                                  base_ref_wall=20.0, ub=ub, weights_match=True, state_bytes=1000)
     assert r["ratio"] == pytest.approx(7.0 / 0.7)
     assert r["baseline"]["checkpoint_every"] == 2 and r["baseline"]["save_s"] == 0.1
     assert r["unbroken"]["steps_lost"] == 0 and r["weights_match_reference"] is True
+    assert r["baseline"]["lost_to_failures_s"] == pytest.approx(30.0)
+    assert r["unbroken"]["lost_to_failures_s"] == pytest.approx(4.0)
+    assert r["unbroken"]["steps_per_wall_s"] == pytest.approx(30 / 40)
     from unbroken.sim.calibrate import calibration_from_dict  # the simulator must be able to read it
 
     cal = calibration_from_dict(r, "test")

@@ -94,6 +94,10 @@ def recovery_result(*, steps: int, world: int, kills: list[tuple[int, int]], sav
                     every: int, base: dict, base_ref_wall: float, ub: dict, weights_match: bool,
                     state_bytes: int | None) -> dict:
     """The JSON schema of recovery.json (the simulator reads unbroken.recovery_s/breakdown, baseline.recovery_s)."""
+    for side, ref_wall in ((base, base_ref_wall), (ub, ub["failure_free_wall_s"])):
+        # wall time the kills cost this system, against its own failure-free run
+        side["lost_to_failures_s"] = side["wall_s"] - ref_wall
+        side["steps_per_wall_s"] = steps / side["wall_s"]
     ratio = statistics.median(base["recovery_s"]) / statistics.median(ub["recovery_s"])
     regain = statistics.median(base["regain_s"]) / statistics.median(ub["recovery_s"])
     return {
@@ -173,8 +177,12 @@ def table(r: dict) -> Table:
               f"MTBF {b['mtbf_s']:.1f}s)", "-", "")
     t.add_row("wall s (failure-free)", f"{b['wall_s']:.1f} ({b['failure_free_wall_s']:.1f})",
               f"{u['wall_s']:.1f} ({u['failure_free_wall_s']:.1f})", "")
+    t.add_row("wall s lost to the kills", f"{b['lost_to_failures_s']:.1f}", f"{u['lost_to_failures_s']:.1f}",
+              f"{b['lost_to_failures_s'] / max(u['lost_to_failures_s'], 1e-9):.1f}x")
     t.add_row("median step s", f"{b['median_step_s']:.3f}", f"{u['median_step_s']:.3f}", "")
-    t.add_row("productive fraction", f"{b['productive_fraction']:.2f}", f"{u['productive_fraction']:.2f}", "")
+    t.add_row("productive fraction (steps x own median step / wall)", f"{b['productive_fraction']:.2f}",
+              f"{u['productive_fraction']:.2f}", "")
+    t.add_row("steps per wall second", f"{b['steps_per_wall_s']:.3f}", f"{u['steps_per_wall_s']:.3f}", "")
     t.add_row("weights = failure-free run", str(b["weights_match_reference"]), str(r["weights_match_reference"]), "")
     for p in PHASES:
         t.add_row(f"unbroken {p} s", "", fmt_list(u["breakdown"][p]), "")

@@ -214,10 +214,11 @@ class Trainer:
         step_s, self._t_step = now - self._t_step, now
         tokens = self.world_size * self.cfg.batch_size * self.cfg.model.seq_len
         waited = self.comm.waited_s + (self.group.waited_s if self.group is not self.comm else 0.0)
+        wait_s, self._waited = max(0.0, waited - self._waited), waited
         # Heartbeats pair `step` (being executed) with the times of step-1: update them together.
-        self.ctx.phase.update({"step": t + 1, "step_s": step_s, "wait_s": max(0.0, waited - self._waited)})
-        self._waited = waited
-        self.ctx.events.emit("step", step=t, loss=round(loss, 6), step_s=round(step_s, 4), tokens=tokens)
+        self.ctx.phase.update({"step": t + 1, "step_s": step_s, "wait_s": wait_s})
+        self.ctx.events.emit("step", step=t, loss=round(loss, 6), step_s=round(step_s, 4),
+                             wait_s=round(wait_s, 4), tokens=tokens)
         if self.redo_since is not None:
             from unbroken.runtime.recovery import reporter
 
