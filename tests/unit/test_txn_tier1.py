@@ -1,6 +1,6 @@
 """Chunk transactions and tier-1 parity layout/decoding, checked in one process.
 
-A fake group runs the k members' collectives in lock-step so that the protocol
+The k members' all-reduces are done in-process so that the protocol
 (deltas, undo window, decode at the parity's version) is tested without processes.
 """
 from __future__ import annotations
@@ -59,21 +59,33 @@ class _Member:
         self.t1 = Tier1(self.state, ParityLayout(k, n_chunks), j, self.txn)
 
 
-class _FakeGroup:
-    """Runs one collective for all members at once (they call in turn; the last one triggers it)."""
+def _xor_allreduce(bufs):
+    """What an all-reduce with ReduceOp.BXOR leaves in every member's buffer."""
+    acc = torch.zeros_like(bufs[0])
+    for b in bufs:
+        acc ^= b
+    for b in bufs:
+        b.copy_(acc)
 
-    def __init__(self, k: int) -> None:
-        self.k, self.pending = k, []
 
-    def reduce_scatter_xor(self, out, inputs, what=""):
-        self.pending.append((out, inputs))
-        if len(self.pending) == self.k:
-            for s in range(self.k):
-                acc = torch.zeros_like(self.pending[0][1][s])
-                for _, inp in self.pending:
-                    acc ^= inp[s]
-                self.pending[s][0].copy_(acc)
-            self.pending = []
+def _build(members, windows, k):
+    """The parity build's layout (Tier1.build), with the all-reduce done in-process."""
+    for m in members:
+        m.t1.crcs = [m.state.crc(c) for c in range(m.state.n_chunks)]
+    for w in range(windows):
+        bufs = []
+        for j, m in enumerate(members):
+            buf = torch.zeros((k, *m.state.chunk_shape), dtype=torch.int32)
+            for s in m.t1.layout.holders(j):
+                c = m.t1.layout.chunk(j, w, s)
+                m.state.pack(c, buf[s])
+                buf[s][m.state.data_words + j] = m.t1.crcs[c]
+            bufs.append(buf)
+        _xor_allreduce(bufs)
+        for j, m in enumerate(members):
+            m.t1.parity[w].copy_(bufs[j][j])
+    for m in members:
+        m.txn.parity_ver[:] = 0
 
 
 def _decode(members, lost, pv):
@@ -90,20 +102,7 @@ def test_parity_build_delta_and_decode_bitwise(k, windows, lost, seed):
     lost %= k
     n_chunks, elems = windows * (k - 1), 8
     members = [_Member(j, k, n_chunks, elems, seed) for j in range(k)]
-    # build parity with the real reduce-scatter layout, but lock-stepped windows
-    for m in members:
-        m.t1.crcs = [m.state.crc(c) for c in range(n_chunks)]
-    for w in range(windows):
-        group = _FakeGroup(k)
-        for j, m in enumerate(members):
-            inputs = [torch.zeros(m.state.chunk_shape, dtype=torch.int32) for _ in range(k)]
-            for s in m.t1.layout.holders(j):
-                c = m.t1.layout.chunk(j, w, s)
-                m.state.pack(c, inputs[s])
-                inputs[s][m.state.data_words + j] = m.t1.crcs[c]
-            group.reduce_scatter_xor(m.t1.parity[w], inputs)
-    for m in members:
-        m.txn.parity_ver[:] = 0
+    _build(members, windows, k)
     original = [t.clone() for t in members[lost].tensors]
     # one step: change every chunk of window 0 with deltas absorbed, leave window 1+ un-absorbed
     for j, m in enumerate(members):
@@ -113,15 +112,15 @@ def test_parity_build_delta_and_decode_bitwise(k, windows, lost, seed):
             for t in m.tensors:
                 t[c * elems:(c + 1) * elems] += 1.0
             m.txn.commit_chunk(c, 1)
-            m.t1.stage_delta(s, c, undo)
-    # the window's reduce-scatter, done by hand: holder s absorbs the XOR of everyone's delta for it
-    for s_, holder in enumerate(members):
-        acc = torch.zeros(holder.state.chunk_shape, dtype=torch.int32)
-        for j, m in enumerate(members):
-            if j != s_:
-                acc ^= m.t1._deltas[s_]
-        holder.t1.parity[0] ^= acc
-        holder.txn.parity_absorbed(0, 1)
+            m.t1.stage_delta(0, s, c, undo)
+    # window 0's all-reduce, done in-process: each holder absorbs the XOR of the deltas for it
+    bufs = [m.t1._windows[0] for m in members]
+    for j, b in enumerate(bufs):
+        b[j].zero_()
+    _xor_allreduce(bufs)
+    for j, m in enumerate(members):
+        m.t1.parity[0] ^= bufs[j][j]
+        m.txn.parity_absorbed(0, 1)
     expected = [t.clone() for t in members[lost].tensors]
     pv = [m.txn.parity_ver.tolist() for m in members]
     decoded = _decode(members, lost, pv)
@@ -135,18 +134,7 @@ def test_parity_build_delta_and_decode_bitwise(k, windows, lost, seed):
 def test_corrupted_parity_fails_the_checksum():
     k, n_chunks, elems = 3, 2, 8
     members = [_Member(j, k, n_chunks, elems, 1) for j in range(k)]
-    for m in members:
-        m.t1.crcs = [m.state.crc(c) for c in range(n_chunks)]
-    group = _FakeGroup(k)
-    for j, m in enumerate(members):
-        inputs = [torch.zeros(m.state.chunk_shape, dtype=torch.int32) for _ in range(k)]
-        for s in m.t1.layout.holders(j):
-            c = m.t1.layout.chunk(j, 0, s)
-            m.state.pack(c, inputs[s])
-            inputs[s][m.state.data_words + j] = m.t1.crcs[c]
-        group.reduce_scatter_xor(m.t1.parity[0], inputs)
-    for m in members:
-        m.txn.parity_ver[:] = 0
+    _build(members, 1, k)
     members[1].t1.parity[0][3] ^= 1 << 7
     pv = [m.txn.parity_ver.tolist() for m in members]
     decoded = _decode(members, 0, pv)

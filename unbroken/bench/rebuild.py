@@ -4,7 +4,7 @@
 shard + Adam m + v as three float32 tensors) and the `Tier1` parity of a k=world group.
 Member `lost` then forgets its state; the survivors' `decode_contribution`s are XOR-reduced
 to it and `install_decoded` writes them back, verified bitwise against the original.
-Also timed: one full delta update (every window's `absorb_window`) vs a gloo all-reduce of
+Also timed: one full delta update (every window's window all-reduce) vs a gloo all-reduce of
 the same bytes.
 
     python -m unbroken.bench.rebuild --rank R --world 4 --port P --nbytes N --out rR.json
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from unbroken.comm.group import Comm
 from unbroken.fsutil import atomic_write_json
 from unbroken.protect.chunks import ChunkedState
-from unbroken.protect.tier1 import ParityLayout, Tier1
+from unbroken.protect.tier1 import PIPELINE, ParityLayout, Tier1
 from unbroken.protect.txn import TxnLog
 
 N_TENSORS = 3  # parameter shard, Adam m, Adam v
@@ -112,12 +112,20 @@ def _time_delta_update(comm: Comm, t1: Tier1, repeats: int) -> dict[str, list[fl
         comm.barrier(what="delta start")
         stage = coll = 0.0
         t0 = time.perf_counter()
-        for w in range(lay.n_windows):
-            a = time.perf_counter()
-            for holder, c in zip(lay.holders(me), lay.window_chunks(me, w)):
-                t1.stage_delta(holder, c, old)
+        inflight: list = []
+        for w in range(lay.n_windows + PIPELINE):
             b = time.perf_counter()
-            t1.absorb_window(comm, w, 1)
+            if inflight and (len(inflight) == PIPELINE or w >= lay.n_windows):
+                ow, pending = inflight.pop(0)
+                t1.finish_window(comm, pending, ow, 1)
+            a = time.perf_counter()
+            coll += a - b
+            if w >= lay.n_windows:
+                continue
+            for holder, c in zip(lay.holders(me), lay.window_chunks(me, w)):
+                t1.stage_delta(w, holder, c, old)
+            b = time.perf_counter()
+            inflight.append((w, t1.start_window(comm, w)))
             stage, coll = stage + b - a, coll + time.perf_counter() - b
         out["total"].append(time.perf_counter() - t0)
         out["stage"].append(stage)

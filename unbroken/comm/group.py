@@ -16,6 +16,13 @@ import torch
 import torch.distributed as dist
 
 
+class Pending:
+    """An issued collective: done when `done` is set; `error` holds its exception, if any."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.done, self.error = what, threading.Event(), []
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the job must move to a new generation."""
 
@@ -42,45 +49,57 @@ class Comm:
         retired.append(self)
 
     # --- waiting -------------------------------------------------------------------
-    def _wait(self, work: dist.Work, what: str) -> None:
-        # Not every gloo op implements is_completed()/futures (reduce_scatter does not), so a
-        # daemon thread does the blocking wait while we poll for deadline and supersession.
-        done, error = threading.Event(), []
+    def start(self, work: dist.Work, what: str) -> "Pending":
+        """Hand `work` to a daemon thread that does the blocking wait; finish it later.
+
+        Not every gloo op implements is_completed()/futures (reduce_scatter does not), so a
+        thread waits while the caller blocks on an Event it can time out of.
+        """
+        p = Pending(what)
 
         def waiter() -> None:
             try:
                 work.wait()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller below
-                error.append(e)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller in finish()
+                p.error.append(e)
             finally:
-                done.set()
+                p.done.set()
 
         threading.Thread(target=waiter, name=f"unbroken-wait-{what}", daemon=True).start()
+        return p
+
+    def finish(self, p: "Pending") -> None:
+        """Block until `p` completes: raise CollectiveError on failure, deadline or a newer generation."""
         start = time.monotonic()
+        deadline = start + self.timeout_s
         try:
-            self._poll(done, error, what, start)
+            # Event.wait returns as soon as the op completes; the slice only paces the
+            # checks for a newer generation and the deadline.
+            while not p.done.wait(0.02):
+                if self._interrupted():
+                    raise GenerationChanged(f"{p.what}: generation {self.gen} superseded while waiting")
+                if time.monotonic() > deadline:
+                    raise CollectiveError(f"{p.what} in generation {self.gen} (rank {self.rank}/{self.world}) "
+                                          f"did not finish within {self.timeout_s:.1f}s")
         finally:
             self.waited_s += time.monotonic() - start
+        if p.error:
+            raise CollectiveError(f"{p.what} failed in generation {self.gen}: "
+                                  f"{str(p.error[0]).splitlines()[0][:200]}") from p.error[0]
 
-    def _poll(self, done: threading.Event, error: list, what: str, start: float) -> None:
-        deadline = start + self.timeout_s
-        polls = 0
-        while not done.wait(0.0005 if polls < 200 else 0.002):
-            polls += 1
-            if polls % 20 == 0 and self._interrupted():
-                raise GenerationChanged(f"{what}: generation {self.gen} superseded while waiting")
-            if time.monotonic() > deadline:
-                raise CollectiveError(f"{what} in generation {self.gen} (rank {self.rank}/{self.world}) "
-                                      f"did not finish within {self.timeout_s:.1f}s")
-        if error:
-            raise CollectiveError(f"{what} failed in generation {self.gen}: "
-                                  f"{str(error[0]).splitlines()[0][:200]}") from error[0]
+    def _wait(self, work: dist.Work, what: str) -> None:
+        self.finish(self.start(work, what))
 
     # --- collectives ---------------------------------------------------------------
     def allreduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, what: str = "allreduce") -> None:
+        self.finish(self.allreduce_start(t, op, what))
+
+    def allreduce_start(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                        what: str = "allreduce") -> "Pending":
+        """Issue an all-reduce and return at once; `finish()` it later (ops complete in issue order)."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self._wait(self.pg.allreduce([t], opts), what)
+        return self.start(self.pg.allreduce([t], opts), what)
 
     def broadcast(self, t: torch.Tensor, src: int, what: str = "broadcast") -> None:
         opts = dist.BroadcastOptions()

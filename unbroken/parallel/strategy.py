@@ -16,7 +16,7 @@ from unbroken.comm.group import Comm
 from unbroken.parallel.adamw import AdamW
 from unbroken.parallel.flat import FlatModel
 from unbroken.protect.chunks import ChunkedState
-from unbroken.protect.tier1 import ParityLayout, Tier1
+from unbroken.protect.tier1 import PIPELINE, ParityLayout, Tier1
 from unbroken.protect.txn import StepScalars, TxnLog
 
 Point = Callable[[str, int], None]  # fault-injection hook: point(phase, chunk)
@@ -38,7 +38,9 @@ class OwnedState:
         self.layout = ParityLayout(self.k, self.state.n_chunks) if self.k >= 2 else None
         self.member = rank % self.k
         n_parity = self.layout.n_windows if self.layout else 0
-        self.txn = TxnLog(self.state.n_chunks, n_parity, self.state.chunk_shape, undo_slots=2 * max(1, self.k - 1))
+        # undo lives from a window's update until the collective PIPELINE windows later completes
+        self.txn = TxnLog(self.state.n_chunks, n_parity, self.state.chunk_shape,
+                          undo_slots=(PIPELINE + 2) * max(1, self.k - 1))
         self.tier1 = Tier1(self.state, self.layout, self.member, self.txn) if self.layout else None
         self._shard_copy = torch.zeros(n) if sharded else None
 
@@ -63,19 +65,28 @@ class OwnedState:
                 point("optimizer", c)
                 self.apply_chunk(c, s, point)
             return
-        lay, undo_prev = self.layout, []
+        lay, inflight, undo = self.layout, [], {}
         for w in range(lay.n_windows):
+            if len(inflight) == PIPELINE:
+                self._finish_oldest(group, inflight, undo, s.step)
             chunks = lay.window_chunks(self.member, w)
             for holder, c in zip(lay.holders(self.member), chunks):
                 point("optimizer", c)
-                undo = self.state.pack(c, self.txn.undo_buffer(c))
+                old = self.state.pack(c, self.txn.undo_buffer(c))
                 self.apply_chunk(c, s, point)
-                self.tier1.stage_delta(holder, c, undo)
+                self.tier1.stage_delta(w, holder, c, old)
+            undo[w] = chunks
             point("parity", w)
-            self.tier1.absorb_window(group, w, s.step)
-            # Collective w completed here, so every holder absorbed window w-1: drop its undo.
-            self.txn.release(undo_prev)
-            undo_prev = chunks
+            inflight.append((w, self.tier1.start_window(group, w)))
+        while inflight:
+            self._finish_oldest(group, inflight, undo, s.step)
+
+    def _finish_oldest(self, group: Comm, inflight: list, undo: dict, step: int) -> None:
+        w, pending = inflight.pop(0)
+        self.tier1.finish_window(group, pending, w, step)
+        # Every rank issues window w's collective only after it finished window w-PIPELINE's.
+        # So w completing here means every holder has absorbed window w-PIPELINE: drop its undo.
+        self.txn.release(undo.pop(w - PIPELINE, []))
 
     def commit(self, world: Comm) -> None:
         """Make the step visible everywhere: all-gather the updated parameter shards."""

@@ -4,8 +4,10 @@ A parity group has k members, each with C chunks (C a multiple of k-1). Window w
 spans rows w*k .. w*k+k-1; row w*k+s has its parity on member s and one data chunk
 from every other member. So each member stores C/(k-1) parity chunks: memory
 overhead 1/(k-1), no member holds more than its share. One reduce-scatter with
-ReduceOp.BXOR over a window delivers every row's parity (or parity delta) to its
-holder at once.
+ReduceOp.BXOR all-reduce over a window's k slots delivers every row's parity (or
+parity delta) to its holder at once (gloo's all-reduce is ~2x faster here than its
+reduce-scatter, which moves less data but is poorly optimized). Windows are pipelined:
+up to PIPELINE collectives are in flight while the next window is being updated.
 
 Every packed chunk carries a trailer of k int32 words; member i writes the CRC-32 of its
 chunk into word i. XOR keeps distinct words apart, so each parity chunk also holds the
@@ -21,9 +23,12 @@ import torch
 
 from unbroken.protect.chunks import ChunkedState
 from unbroken.protect.txn import TxnLog
-from unbroken.comm.group import Comm
+import torch.distributed as dist
+
+from unbroken.comm.group import Comm, Pending
 
 _BUILD_BATCH_WINDOWS = 8
+PIPELINE = 2  # window collectives in flight at once during an update
 
 
 class CorruptParity(RuntimeError):
@@ -66,8 +71,8 @@ class Tier1:
         self.state, self.layout, self.member, self.txn = state, layout, member, txn
         shape = state.chunk_shape
         self.parity = torch.zeros((layout.n_windows, *shape), dtype=torch.int32)
-        self._deltas = torch.zeros((layout.k, *shape), dtype=torch.int32)   # one window's inputs
-        self._received = torch.zeros(shape, dtype=torch.int32)
+        # Rotating per-window buffers: k slots (slot s = the delta for holder s).
+        self._windows = torch.zeros((PIPELINE + 1, layout.k, *shape), dtype=torch.int32)
         self.bytes_protected = state.n_chunks * state.chunk_bytes
         assert state.trailer_words >= layout.k, "ChunkedState needs a trailer of k words for checksums"
         self.crcs = [0] * state.n_chunks  # CRC-32 of our chunks as the parity knows them
@@ -86,21 +91,22 @@ class Tier1:
         lay, j = self.layout, self.member
         for w0 in range(0, lay.n_windows, _BUILD_BATCH_WINDOWS):
             ws = range(w0, min(w0 + _BUILD_BATCH_WINDOWS, lay.n_windows))
-            inputs = [torch.zeros((len(ws), *self.state.chunk_shape), dtype=torch.int32) for _ in range(lay.k)]
+            buf = torch.zeros((len(ws), lay.k, *self.state.chunk_shape), dtype=torch.int32)
             for s in lay.holders(j):
                 for i, w in enumerate(ws):
                     c = lay.chunk(j, w, s)
-                    self.state.pack(c, inputs[s][i])
+                    self.state.pack(c, buf[i, s])
                     self.crcs[c] = self.state.crc(c)
-                    inputs[s][i][self._crc_word()] = self.crcs[c]
-            comm.reduce_scatter_xor(self.parity[w0:w0 + len(ws)], inputs, what=f"parity build windows {w0}+")
+                    buf[i, s, self._crc_word()] = self.crcs[c]
+            comm.allreduce(buf, op=dist.ReduceOp.BXOR, what=f"parity build windows {w0}+")
+            self.parity[w0:w0 + len(ws)].copy_(buf[:, j])
         self.txn.parity_ver[:] = step
         return time.perf_counter() - t0
 
     # --- per-step deltas -----------------------------------------------------------
-    def stage_delta(self, holder: int, c: int, old: torch.Tensor) -> None:
+    def stage_delta(self, w: int, holder: int, c: int, old: torch.Tensor) -> None:
         """Chunk c (row (w, holder)) was just updated from `old`: stage old XOR new, checksums too."""
-        d, dw = self._deltas[holder], self.state.data_words
+        d, dw = self._windows[w % (PIPELINE + 1), holder], self.state.data_words
         self.state.pack(c, d)
         d[:dw].bitwise_xor_(old[:dw])
         d[dw:].zero_()
@@ -108,11 +114,16 @@ class Tier1:
         d[self._crc_word()] = self.crcs[c] ^ new
         self.crcs[c] = new
 
-    def absorb_window(self, comm: Comm, w: int, step: int) -> None:
-        """Send this window's deltas to their holders; XOR what we receive into our parity."""
-        self._deltas[self.member].zero_()
-        comm.reduce_scatter_xor(self._received, list(self._deltas), what=f"parity delta window {w}")
-        self.parity[w].bitwise_xor_(self._received)
+    def start_window(self, comm: Comm, w: int) -> Pending:
+        """Issue window w's all-reduce of staged deltas (our own slot carries nothing)."""
+        buf = self._windows[w % (PIPELINE + 1)]
+        buf[self.member].zero_()
+        return comm.allreduce_start(buf, op=dist.ReduceOp.BXOR, what=f"parity delta window {w}")
+
+    def finish_window(self, comm: Comm, pending: Pending, w: int, step: int) -> None:
+        """Wait for window w's all-reduce; XOR our row's delta into our parity chunk."""
+        comm.finish(pending)
+        self.parity[w].bitwise_xor_(self._windows[w % (PIPELINE + 1), self.member])
         self.txn.parity_absorbed(w, step)
 
     # --- recovery ------------------------------------------------------------------
