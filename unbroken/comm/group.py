@@ -42,8 +42,24 @@ class Comm:
         self.rank, self.world, self.gen, self.timeout_s = rank, world, gen, timeout_s
         self._interrupted = interrupted or (lambda: False)
         self.waited_s = 0.0  # total time spent inside collectives (straggler evidence)
-        # Rendezvous (full mesh connect) itself is bounded by the group timeout.
-        self.pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
+        self.pg = self._rendezvous(store)
+
+    def _rendezvous(self, store: dist.Store) -> dist.ProcessGroupGloo:
+        """Connect the full mesh in a helper thread, so that a generation superseded while we
+        wait (a member died before connecting) releases us at once instead of at the timeout."""
+        p, box = Pending(f"rendezvous of generation {self.gen}"), []
+
+        def connect() -> None:
+            try:
+                box.append(dist.ProcessGroupGloo(store, self.rank, self.world, timedelta(seconds=self.timeout_s)))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller in finish()
+                p.error.append(e)
+            finally:
+                p.done.set()
+
+        threading.Thread(target=connect, name=p.what, daemon=True).start()
+        self.finish(p)
+        return box[0]
 
     def retire(self) -> None:
         retired.append(self)

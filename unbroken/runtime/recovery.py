@@ -37,15 +37,16 @@ def recover(tr: "Trainer", *, new_member: bool) -> None:
 
     ctx = tr.ctx
     ctx.set_phase("recovery")
-    joined = new_member  # a shadow has already joined the generation that took it in
-    while True:  # a failure during recovery moves everyone to the next generation
+    while True:  # a failure during recovery (or a newer generation) moves everyone on
         try:
-            if not joined:
-                t0 = time.time()
-                tr._join(membership.wait_newer_generation(ctx.store, tr.gen.gen, tr.cfg.collective_timeout_s))
-                _phase(tr, "regroup", t0)
+            t0 = time.time()
+            tr._join(membership.wait_newer_generation(ctx.store, tr.gen.gen if tr.gen else -1,
+                                                      tr.cfg.collective_timeout_s))
+            if tr.gen.members.get(tr.rank) != ctx.proc:
+                raise RecoveryFailed(f"{ctx.proc} is no longer rank {tr.rank} in generation {tr.gen.gen}")
+            _phase(tr, "regroup", t0)
+            if tr.has_state:
                 tr._point("recovery", tr.step_count + 1)
-            joined = False
             _rebuild(tr, new_member=not tr.has_state)
             tr.has_state = True
             return

@@ -142,17 +142,21 @@ class Supervisor:
             self._start_shadow()
 
     # --- detection -----------------------------------------------------------------
-    def _check_exits(self) -> None:
+    def _check_exits(self) -> bool:
+        """Reap children that exited and feed them to the detectors; True if any did."""
+        seen = False
         for c in list(self.table.children.values()):
             code = None if c.reaped else c.poll()
             if code is None:
                 continue
+            seen = True
             c.reaped = True
             rank = self._rank_of(c.proc)
             self.events.emit("process_exited", pid=c.pid, proc=c.proc, returncode=code,
                              signal=-code if code < 0 else None, rank=rank)
             if self.status != "stopping" and c.proc not in self.killed:
                 self.watch.exited(c, rank, code)
+        return seen
 
     def _detect(self) -> None:
         """Run the detectors; record each finding and its classification, then act."""
@@ -321,8 +325,8 @@ class Supervisor:
         next_beat = 0.0
         while True:
             now = time.time()
-            self._check_exits()
-            if now >= next_beat:
+            exited = self._check_exits()
+            if exited or now >= next_beat:  # an exit is acted on at once, not at the next beat
                 next_beat = now + self.cfg.heartbeat_s / 2
                 self._detect()
             if self.store.check(["abort"]):

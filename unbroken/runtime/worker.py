@@ -121,11 +121,13 @@ class Trainer:
         self.has_state = False
         rank, gen = wait_for_assignment(self.ctx)
         self._build_state(rank)
+        self.gen = None
         self.ctx.set_phase("shadow", 0)
         self._point("shadow")
         from unbroken.runtime.recovery import recover
 
-        self._join(gen)
+        # Join the newest generation, not necessarily the one that assigned us: a second
+        # failure may already have superseded it.
         recover(self, new_member=True)
 
     def _join(self, gen: membership.Generation) -> None:
