@@ -133,12 +133,6 @@ class Comm:
         outs = [out[i * n:(i + 1) * n] for i in range(self.world)]
         self._wait(self.pg.allgather([outs], [mine]), what)
 
-    def reduce_scatter_xor(self, out: torch.Tensor, inputs: list[torch.Tensor], what: str = "parity") -> None:
-        """out = XOR over ranks of their inputs[self.rank] (integer tensors)."""
-        opts = dist.ReduceScatterOptions()
-        opts.reduceOp = dist.ReduceOp.BXOR
-        self._wait(self.pg.reduce_scatter([out], [inputs], opts), what)
-
     def allgather_object(self, obj: object, what: str = "allgather_object") -> list:
         """Small metadata exchange: pickled into a fixed-size byte tensor."""
         import pickle

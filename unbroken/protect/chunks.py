@@ -6,7 +6,6 @@ that a transaction updates, and that recovery decodes.
 """
 from __future__ import annotations
 
-import hashlib
 import zlib
 
 import torch
@@ -68,9 +67,3 @@ class ChunkedState:
     def crc_of_packed(buf: torch.Tensor, data_words: int) -> int:
         crc = zlib.crc32(buf[:data_words].numpy())
         return crc - (1 << 32) if crc >= (1 << 31) else crc
-
-    def digest(self) -> str:
-        h = hashlib.sha256()
-        for w in self.words:
-            h.update(w.numpy().tobytes())
-        return h.hexdigest()

@@ -69,10 +69,6 @@ class TxnLog:
     def release_all(self) -> None:
         self.release(list(self._undo))
 
-    @property
-    def undo_held(self) -> list[int]:
-        return sorted(self._undo)
-
     # --- recovery -----------------------------------------------------------------------
     def chunk_at(self, c: int, version: int, current: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Chunk c's bytes at `version`, from its current bytes or its undo slot."""

@@ -40,15 +40,6 @@ class Child:
         return self.popen.poll()
 
 
-def exit_description(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with status {code}"
-
-
 class ProcessTable:
     def __init__(self, run_dir: Path, base_env: dict[str, str], script: list[str]) -> None:
         self.run_dir, self.base_env, self.script = run_dir, base_env, script
@@ -95,10 +86,3 @@ class ProcessTable:
         for c in self.children.values():
             if c.poll() is None:
                 self.kill(c)
-
-    def log_tail(self, proc: str, lines: int = 15) -> str:
-        p = self.run_dir / "logs" / f"{proc}.log"
-        try:
-            return "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""

@@ -41,8 +41,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, *, console: Console | None = Non
     if opts.node_rank == 0:
         prepare_run_dir(cfg, opts.run_dir)
     else:
-        opts.run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(opts.run_dir / "config.json", cfg.to_dict())
+        opts.run_dir.mkdir(parents=True, exist_ok=True)  # the supervisor writes node 0's config here
     t0 = time.time()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
                   TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
@@ -56,13 +55,26 @@ def launch(cfg: RunConfig, opts: LaunchOptions, *, console: Console | None = Non
             tps = f"{info['tokens_per_s']:.0f}" if "tokens_per_s" in info else "-"
             bar.update(task, completed=info.get("step", 0), description=desc, loss=loss, tps=tps)
 
-        sup = Supervisor(cfg, opts, on_progress=show)
+        try:
+            sup = Supervisor(cfg, opts, on_progress=show)
+        except Exception:
+            _remove_unstarted(opts.run_dir)  # refused before any process ran: leave nothing behind
+            raise
         sup.run()
     if opts.node_rank != 0:
         return {"node": opts.node_rank, "wall_s": time.time() - t0}
     summary = summarize(cfg, opts.run_dir, wall_s=time.time() - t0)
     atomic_write_json(opts.run_dir / "summary.json", summary)
     return summary
+
+
+def _remove_unstarted(run_dir: Path) -> None:
+    """Delete a run directory that holds only what launch() wrote before the job started."""
+    names = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
+    if names <= {"config.json", "events.jsonl"}:
+        for n in names:
+            (run_dir / n).unlink()
+        run_dir.rmdir()
 
 
 def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float) -> dict:

@@ -12,7 +12,7 @@ import json
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from unbroken.config import RunConfig
 from unbroken.events import EventLog
+from unbroken.fsutil import atomic_write_json
 from unbroken.runtime import auth, membership
 from unbroken.runtime.faults import FaultSpec
 from unbroken.runtime.procs import Child, ProcessTable
@@ -67,6 +68,8 @@ class Supervisor:
         self.run_dir = opts.run_dir
         self.events = EventLog(self.run_dir / "events.jsonl", source="supervisor", node=self.node)
         self.store = self._open_store()
+        self._agree_on_config()
+        cfg = self.cfg
         env = {"MASTER_ADDR": opts.host, "MASTER_PORT": str(self.port), "WORLD_SIZE": str(cfg.world_size),
                "NNODES": str(opts.nnodes), "NODE_RANK": str(self.node), "UNBROKEN_RUN_DIR": str(self.run_dir),
                "UNBROKEN_FAULTS": json.dumps([str(f) for f in opts.faults]), "OMP_NUM_THREADS": str(cfg.threads)}
@@ -104,6 +107,19 @@ class Supervisor:
         else:
             self._join(store)
         return store
+
+    def _agree_on_config(self) -> None:
+        """Node 0's config is the job's: joiners take it (and write it where their workers read it)."""
+        if self.leader:
+            self.store.set("config", json.dumps(self.cfg.to_dict()))
+            return
+        self.store.wait(["config"], timedelta(seconds=30))
+        theirs = RunConfig.from_dict(json.loads(self.store.get("config")))
+        if theirs != self.cfg:
+            self.events.emit("warning", message=f"node {self.node}: using node 0's config (it differs from this "
+                                                "node's flags/file)")
+        self.cfg = theirs
+        atomic_write_json(self.run_dir / "config.json", theirs.to_dict())
 
     def _join(self, store: dist.Store) -> None:
         store.wait(["auth/nonce"], timedelta(seconds=30))
@@ -160,7 +176,7 @@ class Supervisor:
 
     def _detect(self) -> None:
         """Run the detectors; record each finding and its classification, then act."""
-        if self.status == "stopping":
+        if self.status in ("stopping", "excluded"):
             return
         for f, d in self.watch.poll(self.store, list(self.table.children.values()), self._rank_of):
             self.events.emit("fault_detected", rank=f.rank, **f.event_fields())
@@ -177,9 +193,27 @@ class Supervisor:
                                  rank=f.rank)
                 self.table.kill(child)
             occurred = f.time - float(f.evidence.get("last_heartbeat_age_s") or 0.0) if f.fault == "hang" else f.time
-            i = self.store.add("faults/n", 1) - 1
-            membership.put(self.store, f"faults/{i}", {"proc": f.proc, "fault": f.fault, "time": f.time,
-                                                       "occurred": occurred, "node": self.node, "action": d.action})
+            self._hand_to_leader(f.proc, f.fault, f.time, occurred, d.action)
+        if self.node != 0 and self.store.check([f"excluded/{self.node}"]):
+            self._leave_excluded_node()
+
+    def _hand_to_leader(self, proc: str, fault: str, t: float, occurred: float, action: str) -> None:
+        i = self.store.add("faults/n", 1) - 1
+        membership.put(self.store, f"faults/{i}", {"proc": proc, "fault": fault, "time": t,
+                                                   "occurred": occurred, "node": self.node, "action": action})
+
+    def _leave_excluded_node(self) -> None:
+        """This node was excluded: stop every process here; the leader moves our ranks elsewhere."""
+        for c in self.table.children.values():
+            if c.poll() is not None:
+                continue
+            self.killed.add(c.proc)
+            self.events.emit("process_killed", pid=c.pid, proc=c.proc, why=f"node {self.node} excluded",
+                             rank=self._rank_of(c.proc))
+            self.table.kill(c)
+            if self._rank_of(c.proc) is not None:
+                self._hand_to_leader(c.proc, "excluded", time.time(), time.time(), "exclude_node")
+        self.status = "excluded"
 
     def _rank_of(self, proc: str) -> int | None:
         if self.gen is None:
@@ -336,7 +370,7 @@ class Supervisor:
                 if self._all_done():
                     return
                 self._progress()
-            elif self.store.check(["shutdown"]):
+            elif self.status == "excluded" or self.store.check(["shutdown"]):
                 return
             self._replenish()
             time.sleep(_TICK_S)
