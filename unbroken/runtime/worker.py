@@ -54,6 +54,7 @@ class Trainer:
         self.comm: Comm | None = None
         self.group: Comm | None = None
         self.gen: membership.Generation | None = None
+        self._pg_stores: list = []  # one store connection per generation's groups, kept alive
         self._nan_pending = False
         self._slow_s = 0.0  # injected straggling (fault kind `slow`): extra seconds per step
         self._waited = 0.0
@@ -139,13 +140,17 @@ class Trainer:
         self.ctx.phase["gen"] = gen.gen
         self.ctx.events.gen = gen.gen
         stale = lambda: membership.latest_gen(store) > gen.gen  # noqa: E731
-        self.comm = Comm(membership.group_store(store, gen.gen), rank=self.rank, world=self.world_size,
+        # The group's rendezvous gets its own store connection: a TCPStore client serves one
+        # request at a time, and `stale` must be able to ask while the rendezvous blocks.
+        pg_store = membership.connect_store(self.ctx.host, self.ctx.port, timeout_s=cfg.collective_timeout_s)
+        self._pg_stores.append(pg_store)
+        self.comm = Comm(membership.group_store(pg_store, gen.gen), rank=self.rank, world=self.world_size,
                          gen=gen.gen, timeout_s=cfg.collective_timeout_s, interrupted=stale)
         k = self.owned.k
         if k < 2 or k == self.world_size:
             self.group = self.comm
         else:
-            self.group = Comm(membership.group_store(store, gen.gen, f"parity{self.rank // k}"),
+            self.group = Comm(membership.group_store(pg_store, gen.gen, f"parity{self.rank // k}"),
                               rank=self.rank % k, world=k, gen=gen.gen,
                               timeout_s=cfg.collective_timeout_s, interrupted=stale)
 
