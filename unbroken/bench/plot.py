@@ -1,15 +1,9 @@
 """The recovery timeline figure (PNG): step reached against wall time, one line per system, kills marked."""
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from unbroken.fsutil import atomic_write_bytes  # noqa: E402
+from unbroken.figures import plt, save_png
 
 
 def plot_timelines(series: dict[str, dict], path: str | Path, *, title: str) -> None:
@@ -27,9 +21,7 @@ def plot_timelines(series: dict[str, dict], path: str | Path, *, title: str) -> 
         ax.grid(True, alpha=0.3)
         ax.set_title(title, fontsize=10)
         ax.legend(loc="upper left", fontsize=8)
-        buf = io.BytesIO()
         fig.tight_layout()
-        fig.savefig(buf, format="png")
+        save_png(fig, path)
     finally:
         plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())

@@ -5,11 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from unbroken.figures import plt, save_png  # first: selects the Agg backend
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (backend first)
-from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402,I001
 from matplotlib.patches import Patch  # noqa: E402
 
 from unbroken.detect.report import RunLog, as_int, recovery_intervals, run_bounds  # noqa: E402
@@ -83,8 +81,7 @@ def draw_timeline(runs: list[RunLog], report: dict[str, Any], path: Path) -> Pat
         fig.suptitle(title, fontsize=11)
         fig.legend(handles=_legend(), loc="upper right", fontsize=7, ncol=4)
         fig.tight_layout(rect=(0, 0, 1, 0.95))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
+        save_png(fig, path, dpi=110)
     finally:
         plt.close(fig)
     return path

@@ -1,16 +1,10 @@
 """The ETTR-versus-cluster-size figure (PNG), one line per policy with its 95% band."""
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from unbroken.fsutil import atomic_write_bytes  # noqa: E402
-from unbroken.sim.montecarlo import Summary  # noqa: E402
+from unbroken.figures import plt, save_png
+from unbroken.sim.montecarlo import Summary
 
 
 def plot_ettr(curves: dict[str, list[Summary]], path: str | Path, *, title: str) -> None:
@@ -31,9 +25,7 @@ def plot_ettr(curves: dict[str, list[Summary]], path: str | Path, *, title: str)
         ax.grid(True, which="major", alpha=0.3)
         ax.set_title(title, fontsize=10)
         ax.legend(loc="lower left")
-        buf = io.BytesIO()
         fig.tight_layout()
-        fig.savefig(buf, format="png")
+        save_png(fig, path)
     finally:
         plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
