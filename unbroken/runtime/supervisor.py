@@ -356,24 +356,34 @@ class Supervisor:
             time.sleep(0.05)
 
     def _loop(self) -> None:
+        """Every tick: reap exits and take fault reports (recovery latency); every half
+        heartbeat: detectors, bookkeeping and the pool (store round trips cost CPU the
+        workers need)."""
         next_beat = 0.0
         while True:
             now = time.time()
             exited = self._check_exits()
+            if self.leader:
+                self._take_faults()
             if exited or now >= next_beat:  # an exit is acted on at once, not at the next beat
                 next_beat = now + self.cfg.heartbeat_s / 2
                 self._detect()
-            if self.store.check(["abort"]):
-                raise LaunchError(f"the job cannot run: {self.store.get('abort').decode()}")
-            if self.leader:
-                self._take_faults()
-                if self._all_done():
+                if self._bookkeeping():
                     return
-                self._progress()
-            elif self.status == "excluded" or self.store.check(["shutdown"]):
-                return
-            self._replenish()
             time.sleep(_TICK_S)
+
+    def _bookkeeping(self) -> bool:
+        """Abort, completion, progress and the shadow pool; True when this supervisor is done."""
+        if self.store.check(["abort"]):
+            raise LaunchError(f"the job cannot run: {self.store.get('abort').decode()}")
+        if self.leader:
+            if self._all_done():
+                return True
+            self._progress()
+        elif self.status == "excluded" or self.store.check(["shutdown"]):
+            return True
+        self._replenish()
+        return False
 
     def _progress(self) -> None:
         info = membership.get(self.store, "progress") or {}
