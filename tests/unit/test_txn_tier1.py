@@ -113,14 +113,13 @@ def test_parity_build_delta_and_decode_bitwise(k, windows, lost, seed):
                 t[c * elems:(c + 1) * elems] += 1.0
             m.txn.commit_chunk(c, 1)
             m.t1.stage_delta(0, s, c, undo)
-    # window 0's all-reduce, done in-process: each holder absorbs the XOR of the deltas for it
-    bufs = [m.t1._windows[0] for m in members]
-    for j, b in enumerate(bufs):
-        b[j].zero_()
-    _xor_allreduce(bufs)
+    # window 0's all-to-all, done in-process: member j's outgoing slot s lands in holder s's
+    # incoming slot j; then every holder absorbs what it received
     for j, m in enumerate(members):
-        m.t1.parity[0] ^= bufs[j][j]
-        m.txn.parity_absorbed(0, 1)
+        for s in m.t1.layout.holders(j):
+            members[s].t1._incoming[0][j].copy_(m.t1._windows[0][s])
+    for m in members:
+        m.t1.absorb(0, 1)
     expected = [t.clone() for t in members[lost].tensors]
     pv = [m.txn.parity_ver.tolist() for m in members]
     decoded = _decode(members, lost, pv)

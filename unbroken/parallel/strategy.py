@@ -1,7 +1,7 @@
 """The optimizer state a rank owns and the chunked, transactional update of it.
 
 `zero1`: rank r owns shard r of the flat parameters and its Adam moments, updates it
-chunk by chunk, sends each window's parity delta to its holders, then all ranks
+chunk by chunk, sends each window's parity deltas to their holders (one all-to-all), then all ranks
 all-gather the parameters. `ddp`: every rank owns everything (replicated); no parity
 is needed because any survivor is a copy.
 """
@@ -38,9 +38,10 @@ class OwnedState:
         self.layout = ParityLayout(self.k, self.state.n_chunks) if self.k >= 2 else None
         self.member = rank % self.k
         n_parity = self.layout.n_windows if self.layout else 0
-        # undo lives from a window's update until the collective PIPELINE windows later completes
+        # a window's undo lives until the exchange PIPELINE windows later completes (see
+        # _finish_oldest): at most 2*PIPELINE windows of k-1 chunks are held at once
         self.txn = TxnLog(self.state.n_chunks, n_parity, self.state.chunk_shape,
-                          undo_slots=(PIPELINE + 2) * max(1, self.k - 1))
+                          undo_slots=2 * PIPELINE * max(1, self.k - 1))
         self.tier1 = Tier1(self.state, self.layout, self.member, self.txn) if self.layout else None
         self._shard_copy = torch.zeros(n) if sharded else None
 

@@ -6,8 +6,7 @@ that a transaction updates, and that recovery decodes.
 """
 from __future__ import annotations
 
-import zlib
-
+import google_crc32c
 import torch
 
 
@@ -57,13 +56,24 @@ class ChunkedState:
         return torch.zeros(self.chunk_shape, dtype=torch.int32)
 
     def crc(self, c: int) -> int:
-        """CRC-32 of chunk c's data (about 4 GB/s here), as a signed int32 value."""
+        """CRC-32C of chunk c's data, as a signed int32 value (the hardware CRC instruction:
+        ~25 GB/s here, 6x zlib's CRC-32; it runs on every chunk of every step)."""
         sl, crc = self._sl(c), 0
         for w in self.words:
-            crc = zlib.crc32(w[sl].numpy(), crc)
-        return crc - (1 << 32) if crc >= (1 << 31) else crc
+            crc = google_crc32c.extend(crc, w[sl].numpy())
+        return _signed(crc)
 
     @staticmethod
     def crc_of_packed(buf: torch.Tensor, data_words: int) -> int:
-        crc = zlib.crc32(buf[:data_words].numpy())
-        return crc - (1 << 32) if crc >= (1 << 31) else crc
+        return _signed(google_crc32c.value(buf[:data_words].numpy()))
+
+    def xor_into(self, c: int, old: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out[:data_words] = chunk c's current words XOR `old` (a packed chunk): one pass."""
+        sl, e = self._sl(c), self.chunk_elems
+        for i, w in enumerate(self.words):
+            torch.bitwise_xor(w[sl], old[i * e:(i + 1) * e], out=out[i * e:(i + 1) * e])
+        return out
+
+
+def _signed(crc: int) -> int:
+    return crc - (1 << 32) if crc >= (1 << 31) else crc

@@ -61,6 +61,7 @@ class Trainer:
         self._norms: list[float] = []  # recent gradient norms (spike detection)
         self.redo_since: float | None = None
         self._t_step = time.perf_counter()
+        self._phase_s: dict[str, float] = {}
         ctx.start_heartbeat()
         if ctx.role == "shadow":
             self._serve_as_shadow()
@@ -136,6 +137,8 @@ class Trainer:
         store, cfg = self.ctx.store, self.cfg
         if self.comm is not None:
             self.comm.retire()
+        if self.group is not None and self.group is not self.comm:
+            self.group.retire()
         self.gen = gen
         self.ctx.phase["gen"] = gen.gen
         self.ctx.events.gen = gen.gen
@@ -186,6 +189,7 @@ class Trainer:
 
     def _attempt(self, t: int, closure: Callable[[], torch.Tensor]) -> None:
         ctx, flat = self.ctx, self.owned.flat
+        t0 = time.perf_counter()
         ctx.set_phase("forward", t)
         self._point("forward", t)
         if self._slow_s:
@@ -201,6 +205,7 @@ class Trainer:
             flat.grads[0] = float("nan")
         ctx.set_phase("allreduce")
         self._point("allreduce", t)
+        t1 = time.perf_counter()
         self.grads_step = None
         self.comm.allreduce(flat.grads, what=f"gradient all-reduce step {t}")
         flat.grads.div_(self.world_size)
@@ -209,10 +214,15 @@ class Trainer:
         self.grads_step = t
         self.scalars = self.optim.scalars(t, norm)
         ctx.set_phase("optimizer")
+        t2 = time.perf_counter()
         self.owned.update(self.scalars, self.group, lambda phase, c: self._point(phase, t, c))
         ctx.set_phase("allgather")
         self._point("allgather", t)
+        t3 = time.perf_counter()
         self.owned.commit(self.comm)
+        t4 = time.perf_counter()
+        # where the step's time went: compute, gradient all-reduce, update (+parity), all-gather
+        self._phase_s = {"compute": t1 - t0, "allreduce": t2 - t1, "update": t3 - t2, "allgather": t4 - t3}
         self._finish_step(t, float(flat.grads[-1]))
 
     def _finish_step(self, t: int, loss: float) -> None:
@@ -224,8 +234,10 @@ class Trainer:
         wait_s, self._waited = max(0.0, waited - self._waited), waited
         # Heartbeats pair `step` (being executed) with the times of step-1: update them together.
         self.ctx.phase.update({"step": t + 1, "step_s": step_s, "wait_s": wait_s})
+        parts = {f"{k}_s": round(v, 4) for k, v in self._phase_s.items()}
+        self._phase_s = {}
         self.ctx.events.emit("step", step=t, loss=round(loss, 6), step_s=round(step_s, 4),
-                             wait_s=round(wait_s, 4), tokens=tokens)
+                             wait_s=round(wait_s, 4), tokens=tokens, **parts)
         if self.redo_since is not None:
             from unbroken.runtime.recovery import reporter
 
