@@ -117,8 +117,8 @@ class Comm:
         deadline = start + self.timeout_s
         try:
             # Event.wait returns as soon as the op completes; the slice only paces the
-            # checks for a newer generation and the deadline.
-            while not p.done.wait(0.02):
+            # checks for a newer generation (a memory read: see GenerationWatch) and the deadline.
+            while not p.done.wait(0.005):
                 if self._interrupted():
                     raise GenerationChanged(f"{p.what}: generation {self.gen} superseded while waiting")
                 if time.monotonic() > deadline:
@@ -164,20 +164,28 @@ class Comm:
         outs = [out[i * n:(i + 1) * n] for i in range(self.world)]
         self._wait(self.pg.allgather([outs], [mine]), what)
 
-    def allgather_object(self, obj: object, what: str = "allgather_object") -> list:
-        """Small metadata exchange: pickled into a fixed-size byte tensor."""
+    def allgather_object(self, obj: object, what: str = "allgather_object", cap: int = 16 << 10) -> list:
+        """Small metadata exchange, pickled. One all-gather of `cap`-byte slots; only when some
+        rank's object is bigger does a second round with slots of the largest size follow."""
         import pickle
 
         data = pickle.dumps(obj)
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        sizes = torch.zeros(self.world, dtype=torch.int64)
-        self.allgather_into(sizes, size, what + ":sizes")
-        cap = int(sizes.max())
-        buf = torch.zeros(cap, dtype=torch.uint8)
-        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = torch.zeros(cap * self.world, dtype=torch.uint8)
-        self.allgather_into(out, buf, what)
-        return [pickle.loads(out[i * cap:i * cap + int(sizes[i])].numpy().tobytes()) for i in range(self.world)]
+        header = 8
+
+        def slots(size: int, payload: bytes | None) -> torch.Tensor:
+            buf = torch.zeros(header + size, dtype=torch.uint8)
+            buf[:header] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+            if payload is not None:
+                buf[header:header + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            out = torch.zeros((header + size) * self.world, dtype=torch.uint8)
+            self.allgather_into(out, buf, what)
+            return out.view(self.world, header + size)
+
+        rows = slots(cap, data if len(data) <= cap else None)
+        sizes = [int(r[:header].view(torch.int64)) for r in rows]
+        if max(sizes) > cap:
+            rows = slots(max(sizes), data)
+        return [pickle.loads(r[header:header + n].numpy().tobytes()) for r, n in zip(rows, sizes)]
 
     def barrier(self, what: str = "barrier") -> None:
         self.allreduce(torch.zeros(1), what=what)

@@ -132,13 +132,16 @@ class Tier1:
         self.txn.parity_absorbed(w, step)
 
     # --- recovery ------------------------------------------------------------------
-    def decode_contribution(self, lost: int, parity_versions: list[list[int]]) -> torch.Tensor:
+    def decode_contribution(self, lost: int, parity_versions: list[list[int]],
+                            out: torch.Tensor | None = None) -> torch.Tensor:
         """This survivor's XOR share of the lost member's chunks, each at its row's parity version.
 
-        parity_versions[s][w] is holder s's parity version for window w.
+        parity_versions[s][w] is holder s's parity version for window w; out, if given, is a
+        (n_windows, k-1, *chunk_shape) buffer to fill.
         """
         lay, j = self.layout, self.member
-        out = torch.zeros((lay.n_windows, lay.k - 1, *self.state.chunk_shape), dtype=torch.int32)
+        if out is None:
+            out = torch.zeros((lay.n_windows, lay.k - 1, *self.state.chunk_shape), dtype=torch.int32)
         cur = self.state.empty_chunk()
         for w in range(lay.n_windows):
             for idx, s in enumerate(lay.holders(lost)):
@@ -149,6 +152,22 @@ class Tier1:
                     self.txn.chunk_at(c, int(parity_versions[s][w]), self.state.pack(c, cur), out[w, idx])
         return out
 
+    def row_contribution(self, holder: int, out: torch.Tensor) -> torch.Tensor:
+        """Our chunk of every row (w, holder), with our checksum word: XORed over the group's
+        other members this is holder's parity. out: (n_windows, *chunk_shape)."""
+        lay, j = self.layout, self.member
+        for w in range(lay.n_windows):
+            c = lay.chunk(j, w, holder)
+            self.state.pack(c, out[w])
+            out[w, self.state.data_words:].zero_()
+            out[w, self._crc_word()] = self.crcs[c]
+        return out
+
+    def install_parity(self, parity: torch.Tensor, step: int) -> None:
+        """On a new member: its parity rows, rebuilt by XOR of the others' row_contribution()."""
+        self.parity.copy_(parity)
+        self.txn.parity_ver[:] = step
+
     def install_decoded(self, decoded: torch.Tensor, parity_versions: list[list[int]]) -> None:
         """On the new member: verify each decoded chunk's CRC, then write it and its version."""
         lay, j, dw = self.layout, self.member, self.state.data_words
@@ -156,6 +175,7 @@ class Tier1:
             for idx, s in enumerate(lay.holders(j)):
                 got = ChunkedState.crc_of_packed(decoded[w, idx], dw)
                 want = int(decoded[w, idx][dw + j])
+                self.crcs[lay.chunk(j, w, s)] = got
                 if got != want:
                     raise CorruptParity(f"decoded chunk for window {w} (parity holder: group member {s}) fails its "
                                         f"checksum (crc {got:#x}, parity says {want:#x}): a parity or data chunk "

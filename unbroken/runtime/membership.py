@@ -13,10 +13,11 @@ Each generation's gloo group lives under PrefixStore(f"gen{g}/").
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -77,9 +78,63 @@ def latest_gen(store: dist.Store) -> int:
     return int(store.get("gen")) if store.check(["gen"]) else -1
 
 
-def wait_newer_generation(store: dist.Store, than: int, timeout_s: float) -> Generation:
+class GenerationWatch:
+    """Learns of each new generation the moment it is published, without polling.
+
+    A daemon thread blocks in `store.wait` on the next generation's key over its own store
+    connection (a TCPStore client serves one request at a time). `newer_than()` is then a
+    memory read, cheap enough for a collective's wait loop to ask every few milliseconds:
+    survivors stuck in a collective with a dead peer are released ~as soon as the
+    supervisor publishes the replacement generation.
+    """
+
+    def __init__(self, connect: Callable[[], dist.Store], *, poll_s: float = 5.0) -> None:
+        self._connect, self._poll_s = connect, poll_s
+        self._cond = threading.Condition()
+        self.latest = -1
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, name="unbroken-generation-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            store = self._connect()
+            g = latest_gen(store)
+            self._set(g)
+            while True:
+                try:
+                    store.wait([f"gen/{g + 1}"], timedelta(seconds=self._poll_s))
+                except RuntimeError:  # timed out: no new generation yet (the store raises on timeout)
+                    if not store.check(["gen"]):
+                        continue
+                    g = max(g, latest_gen(store))
+                    self._set(g)
+                    continue
+                g += 1
+                self._set(g)
+        except BaseException as e:  # noqa: BLE001 - the store is gone: waiters fall back to their deadlines
+            self.error = e
+
+    def _set(self, g: int) -> None:
+        with self._cond:
+            if g > self.latest:
+                self.latest = g
+                self._cond.notify_all()
+
+    def newer_than(self, g: int) -> bool:
+        return self.latest > g
+
+    def wait_newer(self, than: int, timeout_s: float) -> bool:
+        """Block until a generation newer than `than` is known; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.latest > than, timeout=timeout_s)
+
+
+def wait_newer_generation(store: dist.Store, than: int, timeout_s: float,
+                          watch: GenerationWatch | None = None) -> Generation:
     """Block until a generation newer than `than` exists; return the newest."""
     deadline = time.monotonic() + timeout_s
+    if watch is not None and watch.error is None:
+        watch.wait_newer(than, timeout_s)
     while True:
         g = latest_gen(store)
         if g > than:

@@ -41,7 +41,7 @@ def recover(tr: "Trainer", *, new_member: bool) -> None:
         try:
             t0 = time.time()
             tr._join(membership.wait_newer_generation(ctx.store, tr.gen.gen if tr.gen else -1,
-                                                      tr.cfg.collective_timeout_s))
+                                                      tr.cfg.collective_timeout_s, tr.watch))
             if tr.gen.members.get(tr.rank) != ctx.proc:
                 raise RecoveryFailed(f"{ctx.proc} is no longer rank {tr.rank} in generation {tr.gen.gen}")
             _phase(tr, "regroup", t0)
@@ -68,6 +68,7 @@ def _rebuild(tr: "Trainer", new_member: bool) -> None:
     t0 = time.time()
     owned, comm = tr.owned, tr.comm
     mine = {"rank": tr.rank, "new": new_member, "committed": tr.step_count, "grads_step": tr.grads_step,
+            "local_step": tr.local_step,
             "parity_ver": owned.txn.parity_ver.tolist() if not new_member else None}
     status = comm.allgather_object(mine, what="recovery status")
     survivors = [s for s in status if not s["new"]]
@@ -95,7 +96,11 @@ def _rebuild(tr: "Trainer", new_member: bool) -> None:
     if reporter(tr):
         secs = time.time() - t0
         nbytes = owned.state.n_chunks * owned.state.chunk_bytes * len(new_ranks)
+        kept = [s["rank"] for s in survivors if s.get("local_step") == target + 1]
         tr.ctx.events.emit("recovered", step=target, steps_lost=0, steps_redone=0 if holders else 1, path=path,
+                           parity_rebuilt=tr.parity_rebuilt,
+                           # on a redo, survivors that kept their own gradient skip forward/backward
+                           recompute_ranks=[] if holders else sorted(set(range(tr.world_size)) - set(kept)),
                            replaced=new_ranks, rebuild_s=round(secs, 4), rebuilt_bytes=nbytes,
                            rebuild_gbps=round(nbytes / secs / 1e9, 3))
 
@@ -126,17 +131,22 @@ def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], ta
         owned.tier1.build(tr.group, 0)
         return "initial"
     mine_lost = lost_by_group.get(tr.rank // k, [])
-    ok = True
-    buf = None
+    # When every survivor's parity reflects `target` (the interrupted step changed no chunk, the
+    # usual case for a failure before the update), survivors' parity stays valid: only the lost
+    # member's own parity rows are rebuilt, and they ride in the decode's reduce (slot k-1).
+    fresh = all(v == target for st in status if not st["new"] for v in st["parity_ver"])
+    ok, buf, pv = True, None, None
     if can and mine_lost:
         lost = mine_lost[0]
         first = (tr.rank // k) * k
         pv = [status[first + s]["parity_ver"] for s in range(k)]
+        buf = torch.zeros((owned.layout.n_windows, k if fresh else k - 1, *owned.state.chunk_shape),
+                          dtype=torch.int32)
         try:
-            if tr.rank == lost:
-                buf = torch.zeros((owned.layout.n_windows, k - 1, *owned.state.chunk_shape), dtype=torch.int32)
-            else:
-                buf = owned.tier1.decode_contribution(lost % k, pv)
+            if tr.rank != lost:
+                owned.tier1.decode_contribution(lost % k, pv, out=buf[:, :k - 1])
+                if fresh:
+                    owned.tier1.row_contribution(lost % k, buf[:, k - 1])
         except UnrecoverableChunk as e:
             tr.ctx.events.emit("warning", message=f"tier 1 cannot decode rank {lost}: {e}")
             ok = False
@@ -151,7 +161,9 @@ def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], ta
         tr.group.reduce(buf, dst=lost % k, op=dist.ReduceOp.BXOR, what=f"tier-1 decode of rank {lost}")
         if tr.rank == lost:
             try:
-                owned.tier1.install_decoded(buf, pv)
+                owned.tier1.install_decoded(buf[:, :k - 1], pv)
+                if fresh:
+                    owned.tier1.install_parity(buf[:, k - 1], target)
             except CorruptParity as e:
                 bad = str(e)
                 tr.ctx.events.emit("warning", message=f"rank {lost}: {e}")
@@ -163,8 +175,10 @@ def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], ta
         owned.roll_forward(tr.scalars)
     behind = [int(v) for v in set(owned.txn.chunk_ver.tolist()) if v != target]
     assert not behind, f"rank {tr.rank}: chunks at versions {behind} after roll-forward to {target}"
-    owned.tier1.build(tr.group, target)
+    if not fresh:
+        owned.tier1.build(tr.group, target)
     owned.commit(tr.comm)
+    tr.parity_rebuilt = "lost rows" if fresh else "full"
     return "tier1"
 
 

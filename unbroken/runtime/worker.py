@@ -49,6 +49,12 @@ class Trainer:
                            warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
         self.step_count = 0
         self.grads_step: int | None = None  # the step whose averaged gradient flat.grads holds
+        # This rank's own (not yet averaged) gradient, kept until its all-reduce succeeds: when a
+        # peer dies during the all-reduce, survivors skip forward/backward on the redo and only
+        # the replacement computes its share.
+        self.local_grads: torch.Tensor | None = None
+        self.local_step: int | None = None  # the step whose local gradient local_grads holds
+        self.parity_rebuilt: str | None = None  # how the last recovery restored tier-1 parity
         self.scalars: StepScalars | None = None
         self.last_loss = float("nan")
         self.comm: Comm | None = None
@@ -63,6 +69,8 @@ class Trainer:
         self._t_step = time.perf_counter()
         self._phase_s: dict[str, float] = {}
         ctx.start_heartbeat()
+        self.watch = membership.GenerationWatch(
+            lambda: membership.connect_store(ctx.host, ctx.port, timeout_s=self.cfg.collective_timeout_s))
         if ctx.role == "shadow":
             self._serve_as_shadow()
         else:
@@ -142,7 +150,7 @@ class Trainer:
         self.gen = gen
         self.ctx.phase["gen"] = gen.gen
         self.ctx.events.gen = gen.gen
-        stale = lambda: membership.latest_gen(store) > gen.gen  # noqa: E731
+        stale = lambda: self.watch.newer_than(gen.gen)  # noqa: E731
         # The group's rendezvous gets its own store connection: a TCPStore client serves one
         # request at a time, and `stale` must be able to ask while the rendezvous blocks.
         pg_store = membership.connect_store(self.ctx.host, self.ctx.port, timeout_s=cfg.collective_timeout_s)
@@ -178,6 +186,7 @@ class Trainer:
                 self._attempt(t, closure)
                 return self.last_loss
             except NumericsFault as e:
+                self.local_step = None  # the bad gradient is recomputed, never reused
                 self.ctx.events.emit("numerics", step=t, what=str(e), action="redo step from protected state")
             except CollectiveError as e:
                 self.ctx.events.emit("collective_error", step=t, phase=self.ctx.phase["phase"], error=str(e)[:300])
@@ -190,19 +199,12 @@ class Trainer:
     def _attempt(self, t: int, closure: Callable[[], torch.Tensor]) -> None:
         ctx, flat = self.ctx, self.owned.flat
         t0 = time.perf_counter()
-        ctx.set_phase("forward", t)
-        self._point("forward", t)
-        if self._slow_s:
-            time.sleep(self._slow_s)
-        flat.zero_grad()
-        loss = closure()
-        ctx.set_phase("backward")
-        self._point("backward", t)
-        loss.backward()
-        flat.collect_grads(float(loss.detach()))
-        if self._nan_pending:
-            self._nan_pending = False
-            flat.grads[0] = float("nan")
+        if self.local_step == t:
+            # Our gradient of step t survived the failed all-reduce (parameters are unchanged
+            # since: the step was never applied), so only the replacement computes its share.
+            flat.grads.copy_(self.local_grads)
+        else:
+            self._compute_local_gradient(t, closure)
         ctx.set_phase("allreduce")
         self._point("allreduce", t)
         t1 = time.perf_counter()
@@ -224,6 +226,27 @@ class Trainer:
         # where the step's time went: compute, gradient all-reduce, update (+parity), all-gather
         self._phase_s = {"compute": t1 - t0, "allreduce": t2 - t1, "update": t3 - t2, "allgather": t4 - t3}
         self._finish_step(t, float(flat.grads[-1]))
+
+    def _compute_local_gradient(self, t: int, closure: Callable[[], torch.Tensor]) -> None:
+        """Forward and backward of step t into flat.grads, and a copy kept for a redo."""
+        ctx, flat = self.ctx, self.owned.flat
+        ctx.set_phase("forward", t)
+        self._point("forward", t)
+        if self._slow_s:
+            time.sleep(self._slow_s)
+        flat.zero_grad()
+        loss = closure()
+        ctx.set_phase("backward")
+        self._point("backward", t)
+        loss.backward()
+        flat.collect_grads(float(loss.detach()))
+        if self._nan_pending:
+            self._nan_pending = False
+            flat.grads[0] = float("nan")
+        if self.local_grads is None:
+            self.local_grads = torch.empty_like(flat.grads)
+        self.local_grads.copy_(flat.grads)
+        self.local_step = t
 
     def _finish_step(self, t: int, loss: float) -> None:
         self.step_count, self.last_loss = t, loss
