@@ -142,7 +142,7 @@ class Trainer:
 
     def _join(self, gen: membership.Generation) -> None:
         """Build this generation's groups over PrefixStore(f"gen{g}/...")."""
-        store, cfg = self.ctx.store, self.cfg
+        cfg = self.cfg
         if self.comm is not None:
             self.comm.retire()
         if self.group is not None and self.group is not self.comm:
@@ -152,7 +152,7 @@ class Trainer:
         self.ctx.events.gen = gen.gen
         stale = lambda: self.watch.newer_than(gen.gen)  # noqa: E731
         # The group's rendezvous gets its own store connection: a TCPStore client serves one
-        # request at a time, and `stale` must be able to ask while the rendezvous blocks.
+        # request at a time, and nothing else (heartbeats, fault reports) may queue behind it.
         pg_store = membership.connect_store(self.ctx.host, self.ctx.port, timeout_s=cfg.collective_timeout_s)
         self._pg_stores.append(pg_store)
         self.comm = Comm(membership.group_store(pg_store, gen.gen), rank=self.rank, world=self.world_size,
