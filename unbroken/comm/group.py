@@ -154,9 +154,12 @@ class Comm:
         self._wait(self.pg.broadcast([t], opts), what)
 
     def reduce(self, t: torch.Tensor, dst: int, op: dist.ReduceOp, what: str = "reduce") -> None:
+        self.finish(self.reduce_start(t, dst, op, what))
+
+    def reduce_start(self, t: torch.Tensor, dst: int, op: dist.ReduceOp, what: str = "reduce") -> "Pending":
         opts = dist.ReduceOptions()
         opts.reduceOp, opts.rootRank, opts.rootTensor = op, dst, 0
-        self._wait(self.pg.reduce([t], opts), what)
+        return self.start(self.pg.reduce([t], opts), what)
 
     def allgather_into(self, out: torch.Tensor, mine: torch.Tensor, what: str = "allgather") -> None:
         """`out` is (world * n,) and `mine` is out's slice for this rank (n,)."""

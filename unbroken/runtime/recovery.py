@@ -47,8 +47,11 @@ def recover(tr: "Trainer", *, new_member: bool) -> None:
             _phase(tr, "regroup", t0)
             if tr.has_state:
                 tr._point("recovery", tr.step_count + 1)
+            tr.deferred = None  # a decode deferred by an earlier generation is void now
             _rebuild(tr, new_member=not tr.has_state)
-            tr.has_state = True
+            if tr.deferred is None:
+                tr.has_state = True
+            # else: a new member gets its state in finish_deferred_decode (first step)
             return
         except CollectiveError as e:
             ctx.events.emit("collective_error", step=tr.step_count + 1, phase="recovery", error=str(e)[:300])
@@ -85,7 +88,7 @@ def _rebuild(tr: "Trainer", new_member: bool) -> None:
         tr.last_loss = float(owned.flat.grads[-1])
     src = min(s["rank"] for s in survivors)
     if owned.sharded and owned.tier1 is not None:
-        path = _rebuild_sharded(tr, status, new_ranks, target, src)
+        path = _rebuild_sharded(tr, status, new_ranks, target, src, redo=not holders)
     else:
         path = _rebuild_replicated(tr, new_member, target, src)
     _phase(tr, "rebuild", t0)
@@ -115,7 +118,8 @@ def _rebuild_replicated(tr: "Trainer", new_member: bool, target: int, src: int) 
     return "replica"
 
 
-def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], target: int, src: int) -> str:
+def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], target: int, src: int,
+                     redo: bool) -> str:
     owned, k = tr.owned, tr.owned.k
     lost_by_group: dict[int, list[int]] = {}
     for r in new_ranks:
@@ -135,6 +139,8 @@ def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], ta
     # usual case for a failure before the update), survivors' parity stays valid: only the lost
     # member's own parity rows are rebuilt, and they ride in the decode's reduce (slot k-1).
     fresh = all(v == target for st in status if not st["new"] for v in st["parity_ver"])
+    if fresh and can and redo:
+        return _rebuild_overlapped(tr, status, lost_by_group, target)
     ok, buf, pv = True, None, None
     if can and mine_lost:
         lost = mine_lost[0]
@@ -180,6 +186,63 @@ def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], ta
     owned.commit(tr.comm)
     tr.parity_rebuilt = "lost rows" if fresh else "full"
     return "tier1"
+
+
+def _rebuild_overlapped(tr: "Trainer", status: list[dict], lost_by_group: dict[int, list[int]], target: int) -> str:
+    """The common case, a failure before the update: nothing changed in step target+1.
+
+    Every chunk and parity chunk is at `target`, so decoding cannot fail for lack of a
+    version, and a survivor that committed `target` holds all parameters at it. One
+    broadcast gives every rank those parameters (the new member can start its forward at
+    once); the decode (plus the lost member's parity rows) is only *issued* here and runs on
+    gloo's threads while the new member computes its share of the redone step. The new
+    member installs it, and all ranks vote on its checksums, in `finish_deferred_decode`
+    just before the step's gradient all-reduce. Until then the new member holds no state.
+    """
+    owned, k = tr.owned, tr.owned.k
+    src = min(s["rank"] for s in status if not s["new"] and s["committed"] == target)
+    tr.comm.broadcast(owned.flat.params, src=src, what="parameter hand-off")
+    tr.deferred = {"vote": True}
+    mine_lost = lost_by_group.get(tr.rank // k, [])
+    if mine_lost:
+        lost = mine_lost[0]
+        first = (tr.rank // k) * k
+        pv = [status[first + s]["parity_ver"] for s in range(k)]
+        buf = torch.zeros((owned.layout.n_windows, k, *owned.state.chunk_shape), dtype=torch.int32)
+        if tr.rank != lost:
+            owned.tier1.decode_contribution(lost % k, pv, out=buf[:, :k - 1])
+            owned.tier1.row_contribution(lost % k, buf[:, k - 1])
+        pending = tr.group.reduce_start(buf, dst=lost % k, op=dist.ReduceOp.BXOR, what=f"tier-1 decode of rank {lost}")
+        tr.deferred.update(pending=pending, buf=buf, pv=pv, lost=lost, target=target)
+    tr.parity_rebuilt = "lost rows"
+    return "tier1"
+
+
+class RolledBack(Exception):
+    """A deferred decode failed its checksums: the job went back to a tier-2 checkpoint."""
+
+
+def finish_deferred_decode(tr: "Trainer") -> None:
+    """Complete `_rebuild_overlapped`: the new member installs its decoded state; all vote."""
+    d, tr.deferred = tr.deferred, None
+    owned, k, bad = tr.owned, tr.owned.k, None
+    if "pending" in d:
+        tr.group.finish(d["pending"])
+        if tr.rank == d["lost"]:
+            buf = d["buf"]
+            try:
+                owned.tier1.install_decoded(buf[:, :k - 1], d["pv"])
+                owned.tier1.install_parity(buf[:, k - 1], d["target"])
+            except CorruptParity as e:
+                bad = str(e)
+                tr.ctx.events.emit("warning", message=f"rank {d['lost']}: {e}")
+    flag = torch.tensor([1 if bad else 0], dtype=torch.int32)
+    tr.comm.allreduce(flag, what="tier-1 checksum vote")
+    if int(flag) != 0:
+        _restore_tier2(tr, reason="a tier-1 decoded chunk failed its checksum (corrupted parity or data)")
+        tr.has_state = True
+        raise RolledBack(f"restored tier-2 checkpoint of step {tr.step_count}")
+    tr.has_state = True
 
 
 def _restore_tier2(tr: "Trainer", *, reason: str) -> str:

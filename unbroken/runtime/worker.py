@@ -55,6 +55,7 @@ class Trainer:
         self.local_grads: torch.Tensor | None = None
         self.local_step: int | None = None  # the step whose local gradient local_grads holds
         self.parity_rebuilt: str | None = None  # how the last recovery restored tier-1 parity
+        self.deferred: dict | None = None  # a recovery's decode still running (recovery._rebuild_overlapped)
         self.scalars: StepScalars | None = None
         self.last_loss = float("nan")
         self.comm: Comm | None = None
@@ -178,7 +179,7 @@ class Trainer:
         Returns None if a recovery rolled the job back further (the loop's next step
         number tells where it resumes).
         """
-        from unbroken.runtime.recovery import recover
+        from unbroken.runtime.recovery import RolledBack, recover
 
         t = self.step_count + 1
         while True:
@@ -195,6 +196,9 @@ class Trainer:
                     return self.last_loss
                 if self.step_count < t - 1:
                     return None
+            except RolledBack:
+                if self.step_count < t - 1:
+                    return None
 
     def _attempt(self, t: int, closure: Callable[[], torch.Tensor]) -> None:
         ctx, flat = self.ctx, self.owned.flat
@@ -205,6 +209,10 @@ class Trainer:
             flat.grads.copy_(self.local_grads)
         else:
             self._compute_local_gradient(t, closure)
+        if self.deferred is not None:
+            from unbroken.runtime.recovery import finish_deferred_decode
+
+            finish_deferred_decode(self)
         ctx.set_phase("allreduce")
         self._point("allreduce", t)
         t1 = time.perf_counter()
