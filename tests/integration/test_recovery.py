@@ -55,6 +55,34 @@ def test_two_failures_in_sequence(tmp_path, reference):
     assert len(got["recoveries"]) == 2
 
 
+def _recovered(tmp_path) -> list[dict]:
+    return [e["fields"] for e in events(tmp_path / "run") if e["kind"] == "recovered"]
+
+
+def test_redo_recomputes_only_the_lost_rank_and_rebuilds_only_its_parity_rows(tmp_path, reference):
+    got = _faulted(tmp_path, "zero1", "sigkill:rank=2,step=4,phase=backward")
+    assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+    [rec] = _recovered(tmp_path)
+    assert rec["steps_redone"] == 1 and rec["recompute_ranks"] == [2]  # survivors kept their own gradient
+    assert rec["parity_rebuilt"] == "lost rows"
+
+
+def test_a_failure_mid_update_rolls_forward_and_rebuilds_all_parity(tmp_path, reference):
+    got = _faulted(tmp_path, "zero1", "sigkill:rank=2,step=4,phase=optimizer,chunk=1")
+    assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+    [rec] = _recovered(tmp_path)
+    assert rec["steps_redone"] == 0 and rec["recompute_ranks"] == [] and rec["parity_rebuilt"] == "full"
+
+
+def test_the_new_member_dies_while_redoing_the_step(tmp_path, reference):
+    # the first shadow is killed in its backward, while its deferred decode is still pending
+    got = _faulted(tmp_path, "zero1", "sigkill:rank=2,step=4,phase=forward", "sigkill:rank=2,step=4,phase=backward",
+                   extra=("--shadows", "2"))
+    assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+    assert len(got["recoveries"]) == 2
+    assert all(r["parity_rebuilt"] == "lost rows" for r in _recovered(tmp_path))
+
+
 def test_failure_during_recovery(tmp_path, reference):
     got = _faulted(tmp_path, "zero1", "sigkill:rank=2,step=4,phase=optimizer,chunk=1",
                    "sigkill:rank=0,step=4,phase=recovery")
@@ -87,9 +115,10 @@ def test_two_losses_in_one_parity_group_fall_back_to_tier2(tmp_path, reference):
     assert any(e["kind"] == "tier2_restore" for e in events(tmp_path / "run"))
 
 
-def test_corrupted_parity_chunk_is_detected_and_tier2_used(tmp_path, reference):
+@pytest.mark.parametrize("kill_phase", ["optimizer", "backward"])  # full decode path; overlapped (deferred) path
+def test_corrupted_parity_chunk_is_detected_and_tier2_used(tmp_path, reference, kill_phase):
     got = _faulted(tmp_path, "zero1", "bitflip:rank=1,step=5,phase=forward,chunk=0",
-                   "sigkill:rank=2,step=5,phase=optimizer,chunk=1")
+                   f"sigkill:rank=2,step=5,phase={kill_phase},chunk=0")
     assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
     evs = events(tmp_path / "run")
     assert any(e["kind"] == "warning" and "checksum" in e["fields"]["message"] for e in evs)

@@ -1,0 +1,59 @@
+"""Comm and GenerationWatch over a real TCPStore and gloo group (two processes)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from datetime import timedelta
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _member(rank: int, port: int, objs: list, out: mp.Queue) -> None:
+    import torch.distributed as dist
+
+    from unbroken.comm.group import Comm
+    from unbroken.runtime import membership
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+        comm = Comm(dist.PrefixStore("t/", store), rank=rank, world=2, gen=0, timeout_s=30)
+        got = [comm.allgather_object(o, what=f"object {i}") for i, o in enumerate(objs[rank])]
+        watch = membership.GenerationWatch(
+            lambda: membership.connect_store("127.0.0.1", port, timeout_s=30), poll_s=0.5)
+        comm.barrier()
+        if rank == 0:
+            membership.publish(store, membership.Generation(1, {0: "a", 1: "b"}, (), "test"))
+        seen = watch.wait_newer(0, timeout_s=10)
+        comm.barrier()
+        out.put((rank, got, seen, watch.latest))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        out.put((rank, repr(e), None, None))
+
+
+def test_allgather_object_small_and_larger_than_one_slot_and_generation_watch():
+    big = "x" * (40 << 10)  # larger than the 16 KiB first-round slot: a second round follows
+    objs = [[{"r": 0}, big, [1, 2]], [{"r": 1}, "small", big]]
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_member, args=(r, port, objs, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict((r, (got, seen, latest)) for r, got, seen, latest in (out.get(timeout=90) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    for r in range(2):
+        got, seen, latest = results[r]
+        assert got == [[{"r": 0}, {"r": 1}], [big, "small"], [[1, 2], big]], got
+        assert seen is True and latest == 1
