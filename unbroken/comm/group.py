@@ -7,7 +7,9 @@ generation. The group object is never destroyed while an op may still hang in it
 """
 from __future__ import annotations
 
+import os
 import queue
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -35,6 +37,23 @@ class GenerationChanged(CollectiveError):
 retired: list["Comm"] = []  # groups that may hold hung ops: keep them alive, never destroy
 
 
+def _socket_fds() -> dict[int, str]:
+    """This process's socket fds and their inodes (Linux /proc; empty elsewhere)."""
+    out: dict[int, str] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            out[int(name)] = link
+    return out
+
+
 class Comm:
     """Collectives for `rank` of `world` in generation `gen` over `store` (prefix applied by caller)."""
 
@@ -45,6 +64,7 @@ class Comm:
         self.waited_s = 0.0  # total time spent inside collectives (straggler evidence)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._waiter: threading.Thread | None = None
+        self._sockets: dict[int, str] = {}  # fd -> "socket:[inode]" opened by our rendezvous
         self.pg = self._rendezvous(store)
 
     def _rendezvous(self, store: dist.Store) -> dist.ProcessGroupGloo:
@@ -54,7 +74,10 @@ class Comm:
 
         def connect() -> None:
             try:
+                before = _socket_fds()
                 box.append(dist.ProcessGroupGloo(store, self.rank, self.world, timedelta(seconds=self.timeout_s)))
+                after = _socket_fds()
+                self._sockets = {fd: link for fd, link in after.items() if before.get(fd) != link}
             except BaseException as e:  # noqa: BLE001 - handed to the caller in finish()
                 p.error.append(e)
             finally:
@@ -68,11 +91,15 @@ class Comm:
         """This generation is over: shut its group down and keep the object referenced (never
         destroyed) in case a native thread still holds one of its ops.
 
-        Without the shutdown, gloo's event loop keeps the dead generation's sockets registered:
-        a peer's unread bytes make epoll_wait return at once, forever, and the loop thread burnt
-        ~40% of a core here for the rest of the run (steps ~25% slower after a recovery).
-        shutdown() returns at once; it runs on a helper thread all the same, so that a group
-        stuck in native code can never block the recovery.
+        gloo's event loop otherwise keeps the dead generation's sockets registered, and an op
+        abandoned mid-collective (released by the newer generation, not failed) leaves a
+        live peer's bytes unread: epoll_wait then returns at once, forever. That loop thread
+        burnt ~45% of a core for the rest of the run (steps ~25% slower after a recovery);
+        `pg.shutdown()` alone does not stop it. So the group's own connected sockets (those
+        its rendezvous opened) are shut down too: gloo sees "connection closed", fails the
+        abandoned op and drops the socket, exactly as when a peer dies. The fds stay open
+        (gloo owns them), so no number is ever reused under it. Runs on a helper thread, so
+        a group stuck in native code can never block the recovery.
         """
         retired.append(self)
         threading.Thread(target=self._shutdown, name=f"unbroken-shutdown-gen{self.gen}", daemon=True).start()
@@ -82,6 +109,20 @@ class Comm:
             self.pg.shutdown()
         except Exception:  # noqa: BLE001 - best effort: a group that cannot shut down is left alone
             pass
+        for fd, link in self._sockets.items():
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") != link:
+                    continue  # closed by gloo and the number reused: not ours any more
+                sock = socket.socket(fileno=fd)
+            except OSError:
+                continue
+            try:
+                sock.getpeername()  # connected sockets only; a listener is left alone
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            finally:
+                sock.detach()
 
     # --- waiting -------------------------------------------------------------------
     def start(self, work: dist.Work | list[dist.Work], what: str) -> "Pending":
