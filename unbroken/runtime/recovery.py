@@ -69,6 +69,7 @@ def _phase(tr: "Trainer", name: str, start: float) -> None:
 
 def _rebuild(tr: "Trainer", new_member: bool) -> None:
     t0 = time.time()
+    tr.parity_rebuilt = None
     owned, comm = tr.owned, tr.comm
     mine = {"rank": tr.rank, "new": new_member, "committed": tr.step_count, "grads_step": tr.grads_step,
             "local_step": tr.local_step,
