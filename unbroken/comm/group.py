@@ -109,6 +109,11 @@ class Comm:
             self.pg.shutdown()
         except Exception:  # noqa: BLE001 - best effort: a group that cannot shut down is left alone
             pass
+        self.drop_links()
+
+    def drop_links(self) -> None:
+        """Shut down this group's connected sockets: to gloo (here and at the peers) it looks
+        exactly like a broken link. Used by retire() and by the `linkdrop` fault."""
         for fd, link in self._sockets.items():
             try:
                 if os.readlink(f"/proc/self/fd/{fd}") != link:

@@ -2,7 +2,8 @@
 
 Kinds: sigkill (crash), sigstop (hang), exception (Python error), nan (poisoned gradient),
 bitflip (silent corruption of this rank's tier-1 parity chunk `chunk`), slow (from this
-step on the rank spends `ms` extra milliseconds per step: a straggler).
+step on the rank spends `ms` extra milliseconds per step: a straggler), linkdrop (every
+gloo connection of this rank is shut down, the process lives on: a broken link).
 Phases: forward, backward, allreduce, optimizer (before chunk `chunk`), midchunk (inside
 chunk `chunk`, parameters updated but not yet the Adam moments), parity (delta of window
 `chunk`), allgather, checkpoint, recovery (a survivor, during a recovery), shadow (the
@@ -16,7 +17,7 @@ import random
 import signal
 from dataclasses import dataclass
 
-KINDS = ("sigkill", "sigstop", "exception", "nan", "bitflip", "slow")
+KINDS = ("sigkill", "sigstop", "exception", "nan", "bitflip", "slow", "linkdrop")
 PHASES = ("forward", "backward", "allreduce", "optimizer", "midchunk", "parity", "allgather",
           "checkpoint", "recovery", "shadow", "build")
 

@@ -7,6 +7,7 @@ Keys (all JSON values):
   hb/{proc}           {"t": time, "step": s, "phase": p, "gen": g, "rank": r}
   ready/{proc}        a shadow is built and waiting
   progress            rank 0's {"step", "loss", "tokens_per_s"}
+  collerr/{g}/n, /{i} collective errors members met in generation g
   shutdown            the run is over; shadows exit
 Each generation's gloo group lives under PrefixStore(f"gen{g}/").
 """
@@ -143,6 +144,17 @@ def wait_newer_generation(store: dist.Store, than: int, timeout_s: float,
             raise MembershipTimeout(f"no generation newer than {than} within {timeout_s:.1f}s; "
                                     "is the supervisor alive?")
         time.sleep(0.002)
+
+
+def report_collective_error(store: dist.Store, gen: int, rank: int, error: str) -> None:
+    """A member's collective failed in generation `gen`. If no process died, the leader takes
+    it for a broken link and regroups the same members (`collerr/{gen}/...`)."""
+    i = store.add(f"collerr/{gen}/n", 1) - 1
+    put(store, f"collerr/{gen}/{i}", {"rank": rank, "time": time.time(), "error": error[:300]})
+
+
+def collective_errors(store: dist.Store, gen: int) -> int:
+    return store.add(f"collerr/{gen}/n", 0)
 
 
 def group_store(store: dist.Store, gen: int, name: str = "world") -> dist.PrefixStore:

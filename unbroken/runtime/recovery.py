@@ -54,7 +54,8 @@ def recover(tr: "Trainer", *, new_member: bool) -> None:
             # else: a new member gets its state in finish_deferred_decode (first step)
             return
         except CollectiveError as e:
-            ctx.events.emit("collective_error", step=tr.step_count + 1, phase="recovery", error=str(e)[:300])
+            ctx.set_phase("recovery")
+            tr._report_collective_error(tr.step_count + 1, e)
 
 
 def reporter(tr: "Trainer") -> bool:

@@ -27,6 +27,7 @@ from unbroken.runtime.procs import Child, ProcessTable
 from unbroken.runtime.watch import Watch
 
 _TICK_S = 0.01
+_LINK_GRACE_S = 0.3  # a crashed member's exit shows within ~0.1 s; errors outliving this mean a link
 _KILL_ON = ("hang", "stall", "straggler", "health")  # faults whose process is still alive: kill it first
 
 
@@ -82,6 +83,7 @@ class Supervisor:
         self.verdicts: dict[int, bool] = {}
         self.status = "starting"
         self.watch = Watch(cfg, node=self.node, nnodes=opts.nnodes, checkpoint_dir=self.run_dir, events=self.events)
+        self._collerr_seen: tuple[int, float] | None = None  # (generation, first seen) of collective errors
         self.chain = None  # the retry chain of the recovery in progress (leader)
         self.attempt = None
 
@@ -241,32 +243,59 @@ class Supervisor:
         if dead:
             self._next_generation(dead)
 
-    def _next_generation(self, dead: dict[int, dict]) -> None:
+    def _take_collective_errors(self, now: float) -> None:
+        """Members' collectives failed but no process died (its exit or a detector would have
+        moved the generation on within the grace period): a link broke. Every process and
+        its state is intact, so regroup the *same* members in a new generation: new
+        connections, no replacement, no decode. Only once per incident: if the regrouped
+        generation fails the same way, the detectors (stall, hang) pick a process to replace."""
+        g = self.gen.gen
+        if self.gen.cause == "link" or membership.collective_errors(self.store, g) == 0:
+            return
+        if self._collerr_seen is None or self._collerr_seen[0] != g:
+            self._collerr_seen = (g, now)
+            return
+        if now - self._collerr_seen[1] < _LINK_GRACE_S:
+            return
+        from unbroken.detect import Finding, classify
+
+        first = membership.get(self.store, f"collerr/{g}/0") or {"time": now, "error": "?", "rank": None}
+        f = Finding(fault="stall", proc="group", rank=None, node=None, time=now, evidence={
+            "why": "a collective failed while every process is alive (broken link)",
+            "reported_by": first["rank"], "error": first["error"][:160],
+            "reports": membership.collective_errors(self.store, g)})
+        d = classify(f, self.watch.offenders)
+        self.events.emit("fault_detected", **f.event_fields())
+        self.events.emit("fault_classified", **d.event_fields())
+        self._next_generation({}, link={"fault": "stall", "time": now, "occurred": first["time"]})
+
+    def _next_generation(self, dead: dict[int, dict], link: dict | None = None) -> None:
         self.recoveries += 1
         if self.recoveries > self.opts.max_recoveries:
             raise LaunchError(f"gave up after {self.opts.max_recoveries} recoveries; see {self.run_dir / 'events.jsonl'}")
         members = dict(self.gen.members)
         assigned = []
-        self._retry_link(dead)
+        self._retry_link(dead or {-1: link})
         for rank, f in sorted(dead.items()):
             self.watch.replaced(members[rank])
             proc, cold = self._pick_shadow(exclude=set(members.values()), prefer=int(f.get("node", 0)))
             members[rank] = proc
             assigned.append((rank, proc, cold))
         gen = membership.Generation(self.gen.gen + 1, members, tuple(sorted(dead)),
-                                    ",".join(f"{dead[r]['fault']}@rank{r}" for r in sorted(dead)))
+                                    ",".join(f"{dead[r]['fault']}@rank{r}" for r in sorted(dead)) or "link")
         membership.publish(self.store, gen)
         self.events.gen = gen.gen
         for rank, proc, cold in assigned:
             membership.put(self.store, f"assign/{proc}", {"rank": rank, "gen": gen.gen})
             self.events.emit("shadow_assigned", proc=proc, rank=rank, gen=gen.gen, cold=cold)
-        t_detect = min(f["time"] for f in dead.values())
-        t_fault = min(f.get("occurred", f["time"]) for f in dead.values())
+        t_detect = min(f["time"] for f in (dead or {-1: link}).values())
+        t_fault = min(f.get("occurred", f["time"]) for f in (dead or {-1: link}).values())
         self.events.emit("recovery_phase", phase="detect", start=t_fault, end=t_detect, step=None)
         self.events.emit("recovery_phase", phase="decide", start=t_detect, end=time.time(), step=None)
         self.events.emit("generation", gen=gen.gen, members=gen.members, replaced=list(gen.replaced), cause=gen.cause)
         self.gen = gen
-        self.status = f"recovering rank {','.join(map(str, sorted(dead)))} (generation {gen.gen})"
+        self.status = (f"recovering rank {','.join(map(str, sorted(dead)))} (generation {gen.gen})" if dead
+                       else f"regrouping after a broken link (generation {gen.gen})")
 
     def _pick_shadow(self, exclude: set[str], prefer: int) -> tuple[str, bool]:
         """A standby shadow: ready ones first, on the failed rank's node first; else a cold start."""
@@ -365,6 +394,7 @@ class Supervisor:
             exited = self._check_exits()
             if self.leader:
                 self._take_faults()
+                self._take_collective_errors(now)
             if exited or now >= next_beat:  # an exit is acted on at once, not at the next beat
                 next_beat = now + self.cfg.heartbeat_s / 2
                 self._detect()

@@ -190,7 +190,7 @@ class Trainer:
                 self.local_step = None  # the bad gradient is recomputed, never reused
                 self.ctx.events.emit("numerics", step=t, what=str(e), action="redo step from protected state")
             except CollectiveError as e:
-                self.ctx.events.emit("collective_error", step=t, phase=self.ctx.phase["phase"], error=str(e)[:300])
+                self._report_collective_error(t, e)
                 recover(self, new_member=False)
                 if self.step_count >= t:
                     return self.last_loss
@@ -199,6 +199,17 @@ class Trainer:
             except RolledBack:
                 if self.step_count < t - 1:
                     return None
+
+    def _report_collective_error(self, step: int, e: Exception) -> None:
+        """Record it; tell the leader unless the generation already moved on (a peer died)."""
+        from unbroken.comm.group import GenerationChanged
+
+        self.ctx.events.emit("collective_error", step=step, phase=self.ctx.phase["phase"], error=str(e)[:300])
+        if not isinstance(e, GenerationChanged) and self.gen is not None:
+            try:
+                membership.report_collective_error(self.ctx.store, self.gen.gen, self.rank, str(e))
+            except Exception:  # noqa: BLE001 - the store is the supervisor's: if it is gone, so is the job
+                pass
 
     def _attempt(self, t: int, closure: Callable[[], torch.Tensor]) -> None:
         ctx, flat = self.ctx, self.owned.flat
@@ -309,6 +320,10 @@ class Trainer:
             self._nan_pending = True
         elif spec.kind == "slow":
             self._slow_s = spec.ms / 1000.0
+        elif spec.kind == "linkdrop":
+            self.comm.drop_links()  # every connection of this rank breaks; the process lives on
+            if self.group is not self.comm:
+                self.group.drop_links()
         elif spec.kind == "bitflip":
             if self.owned.tier1 is not None:
                 self.owned.tier1.parity[chunk % self.owned.layout.n_windows][0] ^= 1
