@@ -163,21 +163,10 @@ def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], ta
     tr.comm.allreduce(flag, what="tier-1 feasibility vote")
     if int(flag) != 0:
         return _restore_tier2(tr, reason="tier 1 cannot decode (two losses in a parity group or a lost version)")
-    bad = None
-    if mine_lost:
-        lost = mine_lost[0]
+    lost = mine_lost[0] if mine_lost else None
+    if lost is not None:
         tr.group.reduce(buf, dst=lost % k, op=dist.ReduceOp.BXOR, what=f"tier-1 decode of rank {lost}")
-        if tr.rank == lost:
-            try:
-                owned.tier1.install_decoded(buf[:, :k - 1], pv)
-                if fresh:
-                    owned.tier1.install_parity(buf[:, k - 1], target)
-            except CorruptParity as e:
-                bad = str(e)
-                tr.ctx.events.emit("warning", message=f"rank {lost}: {e}")
-    flag = torch.tensor([1 if bad else 0], dtype=torch.int32)
-    tr.comm.allreduce(flag, what="tier-1 checksum vote")
-    if int(flag) != 0:
+    if not _install_and_vote(tr, buf, pv, lost, target, rows=fresh):
         return _restore_tier2(tr, reason="a tier-1 decoded chunk failed its checksum (corrupted parity or data)")
     if tr.grads_step == target:
         owned.roll_forward(tr.scalars)
@@ -227,24 +216,32 @@ class RolledBack(Exception):
 def finish_deferred_decode(tr: "Trainer") -> None:
     """Complete `_rebuild_overlapped`: the new member installs its decoded state; all vote."""
     d, tr.deferred = tr.deferred, None
-    owned, k, bad = tr.owned, tr.owned.k, None
     if "pending" in d:
         tr.group.finish(d["pending"])
-        if tr.rank == d["lost"]:
-            buf = d["buf"]
-            try:
-                owned.tier1.install_decoded(buf[:, :k - 1], d["pv"])
-                owned.tier1.install_parity(buf[:, k - 1], d["target"])
-            except CorruptParity as e:
-                bad = str(e)
-                tr.ctx.events.emit("warning", message=f"rank {d['lost']}: {e}")
-    flag = torch.tensor([1 if bad else 0], dtype=torch.int32)
-    tr.comm.allreduce(flag, what="tier-1 checksum vote")
-    if int(flag) != 0:
+    if not _install_and_vote(tr, d.get("buf"), d.get("pv"), d.get("lost"), d.get("target"), rows=True):
         _restore_tier2(tr, reason="a tier-1 decoded chunk failed its checksum (corrupted parity or data)")
         tr.has_state = True
         raise RolledBack(f"restored tier-2 checkpoint of step {tr.step_count}")
     tr.has_state = True
+
+
+def _install_and_vote(tr: "Trainer", buf: torch.Tensor | None, pv: list | None, lost: int | None,
+                      target: int | None, *, rows: bool) -> bool:
+    """The new member `lost` installs what the decode delivered (its chunks, and its parity
+    rows when `rows`), each chunk checked against its CRC; then every rank votes. True when
+    every install passed (a rank with nothing to install votes yes)."""
+    owned, k, bad = tr.owned, tr.owned.k, None
+    if lost is not None and tr.rank == lost:
+        try:
+            owned.tier1.install_decoded(buf[:, :k - 1], pv)
+            if rows:
+                owned.tier1.install_parity(buf[:, k - 1], target)
+        except CorruptParity as e:
+            bad = str(e)
+            tr.ctx.events.emit("warning", message=f"rank {lost}: {e}")
+    flag = torch.tensor([1 if bad else 0], dtype=torch.int32)
+    tr.comm.allreduce(flag, what="tier-1 checksum vote")
+    return int(flag) == 0
 
 
 def _restore_tier2(tr: "Trainer", *, reason: str) -> str:
