@@ -90,15 +90,18 @@ class GenerationWatch:
     """
 
     def __init__(self, connect: Callable[[], dist.Store], *, poll_s: float = 5.0) -> None:
-        self._connect, self._poll_s = connect, poll_s
+        self._poll_s = poll_s
         self._cond = threading.Condition()
         self.latest = -1
         self.error: BaseException | None = None
+        # Connect here, not in the thread: a socket opened while a group's rendezvous runs
+        # would be taken for one of that group's (Comm records them to close on retirement).
+        self._store = connect()
         threading.Thread(target=self._run, name="unbroken-generation-watch", daemon=True).start()
 
     def _run(self) -> None:
+        store = self._store
         try:
-            store = self._connect()
             g = latest_gen(store)
             self._set(g)
             while True:
