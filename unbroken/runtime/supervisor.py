@@ -84,6 +84,8 @@ class Supervisor:
         self.status = "starting"
         self.watch = Watch(cfg, node=self.node, nnodes=opts.nnodes, checkpoint_dir=self.run_dir, events=self.events)
         self._collerr_seen: tuple[int, float] | None = None  # (generation, first seen) of collective errors
+        self._last_step = 0  # the newest step rank 0 reported done
+        self._link_regroup_step = -1  # _last_step when we last regrouped for a broken link
         self.chain = None  # the retry chain of the recovery in progress (leader)
         self.attempt = None
 
@@ -247,10 +249,13 @@ class Supervisor:
         """Members' collectives failed but no process died (its exit or a detector would have
         moved the generation on within the grace period): a link broke. Every process and
         its state is intact, so regroup the *same* members in a new generation: new
-        connections, no replacement, no decode. Only once per incident: if the regrouped
-        generation fails the same way, the detectors (stall, hang) pick a process to replace."""
+        connections, no replacement, no decode. Once per incident: if the regrouped generation
+        fails the same way before any step completes, the detectors (stall, hang) pick a
+        process to replace instead."""
         g = self.gen.gen
-        if self.gen.cause == "link" or membership.collective_errors(self.store, g) == 0:
+        if self.gen.cause == "link" and self._last_step <= self._link_regroup_step:
+            return
+        if membership.collective_errors(self.store, g) == 0:
             return
         if self._collerr_seen is None or self._collerr_seen[0] != g:
             self._collerr_seen = (g, now)
@@ -267,6 +272,7 @@ class Supervisor:
         d = classify(f, self.watch.offenders)
         self.events.emit("fault_detected", **f.event_fields())
         self.events.emit("fault_classified", **d.event_fields())
+        self._link_regroup_step = self._last_step
         self._next_generation({}, link={"fault": "stall", "time": now, "occurred": first["time"]})
 
     def _next_generation(self, dead: dict[int, dict], link: dict | None = None) -> None:
@@ -295,7 +301,7 @@ class Supervisor:
         self.events.emit("generation", gen=gen.gen, members=gen.members, replaced=list(gen.replaced), cause=gen.cause)
         self.gen = gen
         self.status = (f"recovering rank {','.join(map(str, sorted(dead)))} (generation {gen.gen})" if dead
-                       else f"regrouping after a broken link (generation {gen.gen})")
+                       else f"recovering from a broken link (generation {gen.gen})")
 
     def _pick_shadow(self, exclude: set[str], prefer: int) -> tuple[str, bool]:
         """A standby shadow: ready ones first, on the failed rank's node first; else a cold start."""
@@ -417,7 +423,7 @@ class Supervisor:
 
     def _progress(self) -> None:
         info = membership.get(self.store, "progress") or {}
-        if info.get("step", 0) > (getattr(self, "_last_step", 0)):
+        if info.get("step", 0) > self._last_step:
             self._last_step = info["step"]
             if self.status.startswith("recovering"):
                 self.status = "running"
