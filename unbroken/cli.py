@@ -36,7 +36,7 @@ def main() -> None:
         app()
     except ConfigError as e:
         typer.secho(f"error: {e}", err=True, fg=typer.colors.RED)
-        sys.exit(2)
+        sys.exit(2)  # outside typer's app(): cli_error.fail's typer.Exit would not be caught here
 
 
 if __name__ == "__main__":

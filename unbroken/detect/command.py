@@ -10,14 +10,12 @@ from typing import Annotated, Optional
 
 import typer
 
+from unbroken.cli_error import fail
 from unbroken.detect.report import analyze, load_runs
 from unbroken.detect.summary import print_rich, to_markdown
 from unbroken.detect.timeline import draw_timeline
 
 
-def _fail(message: str) -> None:
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-    raise typer.Exit(2)
 
 
 def _replace(tmp: Path, final: Path) -> None:
@@ -45,13 +43,13 @@ def report(
         try:
             runs = load_runs(run_dirs)
         except FileNotFoundError as e:
-            _fail(str(e))
+            fail(str(e))
         except OSError as e:
-            _fail(f"cannot read events: {e}")
+            fail(f"cannot read events: {e}")
     for w in caught:
         typer.secho(f"warning: {w.message}", err=True, fg=typer.colors.YELLOW)
     if not any(r.events for r in runs):
-        _fail(f"no readable events in {', '.join(map(str, run_dirs))}; nothing to report")
+        fail(f"no readable events in {', '.join(map(str, run_dirs))}; nothing to report")
     result = analyze(runs)
     result["skipped_lines"] = sum(1 for w in caught if "malformed event line" in str(w.message))
     dest = out or (run_dirs[0] if run_dirs[0].is_dir() else run_dirs[0].parent)
@@ -62,7 +60,7 @@ def report(
         tmp.write_text(to_markdown(result))
         _replace(tmp, dest / "report.md")
     except OSError as e:
-        _fail(f"cannot write the report into {dest}: {e.strerror or e}; pass --out DIR")
+        fail(f"cannot write the report into {dest}: {e.strerror or e}; pass --out DIR")
     if json:
         sys.stdout.write(_json.dumps(result) + "\n")
         return

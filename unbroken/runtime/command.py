@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from unbroken.cli_error import fail
 from unbroken.config import ConfigError, build_config
 from unbroken.runtime.faults import FaultSpec, chaos_schedule
 from unbroken.runtime.run import launch, new_run_dir
@@ -18,9 +19,6 @@ from unbroken.runtime.supervisor import LaunchError, LaunchOptions
 BUILTIN_JOB = "unbroken.jobs.tiny_gpt"
 
 
-def _error(msg: str) -> None:
-    typer.secho(f"error: {msg}", err=True, fg=typer.colors.RED)
-    raise typer.Exit(2)
 
 
 def _env_int(name: str) -> int | None:
@@ -30,7 +28,7 @@ def _env_int(name: str) -> int | None:
     try:
         return int(v)
     except ValueError:
-        _error(f"environment variable {name}={v!r} is not an integer")
+        fail(f"environment variable {name}={v!r} is not an integer")
 
 
 def run(
@@ -99,7 +97,7 @@ def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, in
             faults=tuple(faults))
         return launch(cfg, opts, progress=progress)
     except (ConfigError, ValueError, LaunchError) as e:
-        _error(str(e))
+        fail(str(e))
     except KeyboardInterrupt:
         typer.secho("interrupted: every process of the job was stopped", err=True)
         raise typer.Exit(130)

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from unbroken.cli_error import fail
 from unbroken.sim.calibrate import calibrate as apply_calibration
 from unbroken.sim.calibrate import load_calibration
 from unbroken.sim.cluster import Cluster
@@ -41,9 +42,6 @@ def _say(msg: str) -> None:
     typer.echo(msg, err=True)
 
 
-def _fail(msg: str) -> None:
-    typer.secho(f"error: {msg}", err=True, fg=typer.colors.RED)
-    raise typer.Exit(2)
 
 
 def _given(**kw: Any) -> dict[str, Any]:
@@ -174,5 +172,5 @@ def simulate(
     try:
         _main(opts)
     except SimError as e:
-        _fail(str(e))
+        fail(str(e))
 
