@@ -59,8 +59,10 @@ def recover(tr: "Trainer", *, new_member: bool) -> None:
 
 
 def reporter(tr: "Trainer") -> bool:
-    """One member reports the recovery's phases: the lowest-ranked survivor."""
-    return tr.rank == min(r for r in tr.gen.members if r not in tr.gen.replaced) or not tr.gen.replaced
+    """One member reports the recovery's phases: the lowest-ranked survivor (the lowest rank
+    when every member is new)."""
+    kept = [r for r in tr.gen.members if r not in tr.gen.replaced]
+    return tr.rank == min(kept or tr.gen.members)
 
 
 def _phase(tr: "Trainer", name: str, start: float) -> None:
