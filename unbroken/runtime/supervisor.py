@@ -368,7 +368,22 @@ class Supervisor:
             if self.leader:
                 self.store.set("shutdown", "1")
             self._drain()
+            self._leave()
         return {"wall_s": time.time() - t0, "port": self.port}
+
+    def _leave(self, timeout_s: float = 10.0) -> None:
+        """Followers say they are leaving; the leader (whose exit closes the store) waits for
+        them, so that no follower's next store request meets a closed connection."""
+        try:
+            if not self.leader:
+                self.store.set(f"left/{self.node}", "1")
+                return
+            nodes = [n for n, ok in self.verdicts.items() if ok]
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and not all(self.store.check([f"left/{n}"]) for n in nodes):
+                time.sleep(0.02)
+        except Exception:  # noqa: BLE001 - leaving is best effort; the run's outcome is already decided
+            pass
 
     def _wait_for_nodes(self) -> None:
         if self.opts.nnodes == 1:
