@@ -97,9 +97,8 @@ class Tier1:
             for s in lay.holders(j):
                 for i, w in enumerate(ws):
                     c = lay.chunk(j, w, s)
-                    self.state.pack(c, buf[i, s])
                     self.crcs[c] = self.state.crc(c)
-                    buf[i, s, self._crc_word()] = self.crcs[c]
+                    self._pack_with_crc(c, buf[i, s])
             comm.allreduce(buf, op=dist.ReduceOp.BXOR, what=f"parity build windows {w0}+")
             self.parity[w0:w0 + len(ws)].copy_(buf[:, j])
         self.txn.parity_ver[:] = step
@@ -157,11 +156,14 @@ class Tier1:
         other members this is holder's parity. out: (n_windows, *chunk_shape)."""
         lay, j = self.layout, self.member
         for w in range(lay.n_windows):
-            c = lay.chunk(j, w, holder)
-            self.state.pack(c, out[w])
-            out[w, self.state.data_words:].zero_()
-            out[w, self._crc_word()] = self.crcs[c]
+            self._pack_with_crc(lay.chunk(j, w, holder), out[w])
         return out
+
+    def _pack_with_crc(self, c: int, out: torch.Tensor) -> None:
+        """Chunk c's data, then a trailer holding only our checksum word (XOR keeps members apart)."""
+        self.state.pack(c, out)
+        out[self.state.data_words:].zero_()
+        out[self._crc_word()] = self.crcs[c]
 
     def install_parity(self, parity: torch.Tensor, step: int) -> None:
         """On a new member: its parity rows, rebuilt by XOR of the others' row_contribution()."""

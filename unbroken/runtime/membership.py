@@ -7,7 +7,7 @@ Keys (all JSON values):
   hb/{proc}           {"t": time, "step": s, "phase": p, "gen": g, "rank": r}
   ready/{proc}        a shadow is built and waiting
   progress            rank 0's {"step", "loss", "tokens_per_s"}
-  collerr/{g}/n, /{i} collective errors members met in generation g
+  faults/n, faults/{i} the leader's fault log: supervisors' findings, members' failed collectives
   shutdown            the run is over; shadows exit
 Each generation's gloo group lives under PrefixStore(f"gen{g}/").
 """
@@ -107,13 +107,9 @@ class GenerationWatch:
             while True:
                 try:
                     store.wait([f"gen/{g + 1}"], timedelta(seconds=self._poll_s))
-                except RuntimeError:  # timed out: no new generation yet (the store raises on timeout)
-                    if not store.check(["gen"]):
-                        continue
+                    g += 1
+                except RuntimeError:  # timed out (the store raises): re-read, in case a key was skipped
                     g = max(g, latest_gen(store))
-                    self._set(g)
-                    continue
-                g += 1
                 self._set(g)
         except BaseException as e:  # noqa: BLE001 - the store is gone: waiters fall back to their deadlines
             self.error = e
@@ -149,15 +145,11 @@ def wait_newer_generation(store: dist.Store, than: int, timeout_s: float,
         time.sleep(0.002)
 
 
-def report_collective_error(store: dist.Store, gen: int, rank: int, error: str) -> None:
-    """A member's collective failed in generation `gen`. If no process died, the leader takes
-    it for a broken link and regroups the same members (`collerr/{gen}/...`)."""
-    i = store.add(f"collerr/{gen}/n", 1) - 1
-    put(store, f"collerr/{gen}/{i}", {"rank": rank, "time": time.time(), "error": error[:300]})
-
-
-def collective_errors(store: dist.Store, gen: int) -> int:
-    return store.add(f"collerr/{gen}/n", 0)
+def report_fault(store: dist.Store, record: dict[str, Any]) -> None:
+    """Append to the leader's fault log (`faults/n`, `faults/{i}`): a supervisor's finding
+    about one of its processes, or a member's failed collective (fault `collective_error`)."""
+    i = store.add("faults/n", 1) - 1
+    put(store, f"faults/{i}", record)
 
 
 def group_store(store: dist.Store, gen: int, name: str = "world") -> dist.PrefixStore:

@@ -147,18 +147,10 @@ def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], ta
         return _rebuild_overlapped(tr, status, lost_by_group, target)
     ok, buf, pv = True, None, None
     if can and mine_lost:
-        lost = mine_lost[0]
-        first = (tr.rank // k) * k
-        pv = [status[first + s]["parity_ver"] for s in range(k)]
-        buf = torch.zeros((owned.layout.n_windows, k if fresh else k - 1, *owned.state.chunk_shape),
-                          dtype=torch.int32)
         try:
-            if tr.rank != lost:
-                owned.tier1.decode_contribution(lost % k, pv, out=buf[:, :k - 1])
-                if fresh:
-                    owned.tier1.row_contribution(lost % k, buf[:, k - 1])
+            pv, buf = _decode_input(tr, status, mine_lost[0], rows=fresh)
         except UnrecoverableChunk as e:
-            tr.ctx.events.emit("warning", message=f"tier 1 cannot decode rank {lost}: {e}")
+            tr.ctx.events.emit("warning", message=f"tier 1 cannot decode rank {mine_lost[0]}: {e}")
             ok = False
     # Everyone must agree before the decode collective: one rank unable means tier 2.
     flag = torch.tensor([0 if (can and ok) else 1], dtype=torch.int32)
@@ -195,20 +187,30 @@ def _rebuild_overlapped(tr: "Trainer", status: list[dict], lost_by_group: dict[i
     owned, k = tr.owned, tr.owned.k
     src = min(s["rank"] for s in status if not s["new"] and s["committed"] == target)
     tr.comm.broadcast(owned.flat.params, src=src, what="parameter hand-off")
-    tr.deferred = {"vote": True}
+    tr.deferred = {}  # not None: the checksum vote is due (every rank votes, lost member or not)
     mine_lost = lost_by_group.get(tr.rank // k, [])
     if mine_lost:
         lost = mine_lost[0]
-        first = (tr.rank // k) * k
-        pv = [status[first + s]["parity_ver"] for s in range(k)]
-        buf = torch.zeros((owned.layout.n_windows, k, *owned.state.chunk_shape), dtype=torch.int32)
-        if tr.rank != lost:
-            owned.tier1.decode_contribution(lost % k, pv, out=buf[:, :k - 1])
-            owned.tier1.row_contribution(lost % k, buf[:, k - 1])
+        pv, buf = _decode_input(tr, status, lost, rows=True)
         pending = tr.group.reduce_start(buf, dst=lost % k, op=dist.ReduceOp.BXOR, what=f"tier-1 decode of rank {lost}")
         tr.deferred.update(pending=pending, buf=buf, pv=pv, lost=lost, target=target)
     tr.parity_rebuilt = "lost rows"
     return "tier1"
+
+
+def _decode_input(tr: "Trainer", status: list[dict], lost: int, *, rows: bool) -> tuple[list, torch.Tensor]:
+    """(parity versions of lost's group, this rank's decode buffer): k-1 slots of the lost
+    member's chunks, plus slot k-1 for its parity rows when `rows`. The lost member's own
+    buffer stays zero (the reduce's destination). Raises UnrecoverableChunk."""
+    owned, k = tr.owned, tr.owned.k
+    first = (tr.rank // k) * k
+    pv = [status[first + s]["parity_ver"] for s in range(k)]
+    buf = torch.zeros((owned.layout.n_windows, k if rows else k - 1, *owned.state.chunk_shape), dtype=torch.int32)
+    if tr.rank != lost:
+        owned.tier1.decode_contribution(lost % k, pv, out=buf[:, :k - 1])
+        if rows:
+            owned.tier1.row_contribution(lost % k, buf[:, k - 1])
+    return pv, buf
 
 
 class RolledBack(Exception):

@@ -83,7 +83,7 @@ class Supervisor:
         self.verdicts: dict[int, bool] = {}
         self.status = "starting"
         self.watch = Watch(cfg, node=self.node, nnodes=opts.nnodes, checkpoint_dir=self.run_dir, events=self.events)
-        self._collerr_seen: tuple[int, float] | None = None  # (generation, first seen) of collective errors
+        self._collerr: dict | None = None  # first failed-collective report of the current generation
         self._last_step = 0  # the newest step rank 0 reported done
         self._link_regroup_step = -1  # _last_step when we last regrouped for a broken link
         self.chain = None  # the retry chain of the recovery in progress (leader)
@@ -202,9 +202,8 @@ class Supervisor:
             self._leave_excluded_node()
 
     def _hand_to_leader(self, proc: str, fault: str, t: float, occurred: float, action: str) -> None:
-        i = self.store.add("faults/n", 1) - 1
-        membership.put(self.store, f"faults/{i}", {"proc": proc, "fault": fault, "time": t,
-                                                   "occurred": occurred, "node": self.node, "action": action})
+        membership.report_fault(self.store, {"proc": proc, "fault": fault, "time": t, "occurred": occurred,
+                                             "node": self.node, "action": action})
 
     def _leave_excluded_node(self) -> None:
         """This node was excluded: stop every process here; the leader moves our ranks elsewhere."""
@@ -228,47 +227,48 @@ class Supervisor:
         return None
 
     # --- the leader's decisions ---------------------------------------------------------
-    def _take_faults(self) -> None:
+    def _take_faults(self, now: float) -> None:
+        """Read the fault log: a process lost (or to be replaced) starts the next generation;
+        members' failed collectives with nobody lost may mean a broken link (_check_link)."""
         n = self.store.add("faults/n", 0)
-        pending = []
-        while self.faults_seen < n:
-            pending.append(membership.get(self.store, f"faults/{self.faults_seen}"))
-            self.faults_seen += 1
         dead = {}
-        for f in pending:
+        while self.faults_seen < n:
+            f = membership.get(self.store, f"faults/{self.faults_seen}")
+            self.faults_seen += 1
             if f is None:
                 continue
-            rank = next((r for r, p in self.gen.members.items() if p == f["proc"]), None)
+            if f["fault"] == "collective_error":
+                if f["gen"] == self.gen.gen:
+                    if self._collerr is None or self._collerr["gen"] != f["gen"]:
+                        self._collerr = {**f, "seen": now, "reports": 0}
+                    self._collerr["reports"] += 1
+                continue
             self.store.set(f"dead/{f['proc']}", "1")
+            rank = self._rank_of(f["proc"])
             if rank is not None:
                 dead[rank] = f
         if dead:
             self._next_generation(dead)
+        else:
+            self._check_link(now)
 
-    def _take_collective_errors(self, now: float) -> None:
+    def _check_link(self, now: float) -> None:
         """Members' collectives failed but no process died (its exit or a detector would have
         moved the generation on within the grace period): a link broke. Every process and
         its state is intact, so regroup the *same* members in a new generation: new
         connections, no replacement, no decode. Once per incident: if the regrouped generation
         fails the same way before any step completes, the detectors (stall, hang) pick a
         process to replace instead."""
-        g = self.gen.gen
+        first = self._collerr
+        if first is None or first["gen"] != self.gen.gen or now - first["seen"] < _LINK_GRACE_S:
+            return
         if self.gen.cause == "link" and self._last_step <= self._link_regroup_step:
-            return
-        if membership.collective_errors(self.store, g) == 0:
-            return
-        if self._collerr_seen is None or self._collerr_seen[0] != g:
-            self._collerr_seen = (g, now)
-            return
-        if now - self._collerr_seen[1] < _LINK_GRACE_S:
             return
         from unbroken.detect import Finding, classify
 
-        first = membership.get(self.store, f"collerr/{g}/0") or {"time": now, "error": "?", "rank": None}
         f = Finding(fault="stall", proc="group", rank=None, node=None, time=now, evidence={
             "why": "a collective failed while every process is alive (broken link)",
-            "reported_by": first["rank"], "error": first["error"][:160],
-            "reports": membership.collective_errors(self.store, g)})
+            "reported_by": first["rank"], "error": first["error"][:160], "reports": first["reports"]})
         d = classify(f, self.watch.offenders)
         self.events.emit("fault_detected", **f.event_fields())
         self.events.emit("fault_classified", **d.event_fields())
@@ -279,9 +279,10 @@ class Supervisor:
         self.recoveries += 1
         if self.recoveries > self.opts.max_recoveries:
             raise LaunchError(f"gave up after {self.opts.max_recoveries} recoveries; see {self.run_dir / 'events.jsonl'}")
+        incident = list(dead.values()) or [link]  # the fault records behind this generation
         members = dict(self.gen.members)
         assigned = []
-        self._retry_link(dead or {-1: link})
+        self._retry_link(incident)
         for rank, f in sorted(dead.items()):
             self.watch.replaced(members[rank])
             proc, cold = self._pick_shadow(exclude=set(members.values()), prefer=int(f.get("node", 0)))
@@ -294,8 +295,8 @@ class Supervisor:
         for rank, proc, cold in assigned:
             membership.put(self.store, f"assign/{proc}", {"rank": rank, "gen": gen.gen})
             self.events.emit("shadow_assigned", proc=proc, rank=rank, gen=gen.gen, cold=cold)
-        t_detect = min(f["time"] for f in (dead or {-1: link}).values())
-        t_fault = min(f.get("occurred", f["time"]) for f in (dead or {-1: link}).values())
+        t_detect = min(f["time"] for f in incident)
+        t_fault = min(f.get("occurred", f["time"]) for f in incident)
         self.events.emit("recovery_phase", phase="detect", start=t_fault, end=t_detect, step=None)
         self.events.emit("recovery_phase", phase="decide", start=t_detect, end=time.time(), step=None)
         self.events.emit("generation", gen=gen.gen, members=gen.members, replaced=list(gen.replaced), cause=gen.cause)
@@ -322,14 +323,14 @@ class Supervisor:
             self.table.children[proc].taken = True
         return proc, not candidates
 
-    def _retry_link(self, dead: dict[int, dict]) -> None:
+    def _retry_link(self, incident: list[dict]) -> None:
         """Each generation published for one incident is a link of its retry chain."""
         from unbroken.detect import RetryChain, RetryPolicy
 
         if self.chain is not None and self.attempt is not None:  # the previous attempt did not resume
             self.events.emit("retry", **self.chain.record(self.attempt, "failed"))
         else:
-            fault = ",".join(sorted({f["fault"] for f in dead.values()}))
+            fault = ",".join(sorted({f["fault"] for f in incident}))
             self.chain = RetryChain(RetryPolicy(budget=self.opts.max_recoveries, base_backoff_s=0.0),
                                     action="in_place", fault=fault)
         self.attempt = self.chain.next_attempt()
@@ -414,8 +415,7 @@ class Supervisor:
             now = time.time()
             exited = self._check_exits()
             if self.leader:
-                self._take_faults()
-                self._take_collective_errors(now)
+                self._take_faults(now)
             if exited or now >= next_beat:  # an exit is acted on at once, not at the next beat
                 next_beat = now + self.cfg.heartbeat_s / 2
                 self._detect()

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from unbroken.comm.group import CollectiveError, Comm
+from unbroken.comm.group import CollectiveError, Comm, GenerationChanged
 from unbroken.detect.detectors import numerics_check
 from unbroken.fsutil import atomic_write_bytes
 from unbroken.parallel.adamw import AdamW
@@ -202,12 +202,12 @@ class Trainer:
 
     def _report_collective_error(self, step: int, e: Exception) -> None:
         """Record it; tell the leader unless the generation already moved on (a peer died)."""
-        from unbroken.comm.group import GenerationChanged
-
         self.ctx.events.emit("collective_error", step=step, phase=self.ctx.phase["phase"], error=str(e)[:300])
         if not isinstance(e, GenerationChanged) and self.gen is not None:
             try:
-                membership.report_collective_error(self.ctx.store, self.gen.gen, self.rank, str(e))
+                membership.report_fault(self.ctx.store, {
+                    "proc": self.ctx.proc, "fault": "collective_error", "gen": self.gen.gen, "rank": self.rank,
+                    "time": time.time(), "error": str(e)[:300]})
             except Exception:  # noqa: BLE001 - the store is the supervisor's: if it is gone, so is the job
                 pass
 
