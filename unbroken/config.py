@@ -56,6 +56,10 @@ class RunConfig:
     strategy: str = "zero1"
     parity_group: int = 4
     tier1: bool = True
+    # Tier-1 parity is brought up to date every `protect_every` steps (1 = every step);
+    # in between, survivors replay a lost shard from the parity point with the logged
+    # averaged gradients. "auto" picks K from measured step and parity times.
+    protect_every: int | str = 8
     chunk_kb: int = 256
     checkpoint_every: int = 0
     checkpoint_keep: int = 2
@@ -87,6 +91,10 @@ class RunConfig:
         _need(self.world_size == 1 or self.world_size % k == 0,
               f"parity_group ({self.parity_group}) must divide world_size ({self.world_size}); "
               f"choose a divisor such as {self.world_size if self.world_size <= 4 else 4}")
+        _need(self.protect_every == "auto" or (isinstance(self.protect_every, int)
+                                               and not isinstance(self.protect_every, bool) and self.protect_every >= 1),
+              f"protect_every must be an integer >= 1 or 'auto', got {self.protect_every!r}; "
+              "e.g. --protect-every 8 (1 = parity every step)")
         _need(self.chunk_kb >= 1, f"chunk_kb must be >= 1, got {self.chunk_kb!r}")
         _need(self.checkpoint_every >= 0, f"checkpoint_every must be >= 0 (0 = off), got {self.checkpoint_every!r}")
         _need(self.checkpoint_keep >= 1, f"checkpoint_keep must be >= 1, got {self.checkpoint_keep!r}")

@@ -7,9 +7,12 @@ from .conftest import SMALL, events, run_job
 
 pytestmark = pytest.mark.timeout(300)
 
-# (phase, chunk) points covering each stage of a step, including the middle of one chunk's update
-ZERO1_POINTS = [("forward", 0), ("backward", 0), ("allreduce", 0), ("optimizer", 0), ("optimizer", 3),
-                ("midchunk", 2), ("parity", 1), ("allgather", 0)]
+# (K, step, phase, chunk): each stage of a step, including the middle of one chunk's update,
+# with parity every step (K=1) and every 4th step (K=4: parity points 4 and 8), where the kill
+# lands on a parity step (4), the first step after it (5) and inside the window (6, 7)
+ZERO1_POINTS = [(1, 4, "backward", 0), (1, 4, "midchunk", 2), (1, 4, "parity", 1), (1, 4, "allgather", 0),
+                (4, 5, "forward", 0), (4, 5, "optimizer", 3), (4, 6, "backward", 0), (4, 6, "allreduce", 0),
+                (4, 7, "midchunk", 2), (4, 4, "optimizer", 0), (4, 4, "parity", 1), (4, 4, "allgather", 0)]
 
 
 def _faulted(tmp_path, strategy, *injects, extra=()):
@@ -19,14 +22,21 @@ def _faulted(tmp_path, strategy, *injects, extra=()):
     return run_job(tmp_path / "run", *args)
 
 
-@pytest.mark.parametrize("phase,chunk", ZERO1_POINTS)
-def test_zero1_sigkill_at_each_phase_is_bitwise_invisible(tmp_path, reference, phase, chunk):
-    got = _faulted(tmp_path, "zero1", f"sigkill:rank=2,step=4,phase={phase},chunk={chunk}")
+@pytest.mark.parametrize("k,step,phase,chunk", ZERO1_POINTS)
+def test_zero1_sigkill_at_each_phase_is_bitwise_invisible(tmp_path, reference, k, step, phase, chunk):
+    got = _faulted(tmp_path, "zero1", f"sigkill:rank=2,step={step},phase={phase},chunk={chunk}",
+                   extra=("--protect-every", str(k)))
     assert got["ok"] and got["ranks_agree"]
     assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
     [rec] = got["recoveries"]
     assert rec["complete"] and rec["path"] in ("tier1", "initial")
     assert got["steps_lost"] == 0
+    [ev] = _recovered(tmp_path)
+    # before the update the step is redone, from it on rolled forward; the lost shard is decoded
+    # at the last parity point (the interrupted one if its all-gather was reached) and replayed
+    target = step - 1 if phase in ("forward", "backward", "allreduce") else step
+    oldest = step if (phase == "allgather" and step % k == 0) else (step - 1) // k * k
+    assert (ev["step"], ev["steps_replayed"]) == (target, target - oldest)
 
 
 @pytest.mark.parametrize("phase", ["backward", "optimizer", "allgather"])
@@ -67,8 +77,8 @@ def test_redo_recomputes_only_the_lost_rank_and_rebuilds_only_its_parity_rows(tm
     assert rec["parity_rebuilt"] == "lost rows"
 
 
-def test_a_failure_mid_update_rolls_forward_and_rebuilds_all_parity(tmp_path, reference):
-    got = _faulted(tmp_path, "zero1", "sigkill:rank=2,step=4,phase=optimizer,chunk=1")
+def test_a_failure_mid_parity_step_rolls_forward_and_rebuilds_all_parity(tmp_path, reference):
+    got = _faulted(tmp_path, "zero1", "sigkill:rank=2,step=4,phase=optimizer,chunk=12", extra=("--protect-every", "2"))
     assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
     [rec] = _recovered(tmp_path)
     assert rec["steps_redone"] == 0 and rec["recompute_ranks"] == [] and rec["parity_rebuilt"] == "full"
@@ -81,6 +91,25 @@ def test_the_new_member_dies_while_redoing_the_step(tmp_path, reference):
     assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
     assert len(got["recoveries"]) == 2
     assert all(r["parity_rebuilt"] == "lost rows" for r in _recovered(tmp_path))
+
+
+def test_a_failure_mid_update_between_parity_points_keeps_the_parity(tmp_path, reference):
+    got = _faulted(tmp_path, "zero1", "sigkill:rank=2,step=7,phase=optimizer,chunk=1", extra=("--protect-every", "4"))
+    assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+    [rec] = _recovered(tmp_path)
+    # decoded at step 4, steps 5..7 replayed (6 from the log, 7 from the handed-off gradient)
+    assert rec["step"] == 7 and rec["steps_redone"] == 0 and rec["parity_rebuilt"] == "lost rows"
+    assert rec["steps_replayed"] > 0
+
+
+def test_a_second_failure_during_the_replay_window(tmp_path, reference):
+    # rank 1 dies at step 7; its replacement dies in its backward while its decode and the
+    # gradient log of steps 5..6 are still in flight; the next shadow decodes and replays again
+    got = _faulted(tmp_path, "zero1", "sigkill:rank=1,step=7,phase=forward", "sigkill:rank=1,step=7,phase=backward",
+                   extra=("--protect-every", "4", "--shadows", "2"))
+    assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+    assert len(got["recoveries"]) == 2
+    assert [(r["step"], r["steps_replayed"]) for r in _recovered(tmp_path)] == [(6, 2), (6, 2)]
 
 
 def test_dropped_links_regroup_the_same_processes(tmp_path, reference):

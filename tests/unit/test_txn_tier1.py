@@ -33,21 +33,27 @@ def test_layout_rejects_bad_sizes():
         ParityLayout(1, 3)
 
 
-def test_txn_undo_window_is_bounded_and_versions_reachable():
-    log = TxnLog(n_chunks=6, n_parity=2, chunk_shape=(4,), undo_slots=2)
+def test_txn_versions_come_from_current_or_snapshot():
+    log = TxnLog(n_chunks=3, n_parity=1)
     log.begin(StepScalars(step=1, lr=0.1, clip_coef=1.0))
-    cur = torch.arange(4, dtype=torch.int32)
-    log.undo_buffer(0).copy_(cur)
     log.commit_chunk(0, 1)
-    log.undo_buffer(1).copy_(cur)
-    with pytest.raises(RuntimeError, match="undo window full"):
-        log.undo_buffer(2)
-    out = torch.zeros(4, dtype=torch.int32)
-    assert torch.equal(log.chunk_at(0, 0, cur + 5, out), cur)       # old version from undo
-    assert torch.equal(log.chunk_at(0, 1, cur + 5, out), cur + 5)   # current version
-    log.release([0])
-    with pytest.raises(UnrecoverableChunk, match="undo bytes are gone"):
-        log.chunk_at(0, 0, cur, out)
+    assert log.source(0, 1) == "current" and log.source(0, 0) == "snapshot"
+    assert log.source(1, 0) == "current"  # not yet updated: current and snapshot agree
+    with pytest.raises(UnrecoverableChunk, match="not reachable"):
+        log.source(0, 2)
+    log.commit_chunk(1, 1)
+    log.commit_chunk(2, 1)
+    log.begin(StepScalars(step=2, lr=0.1, clip_coef=0.5))
+    log.commit_chunk(0, 2)
+    with pytest.raises(UnrecoverableChunk):
+        log.source(0, 1)  # neither current (2) nor the snapshot (0)
+    assert log.scalars_for(2).clip_coef == 0.5
+    for c in (1, 2):
+        log.commit_chunk(c, 2)
+    log.snapshot_taken(2)
+    assert log.snap_ver == 2 and log.history == {}
+    with pytest.raises(UnrecoverableChunk, match="no scalars"):
+        log.scalars_for(1)
 
 
 class _Member:
@@ -55,8 +61,9 @@ class _Member:
         g = torch.Generator().manual_seed(seed * 100 + j)
         self.tensors = [torch.randn(n_chunks * elems, generator=g) for _ in range(3)]
         self.state = ChunkedState(self.tensors, elems, trailer_words=k)
-        self.txn = TxnLog(n_chunks, n_chunks // (k - 1), self.state.chunk_shape, undo_slots=2 * (k - 1))
-        self.t1 = Tier1(self.state, ParityLayout(k, n_chunks), j, self.txn)
+        self.snap = ChunkedState([torch.zeros_like(t) for t in self.tensors], elems, trailer_words=k)
+        self.txn = TxnLog(n_chunks, n_chunks // (k - 1))
+        self.t1 = Tier1(self.state, ParityLayout(k, n_chunks), j, self.txn, self.snap)
 
 
 def _xor_allreduce(bufs):
@@ -86,6 +93,8 @@ def _build(members, windows, k):
             m.t1.parity[w].copy_(bufs[j][j])
     for m in members:
         m.txn.parity_ver[:] = 0
+        m.snap.copy_from(m.state)
+        m.txn.snapshot_taken(0)
 
 
 def _decode(members, lost, pv):
@@ -104,15 +113,16 @@ def test_parity_build_delta_and_decode_bitwise(k, windows, lost, seed):
     members = [_Member(j, k, n_chunks, elems, seed) for j in range(k)]
     _build(members, windows, k)
     original = [t.clone() for t in members[lost].tensors]
-    # one step: change every chunk of window 0 with deltas absorbed, leave window 1+ un-absorbed
+    # one step changes every chunk; only window 0's deltas are staged and absorbed (a parity
+    # step cut short after window 0), so rows of window 1+ still hold the snapshot's version
     for j, m in enumerate(members):
         m.txn.begin(StepScalars(step=1, lr=0.1, clip_coef=1.0))
-        for s, c in zip(m.t1.layout.holders(j), m.t1.layout.window_chunks(j, 0)):
-            undo = m.state.pack(c, m.txn.undo_buffer(c))
+        for c in range(n_chunks):
             for t in m.tensors:
-                t[c * elems:(c + 1) * elems] += 1.0
+                t[c * elems:(c + 1) * elems] += 1.0 + c
             m.txn.commit_chunk(c, 1)
-            m.t1.stage_delta(0, s, c, undo)
+        for s, c in zip(m.t1.layout.holders(j), m.t1.layout.window_chunks(j, 0)):
+            m.t1.stage_delta(0, s, c)
     # window 0's all-to-all, done in-process: member j's outgoing slot s lands in holder s's
     # incoming slot j; then every holder absorbs what it received
     for j, m in enumerate(members):
@@ -120,13 +130,21 @@ def test_parity_build_delta_and_decode_bitwise(k, windows, lost, seed):
             members[s].t1._incoming[0][j].copy_(m.t1._windows[0][s])
     for m in members:
         m.t1.absorb(0, 1)
+    w0 = set(members[lost].t1.layout.window_chunks(lost, 0))
     expected = [t.clone() for t in members[lost].tensors]
+    for c in range(n_chunks):  # chunks outside window 0 are decoded at the snapshot's version
+        if c not in w0:
+            for e, o in zip(expected, original):
+                e[c * elems:(c + 1) * elems] = o[c * elems:(c + 1) * elems]
     pv = [m.txn.parity_ver.tolist() for m in members]
     decoded = _decode(members, lost, pv)
     fresh = _Member(lost, k, n_chunks, elems, seed + 1)  # a new process: different garbage
     fresh.t1.install_decoded(decoded, pv)
     for got, want in zip(fresh.tensors, expected):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    for got, want in zip(fresh.snap.tensors, expected):  # the snapshot too: the decode yields it
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert sorted(int(fresh.txn.chunk_ver[c]) for c in w0) == [1] * len(w0)
     assert not torch.equal(expected[0], original[0])
 
 

@@ -10,6 +10,12 @@ and every rank resumes from the newest checkpoint. Run by `unbroken bench recove
 
 DIR/config.json holds the RunConfig. Each kill (rank:step) fires once across restarts (a
 marker file records it), by SIGKILL after the step's forward. Events go to DIR/baseline.jsonl.
+
+`unbroken bench overhead` runs it as the native peer of each strategy, failure-free:
+`--checkpoint-every 0` saves nothing (not even at the end) and `--optimizer zero` swaps
+AdamW for torch's ZeroRedundancyOptimizer over AdamW (the peer of unbroken's zero1).
+Each step record carries compute_s (forward + backward, DDP's overlapped all-reduce
+included) and update_s (clipping + optimizer step, ZeRO's parameter broadcast included).
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ from unbroken.models.gpt import build_model  # noqa: E402
 from unbroken.parallel.adamw import AdamW as Schedule  # noqa: E402  (lr_at only: the same schedule)
 
 LOG_NAME = "baseline.jsonl"
+OPTIMIZERS = ("adamw", "zero")  # torch.optim.AdamW; ZeroRedundancyOptimizer(optimizer_class=AdamW)
 
 
 class Log:
@@ -100,17 +107,26 @@ def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
     return int(state["step"])
 
 
-def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                             weight_decay=cfg.weight_decay)
+def make_optimizer(model: torch.nn.Module, cfg: RunConfig, kind: str = "adamw") -> torch.optim.Optimizer:
+    """AdamW with unbroken's hyperparameters; kind "zero" shards its state (needs a process group)."""
+    hyper = {"lr": cfg.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": cfg.weight_decay}
+    if kind == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **hyper)
+    if kind != "adamw":
+        raise ValueError(f"unknown optimizer {kind!r}; choose one of {', '.join(OPTIMIZERS)}")
+    return torch.optim.AdamW(model.parameters(), **hyper)
 
 
-def train(cfg: RunConfig, run_dir: Path, every: int, kills: set[tuple[int, int]]) -> None:
+def train(cfg: RunConfig, run_dir: Path, every: int, kills: set[tuple[int, int]],
+          optimizer: str = "adamw") -> None:
+    """Train to cfg.steps; rank 0 saves a checkpoint every `every` steps and at the end (every=0: never)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     log = Log(run_dir / LOG_NAME, rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     log("process_start", t=T_PROCESS, pid=os.getpid())
     model = build_model(cfg.model, VOCAB_SIZE, seed=cfg.seed)
-    opt = make_optimizer(model, cfg)
+    opt = make_optimizer(model, cfg, optimizer)
     sched = Schedule(lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
     ckpt = latest_checkpoint(run_dir)
     start = load_checkpoint(ckpt, model, opt) if ckpt else 0
@@ -127,6 +143,7 @@ def train(cfg: RunConfig, run_dir: Path, every: int, kills: set[tuple[int, int]]
             log("kill", step=step)
             os.kill(os.getpid(), signal.SIGKILL)
         loss.backward()
+        t_grad = time.perf_counter()
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         for g in opt.param_groups:
@@ -135,9 +152,10 @@ def train(cfg: RunConfig, run_dir: Path, every: int, kills: set[tuple[int, int]]
         opt.zero_grad(set_to_none=True)
         now = time.perf_counter()
         if rank == 0:
-            log("step", step=step, loss=round(float(loss.detach()), 6), step_s=round(now - t_prev, 4))
+            log("step", step=step, loss=round(float(loss.detach()), 6), step_s=round(now - t_prev, 4),
+                compute_s=round(t_grad - t_prev, 4), update_s=round(now - t_grad, 4))
         t_prev = now
-        if rank == 0 and (step % every == 0 or step == cfg.steps):
+        if rank == 0 and every > 0 and (step % every == 0 or step == cfg.steps):
             t0 = time.perf_counter()
             nbytes = save_checkpoint(run_dir, step, model, opt)
             log("checkpoint_saved", step=step, save_s=round(time.perf_counter() - t0, 4), bytes=nbytes)
@@ -150,16 +168,20 @@ def train(cfg: RunConfig, run_dir: Path, every: int, kills: set[tuple[int, int]]
 def main() -> None:
     ap = argparse.ArgumentParser(description="baseline: torchrun restart-all + torch.save checkpoints")
     ap.add_argument("--run-dir", type=Path, required=True)
-    ap.add_argument("--checkpoint-every", type=int, required=True)
+    ap.add_argument("--checkpoint-every", type=int, required=True, help="steps between saves; 0 = never")
+    ap.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     ap.add_argument("--kill", action="append", default=[], help="RANK:STEP, fired once (repeatable)")
     a = ap.parse_args()
-    if a.checkpoint_every < 1:
-        raise SystemExit(f"--checkpoint-every must be >= 1, got {a.checkpoint_every}")
+    if a.checkpoint_every < 0:
+        raise SystemExit(f"--checkpoint-every must be >= 0 (0 = never), got {a.checkpoint_every}")
+    if a.optimizer == "zero" and a.checkpoint_every:
+        raise SystemExit("--optimizer zero saves no checkpoints (its state is sharded); pass --checkpoint-every 0")
     cfg = RunConfig.from_dict(json.loads((a.run_dir / "config.json").read_text()))
     torch.set_num_threads(cfg.threads)
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.collective_timeout_s))
     try:
-        train(cfg, a.run_dir, a.checkpoint_every, {parse_kill(k) for k in a.kill})
+        train(cfg, a.run_dir, a.checkpoint_every, {parse_kill(k) for k in a.kill}, a.optimizer)
+        dist.barrier()  # no rank tears gloo down while a peer still has work in flight (it aborts)
     finally:
         dist.destroy_process_group()
 

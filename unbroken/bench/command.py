@@ -1,4 +1,4 @@
-"""`unbroken bench throughput|protect|recovery`: run one benchmark, print its table, save JSON (+PNG)."""
+"""`unbroken bench throughput|protect|recovery|overhead`: run one benchmark, print its table, save JSON (+PNG)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -44,3 +44,43 @@ def recovery(quick: bool = _QUICK, out: Path = _OUT) -> None:
 
     res = rc.measure(quick=quick, plot_path=Path(out) / "recovery.png")
     _finish("recovery", res, rc.table, out)
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise typer.BadParameter(f"{option} takes comma-separated integers >= 1, e.g. 2,4; got {text!r}")
+    return [int(p) for p in parts]
+
+
+def _strategies(text: str) -> list[str]:
+    from unbroken.config import STRATEGIES
+
+    names = [p.strip() for p in text.split(",") if p.strip()] or list(STRATEGIES)
+    bad = [n for n in names if n not in STRATEGIES]
+    if bad:
+        raise typer.BadParameter(f"unknown strategy {bad[0]!r}; choose from {', '.join(STRATEGIES)}")
+    return names
+
+
+def overhead(steps: int = typer.Option(40, "--steps", help="steps per run"),
+             rounds: int = typer.Option(5, "--rounds", help="interleaved rounds of native, off, default"),
+             worlds: str = typer.Option("2,4", "--worlds", help="world sizes, comma-separated"),
+             strategies: str = typer.Option("", "--strategies", help="comma-separated; default: every strategy"),
+             out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="for overhead.json and overhead.png"),
+             ) -> None:
+    """Failure-free cost: unbroken (protection off, and default) vs native PyTorch, tokens/s ratio with 95% CI."""
+    from unbroken.bench import overhead as ov
+    from unbroken.bench.plot import plot_overhead
+
+    if rounds < 1:
+        raise typer.BadParameter(f"--rounds must be >= 1, got {rounds}")
+    sizes, names = _int_list(worlds, "--worlds"), _strategies(strategies)
+    try:
+        ov.validate(steps=steps, worlds=sizes, strategies=names)
+    except ValueError as e:  # a ConfigError, or --steps too short to have steady steps
+        raise typer.BadParameter(str(e)) from None
+    res = ov.measure(steps=steps, rounds=rounds, worlds=sizes, strategies=names)
+    _finish("overhead", res, ov.table, out_dir)
+    plot_overhead(res, Path(out_dir) / "overhead.png")
+    Console().print(f"wrote {Path(out_dir) / 'overhead.png'}")

@@ -1,7 +1,8 @@
 """What every benchmark shares: running a job under unbroken, reading its step times, saving results.
 
 Results go to `bench/results/NAME.json` (atomically) with a `machine` block, because on a
-shared 2-core box the absolute numbers only mean something next to the ratios.
+shared 2-core box the absolute numbers only mean something next to the ratios, and with
+the `commit` (git HEAD, null outside a checkout) and `dirty` flag of the code that ran.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Iterable
@@ -32,9 +34,30 @@ def machine() -> dict:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
+def git_commit(repo: Path | None = None) -> dict:
+    """{"commit": HEAD sha, "dirty": uncommitted changes?} of the checkout this code runs from.
+
+    Both are None when git is missing or the code is not in a git checkout (an installed wheel).
+    """
+    repo = Path(repo) if repo else Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout if out.returncode == 0 else None
+
+    sha = git("rev-parse", "HEAD")
+    if not sha:
+        return {"commit": None, "dirty": None}
+    status = git("status", "--porcelain")
+    return {"commit": sha.strip(), "dirty": None if status is None else bool(status.strip())}
+
+
 def write_result(name: str, data: dict, out_dir: Path = RESULTS_DIR) -> Path:
     path = Path(out_dir) / f"{name}.json"
-    atomic_write_json(path, {**data, "benchmark": name, "machine": machine()})
+    atomic_write_json(path, {**data, "benchmark": name, "machine": machine(), **git_commit()})
     return path
 
 

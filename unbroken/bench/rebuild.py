@@ -60,8 +60,8 @@ def rebuild_rank(store: dist.Store, *, rank: int, world: int, nbytes: int, lost:
     tensors = [torch.randn(n, generator=gen) for _ in range(N_TENSORS)]
     state = ChunkedState(tensors, e, trailer_words=world)  # tier 1 keeps k CRC words per chunk
     layout = ParityLayout(world, state.n_chunks)
-    t1 = Tier1(state, layout, rank, TxnLog(state.n_chunks, layout.n_windows, state.chunk_shape,
-                                           undo_slots=2 * (world - 1)))
+    snap = ChunkedState([t.clone() for t in tensors], e, trailer_words=world)  # the parity point's state
+    t1 = Tier1(state, layout, rank, TxnLog(state.n_chunks, layout.n_windows), snap)
     comm.barrier(what="start")
     out: dict = {"rank": rank, "bytes_protected": t1.bytes_protected, "parity_bytes": t1.parity_bytes,
                  "n_windows": layout.n_windows,
@@ -106,7 +106,6 @@ def _time_delta_update(comm: Comm, t1: Tier1, repeats: int) -> dict[str, list[fl
     Returns per-repeat totals and the part of each spent staging (local compute) vs in collectives.
     """
     lay, me = t1.layout, t1.member
-    old = t1.state.empty_chunk().random_(0, 1 << 30)  # stands in for the chunk's pre-update bytes
     out: dict[str, list[float]] = {"total": [], "stage": [], "comm": []}
     for _ in range(repeats):
         comm.barrier(what="delta start")
@@ -123,7 +122,7 @@ def _time_delta_update(comm: Comm, t1: Tier1, repeats: int) -> dict[str, list[fl
             if w >= lay.n_windows:
                 continue
             for holder, c in zip(lay.holders(me), lay.window_chunks(me, w)):
-                t1.stage_delta(w, holder, c, old)
+                t1.stage_delta(w, holder, c)
             b = time.perf_counter()
             inflight.append((w, t1.start_window(comm, w)))
             stage, coll = stage + b - a, coll + time.perf_counter() - b

@@ -194,6 +194,14 @@ class Comm:
         """inp[s] goes to rank s, out[m] comes from rank m (first dimension = world); one op."""
         return self.start(self.pg.alltoall_base(out, inp, [], [], dist.AllToAllOptions()), what)
 
+    def send_start(self, t: torch.Tensor, dst: int, tag: int, what: str = "send") -> "Pending":
+        """Point-to-point send of a contiguous tensor; `finish()` it later."""
+        return self.start(self.pg.send([t], dst, tag), what)
+
+    def recv_start(self, t: torch.Tensor, src: int, tag: int, what: str = "recv") -> "Pending":
+        """Point-to-point receive into a contiguous tensor; `finish()` it later."""
+        return self.start(self.pg.recv([t], src, tag), what)
+
     def broadcast(self, t: torch.Tensor, src: int, what: str = "broadcast") -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0

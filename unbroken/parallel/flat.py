@@ -27,7 +27,8 @@ def plan_chunks(n: int, world: int, chunk_elems: int, multiple: int) -> tuple[in
 
 
 class FlatModel:
-    def __init__(self, model: nn.Module, *, world: int, chunk_elems: int, multiple: int) -> None:
+    def __init__(self, model: nn.Module, *, world: int, chunk_elems: int, multiple: int,
+                 grad_slots: int = 1) -> None:
         self.model = model
         self.plist = [p for p in model.parameters() if p.requires_grad]
         if not self.plist:
@@ -40,7 +41,11 @@ class FlatModel:
         self.shard = self.chunks_per_rank * self.chunk_elems
         self.n_pad = self.shard * world
         self.params = torch.zeros(self.n_pad)
-        self.grads = torch.zeros(self.n_pad + 1)  # + local loss
+        # A ring of gradient buffers, one per step of the protection interval: the averaged
+        # gradient of step s stays in slot s % grad_slots until step s + grad_slots, so a lost
+        # shard can be replayed from the last parity point without copying any gradient.
+        self._ring = [torch.zeros(self.n_pad + 1) for _ in range(grad_slots)]  # + local loss
+        self.grads = self._ring[0]
         off = 0
         with torch.no_grad():
             for p in self.plist:
@@ -48,6 +53,19 @@ class FlatModel:
                 self.params[off:off + k].copy_(p.reshape(-1))
                 p.data = self.params[off:off + k].view_as(p)
                 off += k
+
+    @property
+    def grad_slots(self) -> int:
+        return len(self._ring)
+
+    def use_grads_of(self, step: int) -> torch.Tensor:
+        """Make step's ring slot the current `grads` (where backward and the all-reduce write)."""
+        self.grads = self._ring[step % len(self._ring)]
+        return self.grads
+
+    def grads_of(self, step: int) -> torch.Tensor:
+        """The ring slot that holds (or will hold) step's averaged gradient."""
+        return self._ring[step % len(self._ring)]
 
     def zero_grad(self) -> None:
         for p in self.plist:

@@ -1,8 +1,10 @@
 """The optimizer state a rank owns and the chunked, transactional update of it.
 
 `zero1`: rank r owns shard r of the flat parameters and its Adam moments, updates it
-chunk by chunk, sends each window's parity deltas to their holders (one all-to-all), then all ranks
-all-gather the parameters. `ddp`: every rank owns everything (replicated); no parity
+chunk by chunk, then all ranks all-gather the parameters. Every `protect_every`-th step
+(a parity step) also sends each window's parity deltas to their holders (one all-to-all);
+in between, the ring of averaged gradients and the step log let a lost shard be decoded
+at the last parity point and replayed. `ddp`: every rank owns everything (replicated); no parity
 is needed because any survivor is a copy.
 """
 from __future__ import annotations
@@ -24,84 +26,110 @@ Point = Callable[[str, int], None]  # fault-injection hook: point(phase, chunk)
 
 class OwnedState:
     def __init__(self, model: nn.Module, *, strategy: str, rank: int, world: int, group_size: int,
-                 chunk_elems: int, optim: AdamW) -> None:
+                 chunk_elems: int, optim: AdamW, protect_every: int = 1) -> None:
         self.strategy, self.rank, self.world, self.optim = strategy, rank, world, optim
         sharded = strategy == "zero1"
         self.k = group_size if (sharded and group_size >= 2) else 1
+        # parity every K steps; the gradient ring keeps the K averaged gradients a replay needs
+        self.protect_every = protect_every if self.k >= 2 else 1
         self.flat = FlatModel(model, world=world if sharded else 1, chunk_elems=chunk_elems,
-                              multiple=max(1, self.k - 1))
+                              multiple=max(1, self.k - 1), grad_slots=self.protect_every)
         self.lo, self.hi = self.flat.shard_range(rank if sharded else 0)
         n = self.hi - self.lo
         self.m, self.v = torch.zeros(n), torch.zeros(n)
+        trailer = self.k if self.k >= 2 else 0
         self.state = ChunkedState([self.flat.params[self.lo:self.hi], self.m, self.v], self.flat.chunk_elems,
-                                  trailer_words=self.k if self.k >= 2 else 0)
+                                  trailer_words=trailer)
         self.layout = ParityLayout(self.k, self.state.n_chunks) if self.k >= 2 else None
         self.member = rank % self.k
-        n_parity = self.layout.n_windows if self.layout else 0
-        # a window's undo lives until the exchange PIPELINE windows later completes (see
-        # _finish_oldest): at most 2*PIPELINE windows of k-1 chunks are held at once
-        self.txn = TxnLog(self.state.n_chunks, n_parity, self.state.chunk_shape,
-                          undo_slots=2 * PIPELINE * max(1, self.k - 1))
-        self.tier1 = Tier1(self.state, self.layout, self.member, self.txn) if self.layout else None
+        self.txn = TxnLog(self.state.n_chunks, self.layout.n_windows if self.layout else 0)
+        self.tier1, self.snap = None, None
+        if self.layout:
+            self.snap = ChunkedState([torch.zeros(n) for _ in range(3)], self.flat.chunk_elems, trailer_words=trailer)
+            self.tier1 = Tier1(self.state, self.layout, self.member, self.txn, self.snap)
+        self.next_parity = self.protect_every  # the next step whose update brings parity up to date
+        self.log_from = 1  # the first step whose averaged gradient our ring is known to hold
         self._shard_copy = torch.zeros(n) if sharded else None
 
     @property
     def sharded(self) -> bool:
         return self.strategy == "zero1"
 
+    @property
+    def snapshot_bytes(self) -> int:
+        return 0 if self.snap is None else self.state.n_chunks * self.state.chunk_bytes
+
+    @property
+    def gradient_log_bytes(self) -> int:
+        return 0 if self.tier1 is None else self.flat.grad_slots * self.flat.grads.numel() * 4
+
+    def parity_due(self, step: int) -> bool:
+        return self.tier1 is not None and step >= self.next_parity
+
     # --- one chunk ---------------------------------------------------------------------
     def apply_chunk(self, c: int, s: StepScalars, point: Point | None = None) -> None:
+        """Apply step s to chunk c with step s's averaged gradient (from the ring)."""
         e = self.state.chunk_elems
         a, b = c * e, (c + 1) * e
         p = self.flat.params[self.lo + a:self.lo + b]
-        g = self.flat.grads[self.lo + a:self.lo + b]
+        g = self.flat.grads_of(s.step)[self.lo + a:self.lo + b]
         self.optim.apply(p, g, self.m[a:b], self.v[a:b], s, point=(lambda: point("midchunk", c)) if point else None)
         self.txn.commit_chunk(c, s.step)
 
     # --- the step's update ---------------------------------------------------------------
-    def update(self, s: StepScalars, group: Comm | None, point: Point) -> None:
+    def update(self, s: StepScalars, group: Comm | None, point: Point, *, parity: bool) -> None:
+        """Apply step s to every chunk; on a parity step also send each window's deltas
+        (snapshot XOR new) to their holders."""
         self.txn.begin(s)
-        if self.tier1 is None:
+        if not parity:
             for c in range(self.state.n_chunks):
                 point("optimizer", c)
                 self.apply_chunk(c, s, point)
             return
-        lay, inflight, undo = self.layout, [], {}
+        lay, inflight = self.layout, []
         for w in range(lay.n_windows):
             if len(inflight) == PIPELINE:
-                self._finish_oldest(group, inflight, undo, s.step)
-            chunks = lay.window_chunks(self.member, w)
-            for holder, c in zip(lay.holders(self.member), chunks):
+                self.tier1.finish_window(group, *inflight.pop(0), s.step)
+            for holder, c in zip(lay.holders(self.member), lay.window_chunks(self.member, w)):
                 point("optimizer", c)
-                old = self.state.pack(c, self.txn.undo_buffer(c))
                 self.apply_chunk(c, s, point)
-                self.tier1.stage_delta(w, holder, c, old)
-            undo[w] = chunks
+                self.tier1.stage_delta(w, holder, c)
             point("parity", w)
-            inflight.append((w, self.tier1.start_window(group, w)))
+            inflight.append((self.tier1.start_window(group, w), w))
         while inflight:
-            self._finish_oldest(group, inflight, undo, s.step)
+            self.tier1.finish_window(group, *inflight.pop(0), s.step)
 
-    def _finish_oldest(self, group: Comm, inflight: list, undo: dict, step: int) -> None:
-        w, pending = inflight.pop(0)
-        self.tier1.finish_window(group, pending, w, step)
-        # Every rank issues window w's collective only after it finished window w-PIPELINE's.
-        # So w completing here means every holder has absorbed window w-PIPELINE: drop its undo.
-        self.txn.release(undo.pop(w - PIPELINE, []))
-
-    def commit(self, world: Comm) -> None:
-        """Make the step visible everywhere: all-gather the updated parameter shards."""
+    def commit(self, world: Comm, *, parity_step: int | None = None) -> None:
+        """Make the step visible everywhere: all-gather the updated parameter shards. After a
+        parity step, its completion proves every holder absorbed every window: the snapshot
+        moves to this step."""
         if self.sharded and self.world > 1:
             self._shard_copy.copy_(self.flat.params[self.lo:self.hi])
             world.allgather_into(self.flat.params, self._shard_copy, what="parameter all-gather")
-        self.txn.release_all()  # the all-gather completing means the last window was absorbed everywhere
+        if parity_step is not None:
+            self.take_snapshot(parity_step)
 
-    def roll_forward(self, s: StepScalars) -> int:
-        """Apply step s to every chunk still one version behind; returns how many."""
-        behind = [c for c in range(self.state.n_chunks) if self.txn.chunk_ver[c] == s.step - 1]
-        for c in behind:
-            self.apply_chunk(c, s)
-        return len(behind)
+    def take_snapshot(self, step: int) -> None:
+        if self.snap is not None:
+            self.snap.copy_from(self.state)
+        self.txn.snapshot_taken(step)
+        self.next_parity = step + self.protect_every
+
+    def rebuild_parity(self, group: Comm, step: int) -> float:
+        """Full parity build at `step` (every chunk there): snapshot, encode, new interval."""
+        self.take_snapshot(step)
+        return self.tier1.build(group, step)
+
+    def replay_to(self, target: int) -> int:
+        """Bring every chunk to `target` by re-applying the logged steps (their scalars and the
+        ring's gradients); elementwise, so the bytes equal a failure-free run's. Returns the
+        number of chunk updates applied."""
+        n = 0
+        for c in range(self.state.n_chunks):
+            for step in range(int(self.txn.chunk_ver[c]) + 1, target + 1):
+                self.apply_chunk(c, self.txn.scalars_for(step))
+                n += 1
+        return n
 
     # --- persistence -------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -115,4 +143,5 @@ class OwnedState:
                                  f"this job needs {tuple(t.shape)} {t.dtype}: was it written by another config?")
             t.copy_(src)
         self.txn.chunk_ver[:] = step
-        self.txn.release_all()
+        self.txn.history.clear()
+        self.log_from = step + 1

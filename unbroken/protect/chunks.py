@@ -75,5 +75,18 @@ class ChunkedState:
         return out
 
 
+    def xor_with(self, c: int, other: "ChunkedState", out: torch.Tensor) -> torch.Tensor:
+        """out[:data_words] = chunk c here XOR chunk c of `other` (same layout): one pass, no packing."""
+        sl, e = self._sl(c), self.chunk_elems
+        for i, (w, o) in enumerate(zip(self.words, other.words)):
+            torch.bitwise_xor(w[sl], o[sl], out=out[i * e:(i + 1) * e])
+        return out
+
+    def copy_from(self, other: "ChunkedState") -> None:
+        """Every tensor here := the same tensor of `other` (a snapshot, or its restore)."""
+        for w, o in zip(self.words, other.words):
+            w.copy_(o)
+
+
 def _signed(crc: int) -> int:
     return crc - (1 << 32) if crc >= (1 << 31) else crc

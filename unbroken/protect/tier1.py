@@ -9,6 +9,8 @@ window: member j sends its delta for row (w, s) straight to holder s and receive
 k-1 deltas for its own row, so each rank moves exactly its protected bytes per step
 (a BXOR all-reduce moved ~2k/(k-1) times that, and took twice as long here). Windows are
 pipelined: up to PIPELINE exchanges are in flight while the next window is updated.
+Deltas are taken against the snapshot of the previous parity point, so parity may be
+brought up to date every K steps instead of every step (`protect_every`).
 
 Every packed chunk carries a trailer of k int32 words; member i writes the CRC-32C of its
 chunk into word i. XOR keeps distinct words apart, so each parity chunk also holds the
@@ -66,9 +68,11 @@ class ParityLayout:
 class Tier1:
     """One member's parity chunks and the collectives that keep them current."""
 
-    def __init__(self, state: ChunkedState, layout: ParityLayout, member: int, txn: TxnLog) -> None:
-        assert layout.n_chunks == state.n_chunks
+    def __init__(self, state: ChunkedState, layout: ParityLayout, member: int, txn: TxnLog,
+                 snap: ChunkedState) -> None:
+        assert layout.n_chunks == state.n_chunks == snap.n_chunks
         self.state, self.layout, self.member, self.txn = state, layout, member, txn
+        self.snap = snap  # the state as of the last parity point (txn.snap_ver): what parity encodes
         shape = state.chunk_shape
         self.parity = torch.zeros((layout.n_windows, *shape), dtype=torch.int32)
         # Rotating per-window buffers of k slots: outgoing slot s = our delta for holder s,
@@ -88,7 +92,8 @@ class Tier1:
 
     # --- full build ----------------------------------------------------------------
     def build(self, comm: Comm, step: int) -> float:
-        """(Re)compute every parity chunk from current data; returns seconds taken."""
+        """(Re)compute every parity chunk from current data (all at `step`, as the snapshot
+        must be too); returns seconds taken."""
         t0 = time.perf_counter()
         lay, j = self.layout, self.member
         for w0 in range(0, lay.n_windows, _BUILD_BATCH_WINDOWS):
@@ -105,10 +110,10 @@ class Tier1:
         return time.perf_counter() - t0
 
     # --- per-step deltas -----------------------------------------------------------
-    def stage_delta(self, w: int, holder: int, c: int, old: torch.Tensor) -> None:
-        """Chunk c (row (w, holder)) was just updated from `old`: stage old XOR new, checksums too."""
+    def stage_delta(self, w: int, holder: int, c: int) -> None:
+        """Chunk c (row (w, holder)) is at the new parity point: stage snapshot XOR current, checksums too."""
         d, dw = self._windows[w % (PIPELINE + 1), holder], self.state.data_words
-        self.state.xor_into(c, old, d)
+        self.state.xor_with(c, self.snap, d)
         d[dw:].zero_()
         new = self.state.crc(c)
         d[self._crc_word()] = self.crcs[c] ^ new
@@ -141,22 +146,31 @@ class Tier1:
         lay, j = self.layout, self.member
         if out is None:
             out = torch.zeros((lay.n_windows, lay.k - 1, *self.state.chunk_shape), dtype=torch.int32)
-        cur = self.state.empty_chunk()
         for w in range(lay.n_windows):
             for idx, s in enumerate(lay.holders(lost)):
                 if s == j:
                     out[w, idx].copy_(self.parity[w])
                 else:
-                    c = lay.chunk(j, w, s)
-                    self.txn.chunk_at(c, int(parity_versions[s][w]), self.state.pack(c, cur), out[w, idx])
+                    self.pack_at(lay.chunk(j, w, s), int(parity_versions[s][w]), out[w, idx])
         return out
 
-    def row_contribution(self, holder: int, out: torch.Tensor) -> torch.Tensor:
-        """Our chunk of every row (w, holder), with our checksum word: XORed over the group's
-        other members this is holder's parity. out: (n_windows, *chunk_shape)."""
+    def pack_at(self, c: int, version: int, out: torch.Tensor) -> torch.Tensor:
+        """Chunk c's data words at `version` (current or snapshot) into out; trailer zeroed.
+        Raises UnrecoverableChunk."""
+        src = self.state if self.txn.source(c, version) == "current" else self.snap
+        src.pack(c, out)
+        out[self.state.data_words:].zero_()
+        return out
+
+    def row_contribution(self, holder: int, version: int, out: torch.Tensor) -> torch.Tensor:
+        """Our chunk of every row (w, holder) at `version` (the snapshot's, which our checksums
+        describe), with our checksum word: XORed over the group's other members this is
+        holder's parity. out: (n_windows, *chunk_shape)."""
         lay, j = self.layout, self.member
         for w in range(lay.n_windows):
-            self._pack_with_crc(lay.chunk(j, w, holder), out[w])
+            c = lay.chunk(j, w, holder)
+            self.pack_at(c, version, out[w])
+            out[w][self._crc_word()] = self.crcs[c]
         return out
 
     def _pack_with_crc(self, c: int, out: torch.Tensor) -> None:
@@ -171,7 +185,8 @@ class Tier1:
         self.txn.parity_ver[:] = step
 
     def install_decoded(self, decoded: torch.Tensor, parity_versions: list[list[int]]) -> None:
-        """On the new member: verify each decoded chunk's CRC, then write it and its version."""
+        """On the new member: verify each decoded chunk's CRC, then write it and its version (into
+        the current state and the snapshot: the decode yields the parity point's bytes)."""
         lay, j, dw = self.layout, self.member, self.state.data_words
         for w in range(lay.n_windows):
             for idx, s in enumerate(lay.holders(j)):
@@ -186,4 +201,5 @@ class Tier1:
             for idx, s in enumerate(lay.holders(j)):
                 c = lay.chunk(j, w, s)
                 self.state.unpack(c, decoded[w, idx])
+                self.snap.unpack(c, decoded[w, idx])
                 self.txn.chunk_ver[c] = int(parity_versions[s][w])

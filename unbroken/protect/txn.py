@@ -1,17 +1,19 @@
-"""Chunk-level transactions: per-chunk versions, a bounded undo window, parity versions.
+"""Chunk-level transactions: per-chunk versions, parity versions, the snapshot and the step log.
 
 Version v of a chunk = the chunk after v optimizer steps. During step t a chunk moves
-t-1 -> t exactly once. Its old bytes are kept in an undo slot until every parity holder
-has absorbed its delta (known when the *next* collective of the same group completes),
-so that at any crash instant each chunk can be produced at the version its parity
-reflects. The pool of undo slots is fixed (a few chunks), never a second state copy.
+t-1 -> t exactly once. Tier-1 parity reflects the snapshot taken at the last parity
+point P (`snap_ver`); between parity points chunks move on while the parity stays at P.
+At any crash instant each chunk can be produced at every version a parity row may hold:
+its current bytes (version `chunk_ver[c]`) or the snapshot (version `snap_ver`), which is
+replaced only after every holder has absorbed the next parity point's deltas. The step
+log keeps each step's global scalars since P, so a chunk decoded at P can be replayed
+forward exactly.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 
 class UnrecoverableChunk(RuntimeError):
@@ -26,32 +28,32 @@ class StepScalars:
     lr: float
     clip_coef: float
 
+    def to_list(self) -> list:
+        return [self.step, self.lr, self.clip_coef]
+
+    @staticmethod
+    def from_list(x: list) -> "StepScalars":
+        return StepScalars(step=int(x[0]), lr=float(x[1]), clip_coef=float(x[2]))
+
 
 class TxnLog:
-    def __init__(self, n_chunks: int, n_parity: int, chunk_shape: tuple[int, int], undo_slots: int) -> None:
-        assert undo_slots >= 1
+    def __init__(self, n_chunks: int, n_parity: int) -> None:
         self.chunk_ver = np.zeros(n_chunks, dtype=np.int64)
         self.parity_ver = np.full(n_parity, -1, dtype=np.int64)  # -1: parity not built yet
-        self._pool = torch.zeros((undo_slots, *chunk_shape), dtype=torch.int32)
-        self._free = list(range(undo_slots))
-        self._undo: dict[int, int] = {}  # chunk -> slot holding its bytes at chunk_ver-1
+        self.snap_ver = 0  # the version every chunk of the snapshot holds
         self.scalars: StepScalars | None = None
+        self.history: dict[int, StepScalars] = {}  # scalars of every step after snap_ver
 
     # --- the step's lifecycle ----------------------------------------------------------
     def begin(self, scalars: StepScalars) -> None:
         t = scalars.step
         assert (self.chunk_ver >= t - 1).all() and (self.chunk_ver <= t).all(), \
             f"step {t} begun with chunks at versions {set(self.chunk_ver.tolist())}"
-        self.scalars = scalars
+        self.record(scalars)
 
-    def undo_buffer(self, c: int) -> torch.Tensor:
-        """A slot to copy chunk c's old bytes into before changing it."""
-        if not self._free:
-            raise RuntimeError(f"undo window full ({len(self._pool)} slots) while staging chunk {c}; "
-                               "release a window after its parity collective completes")
-        slot = self._free.pop()
-        self._undo[c] = slot
-        return self._pool[slot]
+    def record(self, scalars: StepScalars) -> None:
+        self.scalars = scalars
+        self.history[scalars.step] = scalars
 
     def commit_chunk(self, c: int, step: int) -> None:
         assert self.chunk_ver[c] == step - 1, f"chunk {c} at version {self.chunk_ver[c]}, expected {step - 1}"
@@ -60,24 +62,24 @@ class TxnLog:
     def parity_absorbed(self, p: int, step: int) -> None:
         self.parity_ver[p] = step
 
-    def release(self, chunks) -> None:
-        for c in chunks:
-            slot = self._undo.pop(int(c), None)
-            if slot is not None:
-                self._free.append(slot)
-
-    def release_all(self) -> None:
-        self.release(list(self._undo))
+    def snapshot_taken(self, step: int) -> None:
+        """The snapshot now holds version `step` of every chunk; older scalars are not needed."""
+        assert (self.chunk_ver == step).all(), f"snapshot at {step} with chunks at {set(self.chunk_ver.tolist())}"
+        self.snap_ver = step
+        self.history = {s: v for s, v in self.history.items() if s > step}
 
     # --- recovery -----------------------------------------------------------------------
-    def chunk_at(self, c: int, version: int, current: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Chunk c's bytes at `version`, from its current bytes or its undo slot."""
+    def source(self, c: int, version: int) -> str:
+        """Where chunk c's bytes at `version` are: "current" or "snapshot"."""
         v = int(self.chunk_ver[c])
         if version == v:
-            out.copy_(current)
-        elif version == v - 1 and c in self._undo:
-            out.copy_(self._pool[self._undo[c]])
-        else:
-            raise UnrecoverableChunk(f"chunk {c} is at version {v}; version {version} was asked and "
-                                     f"{'its undo bytes are gone' if version == v - 1 else 'is not reachable'}")
-        return out
+            return "current"
+        if version == self.snap_ver:
+            return "snapshot"
+        raise UnrecoverableChunk(f"chunk {c} is at version {v} and the snapshot at {self.snap_ver}; "
+                                 f"version {version} was asked and is not reachable")
+
+    def scalars_for(self, step: int) -> StepScalars:
+        if step not in self.history:
+            raise UnrecoverableChunk(f"no scalars recorded for step {step} (have {sorted(self.history)})")
+        return self.history[step]

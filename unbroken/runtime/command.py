@@ -31,6 +31,16 @@ def _env_int(name: str) -> int | None:
         fail(f"environment variable {name}={v!r} is not an integer")
 
 
+def _protect_every(text: str | None) -> int | str | None:
+    """--protect-every: an integer K >= 1 or 'auto' (validated again by the config)."""
+    if text is None or text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        fail(f"--protect-every must be an integer >= 1 or 'auto', got {text!r}; e.g. --protect-every 8")
+
+
 def run(
     script: Optional[List[str]] = typer.Argument(None, help="training script (.py) and its args; default: built-in tiny GPT"),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML/JSON config file (CLI flags win)"),
@@ -44,6 +54,9 @@ def run(
     chunk_kb: Optional[int] = typer.Option(None, "--chunk-kb", help="transaction/parity chunk size"),
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="tier-2 checkpoint period (0 = off)"),
     shadows: Optional[int] = typer.Option(None, "--shadows", help="pre-started shadows per node"),
+    protect_every: Optional[str] = typer.Option(None, "--protect-every",
+                                                help="bring tier-1 parity up to date every K steps (1 = every step, "
+                                                     "or auto)"),
     n_layer: Optional[int] = typer.Option(None, "--n-layer"),
     n_embd: Optional[int] = typer.Option(None, "--n-embd"),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="run directory (default: a new one under runs/)"),
@@ -63,6 +76,7 @@ def run(
                       overrides=dict(world_size=world_size if world_size is not None else _env_int("WORLD_SIZE"),
                                      steps=steps, seed=seed, batch_size=batch_size, lr=lr, strategy=strategy,
                                      parity_group=parity_group, chunk_kb=chunk_kb, checkpoint_every=checkpoint_every, shadows=shadows,
+                                     protect_every=_protect_every(protect_every),
                                      model_n_layer=n_layer, model_n_embd=n_embd))
     if json_out:
         print(json.dumps(summary, indent=2, default=str))

@@ -7,20 +7,23 @@ inside their interrupted step, new members from the shadow's wait):
    (roll forward), else the last committed step (the interrupted step is redone);
 3. rebuild new members: replicated state is broadcast from a survivor; a sharded
    shard is decoded from tier-1 parity at the versions the parity reflects;
-4. roll every chunk forward to T, rebuild parity, all-gather parameters.
+4. replay every chunk forward to T (from the parity point, with the logged gradients
+   and scalars), rebuild parity if a parity step was cut short, all-gather parameters.
 If tier 1 cannot decode (two losses in one parity group, a version no longer
 reachable), every rank restores the newest valid tier-2 checkpoint instead.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from unbroken.comm.group import Pending
 from unbroken.protect.tier1 import CorruptParity
-from unbroken.protect.txn import UnrecoverableChunk
+from unbroken.protect.txn import StepScalars, UnrecoverableChunk
 from unbroken.runtime import membership
 
 if TYPE_CHECKING:
@@ -70,14 +73,24 @@ def _phase(tr: "Trainer", name: str, start: float) -> None:
         tr.ctx.events.emit("recovery_phase", phase=name, start=start, end=time.time(), step=tr.step_count + 1)
 
 
+def _status(tr: "Trainer", new_member: bool) -> dict:
+    """What this member tells the others at the start of a recovery."""
+    owned = tr.owned
+    mine = {"rank": tr.rank, "new": new_member, "committed": tr.step_count, "grads_step": tr.grads_step,
+            "local_step": tr.local_step, "parity_ver": None, "snap_ver": None, "next_parity": None,
+            "log_from": None, "history": []}
+    if not new_member:
+        mine.update(parity_ver=owned.txn.parity_ver.tolist(), snap_ver=owned.txn.snap_ver,
+                    next_parity=owned.next_parity, log_from=owned.log_from,
+                    history=[s.to_list() for s in owned.txn.history.values()])
+    return mine
+
+
 def _rebuild(tr: "Trainer", new_member: bool) -> None:
     t0 = time.time()
     tr.parity_rebuilt = None
     owned, comm = tr.owned, tr.comm
-    mine = {"rank": tr.rank, "new": new_member, "committed": tr.step_count, "grads_step": tr.grads_step,
-            "local_step": tr.local_step,
-            "parity_ver": owned.txn.parity_ver.tolist() if not new_member else None}
-    status = comm.allgather_object(mine, what="recovery status")
+    status = comm.allgather_object(_status(tr, new_member), what="recovery status")
     survivors = [s for s in status if not s["new"]]
     new_ranks = [s["rank"] for s in status if s["new"]]
     if not survivors:
@@ -86,10 +99,12 @@ def _rebuild(tr: "Trainer", new_member: bool) -> None:
     holders = [s["rank"] for s in survivors if s["grads_step"] == c_max + 1]
     target = c_max + 1 if holders else c_max
     if holders:
-        comm.broadcast(owned.flat.grads, src=min(holders), what="gradient hand-off")
+        grads = owned.flat.use_grads_of(target)
+        comm.broadcast(grads, src=min(holders), what="gradient hand-off")
         tr.grads_step = target
-        tr.scalars = tr.optim.scalars(target, float(torch.linalg.vector_norm(owned.flat.grads[:owned.flat.n_pad])))
-        tr.last_loss = float(owned.flat.grads[-1])
+        tr.scalars = tr.optim.scalars(target, float(torch.linalg.vector_norm(grads[:owned.flat.n_pad])))
+        owned.txn.record(tr.scalars)
+        tr.last_loss = float(grads[-1])
     src = min(s["rank"] for s in survivors)
     if owned.sharded and owned.tier1 is not None:
         path = _rebuild_sharded(tr, status, new_ranks, target, src, redo=not holders)
@@ -104,8 +119,9 @@ def _rebuild(tr: "Trainer", new_member: bool) -> None:
         secs = time.time() - t0
         nbytes = owned.state.n_chunks * owned.state.chunk_bytes * len(new_ranks)
         kept = [s["rank"] for s in survivors if s.get("local_step") == target + 1]
-        tr.ctx.events.emit("recovered", step=target, steps_lost=0, steps_redone=0 if holders else 1, path=path,
-                           parity_rebuilt=tr.parity_rebuilt,
+        tr.ctx.events.emit("recovered", step=target, steps_lost=max(0, c_max - target),
+                           steps_redone=0 if holders else 1, path=path, parity_rebuilt=tr.parity_rebuilt,
+                           steps_replayed=tr.steps_replayed,
                            # on a redo, survivors that kept their own gradient skip forward/backward
                            recompute_ranks=[] if holders else sorted(set(range(tr.world_size)) - set(kept)),
                            replaced=new_ranks, rebuild_s=round(secs, 4), rebuilt_bytes=nbytes,
@@ -114,17 +130,40 @@ def _rebuild(tr: "Trainer", new_member: bool) -> None:
 
 def _rebuild_replicated(tr: "Trainer", new_member: bool, target: int, src: int) -> str:
     owned = tr.owned
+    tr.steps_replayed = 0
     if not new_member and tr.grads_step == target and target > 0:
-        owned.roll_forward(tr.scalars)
+        owned.replay_to(target)
     for name, t in (("parameters", owned.flat.params), ("adam m", owned.m), ("adam v", owned.v)):
         tr.comm.broadcast(t, src=src, what=f"replica hand-off of {name}")
     owned.txn.chunk_ver[:] = target
     return "replica"
 
 
+def _parity_point(tr: "Trainer", status: list[dict]) -> int | None:
+    """The version every survivor's parity holds, if it is one version (else None: a parity
+    step was interrupted half-way). A survivor whose snapshot is older (it had absorbed every
+    window of that step but not finished its all-gather) catches its snapshot up now."""
+    versions = {v for s in status if not s["new"] for v in s["parity_ver"]}
+    if len(versions) != 1:
+        return None
+    p = versions.pop()
+    if tr.has_state and tr.owned.txn.snap_ver != p:
+        tr.owned.take_snapshot(p)  # all our chunks are at p: we staged every one of them
+    return p
+
+
+def _log_source(status: list[dict], first: int, last: int) -> int | None:
+    """A survivor whose gradient ring holds steps first..last (-1: nothing is needed)."""
+    if first > last:
+        return -1
+    ok = [s["rank"] for s in status if not s["new"] and s["log_from"] <= first and s["committed"] >= last]
+    return min(ok) if ok else None
+
+
 def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], target: int, src: int,
                      redo: bool) -> str:
     owned, k = tr.owned, tr.owned.k
+    tr.steps_replayed = 0
     lost_by_group: dict[int, list[int]] = {}
     for r in new_ranks:
         lost_by_group.setdefault(r // k, []).append(r)
@@ -136,19 +175,20 @@ def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], ta
             owned.m.zero_()
             owned.v.zero_()
             owned.txn.chunk_ver[:] = 0
-        owned.tier1.build(tr.group, 0)
+        owned.rebuild_parity(tr.group, 0)
         return "initial"
+    point = _parity_point(tr, status)
+    oldest = point if point is not None else min(v for s in status if not s["new"] for v in s["parity_ver"])
+    c_max = max(s["committed"] for s in status if not s["new"])
+    log_src = _log_source(status, oldest + 1, c_max)
+    tr.steps_replayed = target - oldest if new_ranks else 0  # steps the lost shard is replayed
+    if point is not None and can and redo and log_src is not None:
+        return _rebuild_overlapped(tr, status, lost_by_group, target, point, log_src)
     mine_lost = lost_by_group.get(tr.rank // k, [])
-    # When every survivor's parity reflects `target` (the interrupted step changed no chunk, the
-    # usual case for a failure before the update), survivors' parity stays valid: only the lost
-    # member's own parity rows are rebuilt, and they ride in the decode's reduce (slot k-1).
-    fresh = all(v == target for st in status if not st["new"] for v in st["parity_ver"])
-    if fresh and can and redo:
-        return _rebuild_overlapped(tr, status, lost_by_group, target)
-    ok, buf, pv = True, None, None
-    if can and mine_lost:
+    ok, buf, pv = log_src is not None, None, None
+    if can and mine_lost and ok:
         try:
-            pv, buf = _decode_input(tr, status, mine_lost[0], rows=fresh)
+            pv, buf = _decode_input(tr, status, mine_lost[0], rows_at=point)
         except UnrecoverableChunk as e:
             tr.ctx.events.emit("warning", message=f"tier 1 cannot decode rank {mine_lost[0]}: {e}")
             ok = False
@@ -156,60 +196,106 @@ def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], ta
     flag = torch.tensor([0 if (can and ok) else 1], dtype=torch.int32)
     tr.comm.allreduce(flag, what="tier-1 feasibility vote")
     if int(flag) != 0:
-        return _restore_tier2(tr, reason="tier 1 cannot decode (two losses in a parity group or a lost version)")
+        return _restore_tier2(tr, reason="tier 1 cannot decode (two losses in a parity group, a lost version "
+                                         "or no survivor holding the gradient log)")
+    transfers = _start_log_transfers(tr, status, new_ranks, oldest + 1, c_max, log_src)
     lost = mine_lost[0] if mine_lost else None
     if lost is not None:
         tr.group.reduce(buf, dst=lost % k, op=dist.ReduceOp.BXOR, what=f"tier-1 decode of rank {lost}")
-    if not _install_and_vote(tr, buf, pv, lost, target, rows=fresh):
+    for p in transfers:
+        tr.comm.finish(p)
+    if not _install_and_vote(tr, buf, pv, lost, rows_at=point):
         return _restore_tier2(tr, reason="a tier-1 decoded chunk failed its checksum (corrupted parity or data)")
-    if tr.grads_step == target:
-        owned.roll_forward(tr.scalars)
+    if tr.rank in new_ranks:
+        _adopt_log(tr, status, log_src, point)
+    owned.replay_to(target)
     behind = [int(v) for v in set(owned.txn.chunk_ver.tolist()) if v != target]
-    assert not behind, f"rank {tr.rank}: chunks at versions {behind} after roll-forward to {target}"
-    if not fresh:
-        owned.tier1.build(tr.group, target)
+    assert not behind, f"rank {tr.rank}: chunks at versions {behind} after replay to {target}"
+    if point is None:
+        owned.rebuild_parity(tr.group, target)
     owned.commit(tr.comm)
-    tr.parity_rebuilt = "lost rows" if fresh else "full"
+    tr.parity_rebuilt = "lost rows" if point is not None else "full"
     return "tier1"
 
 
-def _rebuild_overlapped(tr: "Trainer", status: list[dict], lost_by_group: dict[int, list[int]], target: int) -> str:
+def _start_log_transfers(tr: "Trainer", status: list[dict], new_ranks: list[int], first: int, last: int,
+                         src: int) -> list:
+    """The gradient log a new member needs to replay its shard from the parity point:
+    steps first..last of its own slice, sent by `src` (one send per step)."""
+    owned, pend = tr.owned, []
+    if src < 0 or first > last:
+        return pend
+    for r in new_ranks:
+        lo, hi = owned.flat.shard_range(r)
+        for step in range(first, last + 1):
+            view = owned.flat.grads_of(step)[lo:hi]
+            if tr.rank == src:
+                pend.append(tr.comm.send_start(view, dst=r, tag=step, what=f"gradient log step {step} to rank {r}"))
+            elif tr.rank == r:
+                pend.append(tr.comm.recv_start(view, src=src, tag=step, what=f"gradient log step {step}"))
+    return pend
+
+
+def _adopt_log(tr: "Trainer", status: list[dict], src: int, point: int | None) -> None:
+    """A new member takes the survivors' step log (scalars since the parity point) and, when the
+    parity is at one version, their parity interval; its ring holds only what it was sent."""
+    owned = tr.owned
+    if src >= 0:
+        for x in status[src]["history"]:
+            owned.txn.history.setdefault(int(x[0]), StepScalars.from_list(x))
+    if point is not None:
+        owned.txn.snap_ver = point
+        owned.next_parity = point + owned.protect_every  # as every survivor's (see _parity_point)
+    # our ring holds full averaged gradients only from the step after the last committed one
+    owned.log_from = max(s["committed"] for s in status if not s["new"]) + 1
+
+
+def _rebuild_overlapped(tr: "Trainer", status: list[dict], lost_by_group: dict[int, list[int]], target: int,
+                        point: int, log_src: int) -> str:
     """The common case, a failure before the update: nothing changed in step target+1.
 
-    Every chunk and parity chunk is at `target`, so decoding cannot fail for lack of a
-    version, and a survivor that committed `target` holds all parameters at it. One
-    broadcast gives every rank those parameters (the new member can start its forward at
-    once); the decode (plus the lost member's parity rows) is only *issued* here and runs on
-    gloo's threads while the new member computes its share of the redone step. The new
-    member installs it, and all ranks vote on its checksums, in `finish_deferred_decode`
-    just before the step's gradient all-reduce. Until then the new member holds no state.
+    Every survivor's chunks are at `target` and its parity at the parity point `point`, so
+    decoding cannot fail for lack of a version, and a survivor that committed `target`
+    holds all parameters at it. One broadcast gives every rank those parameters (the new
+    member can start its forward at once); the decode (plus the lost member's parity rows)
+    and the gradient log the new member needs to replay point+1..target are only *issued*
+    here and run on gloo's threads while the new member computes its share of the redone
+    step. The new member installs and replays them, and all ranks vote on the checksums, in
+    `finish_deferred_decode` just before the step's gradient all-reduce. Until then the new
+    member holds no state.
     """
     owned, k = tr.owned, tr.owned.k
     src = min(s["rank"] for s in status if not s["new"] and s["committed"] == target)
     tr.comm.broadcast(owned.flat.params, src=src, what="parameter hand-off")
-    tr.deferred = {}  # not None: the checksum vote is due (every rank votes, lost member or not)
+    new_ranks = sorted(r for v in lost_by_group.values() for r in v)
+    d = DeferredDecode(target=target, point=point, status=status, log_src=log_src)
+    d.transfers = _start_log_transfers(tr, status, new_ranks, point + 1, target, log_src)
     mine_lost = lost_by_group.get(tr.rank // k, [])
     if mine_lost:
-        lost = mine_lost[0]
-        pv, buf = _decode_input(tr, status, lost, rows=True)
-        pending = tr.group.reduce_start(buf, dst=lost % k, op=dist.ReduceOp.BXOR, what=f"tier-1 decode of rank {lost}")
-        tr.deferred.update(pending=pending, buf=buf, pv=pv, lost=lost, target=target)
+        d.lost = mine_lost[0]
+        d.pv, d.buf = _decode_input(tr, status, d.lost, rows_at=point)
+        d.pending = tr.group.reduce_start(d.buf, dst=d.lost % k, op=dist.ReduceOp.BXOR,
+                                          what=f"tier-1 decode of rank {d.lost}")
+        if tr.rank == d.lost:
+            d.expected = owned.flat.params[owned.lo:owned.hi].clone()
+    tr.deferred = d  # not None: the checksum vote is due (every rank votes, lost member or not)
     tr.parity_rebuilt = "lost rows"
     return "tier1"
 
 
-def _decode_input(tr: "Trainer", status: list[dict], lost: int, *, rows: bool) -> tuple[list, torch.Tensor]:
+def _decode_input(tr: "Trainer", status: list[dict], lost: int, *, rows_at: int | None) -> tuple[list, torch.Tensor]:
     """(parity versions of lost's group, this rank's decode buffer): k-1 slots of the lost
-    member's chunks, plus slot k-1 for its parity rows when `rows`. The lost member's own
-    buffer stays zero (the reduce's destination). Raises UnrecoverableChunk."""
+    member's chunks, plus slot k-1 for its parity rows (at version `rows_at`) when given. The
+    lost member's own buffer stays zero (the reduce's destination). Raises UnrecoverableChunk."""
     owned, k = tr.owned, tr.owned.k
     first = (tr.rank // k) * k
     pv = [status[first + s]["parity_ver"] for s in range(k)]
+    rows = rows_at is not None
     buf = torch.zeros((owned.layout.n_windows, k if rows else k - 1, *owned.state.chunk_shape), dtype=torch.int32)
     if tr.rank != lost:
         owned.tier1.decode_contribution(lost % k, pv, out=buf[:, :k - 1])
         if rows:
-            owned.tier1.row_contribution(lost % k, buf[:, k - 1])
+            owned.tier1.row_contribution(lost % k, rows_at, buf[:, k - 1])
     return pv, buf
 
 
@@ -217,30 +303,57 @@ class RolledBack(Exception):
     """A deferred decode failed its checksums: the job went back to a tier-2 checkpoint."""
 
 
+@dataclass
+class DeferredDecode:
+    """A decode `_rebuild_overlapped` issued, finished by `finish_deferred_decode`."""
+
+    target: int             # the step every member is at once the new member has replayed
+    point: int              # the parity point the decode yields
+    status: list[dict]      # the recovery's status exchange
+    log_src: int            # the survivor sending the gradient log (-1: none needed)
+    lost: int | None = None  # the new member of this rank's parity group, if any
+    pending: Pending | None = None
+    buf: torch.Tensor | None = None
+    pv: list | None = None
+    transfers: list = field(default_factory=list)
+    expected: torch.Tensor | None = None  # the new member's parameter shard at target (broadcast)
+
+
 def finish_deferred_decode(tr: "Trainer") -> None:
-    """Complete `_rebuild_overlapped`: the new member installs its decoded state; all vote."""
+    """Complete `_rebuild_overlapped`: the new member installs and replays its state; all vote."""
     d, tr.deferred = tr.deferred, None
-    if "pending" in d:
-        tr.group.finish(d["pending"])
-    if not _install_and_vote(tr, d.get("buf"), d.get("pv"), d.get("lost"), d.get("target"), rows=True):
-        _restore_tier2(tr, reason="a tier-1 decoded chunk failed its checksum (corrupted parity or data)")
+    if d.pending is not None:
+        tr.group.finish(d.pending)
+    for p in d.transfers:
+        tr.comm.finish(p)
+    ok = _install_and_vote(tr, d.buf, d.pv, d.lost, rows_at=d.point, replay=d)
+    if not ok:
+        _restore_tier2(tr, reason="a tier-1 decoded chunk failed its checksum or its replay (corrupted parity "
+                                  "or data)")
         tr.has_state = True
         raise RolledBack(f"restored tier-2 checkpoint of step {tr.step_count}")
     tr.has_state = True
 
 
 def _install_and_vote(tr: "Trainer", buf: torch.Tensor | None, pv: list | None, lost: int | None,
-                      target: int | None, *, rows: bool) -> bool:
+                      *, rows_at: int | None, replay: DeferredDecode | None = None) -> bool:
     """The new member `lost` installs what the decode delivered (its chunks, and its parity
-    rows when `rows`), each chunk checked against its CRC; then every rank votes. True when
-    every install passed (a rank with nothing to install votes yes)."""
+    rows when `rows_at` is given), each chunk checked against its CRC (and, on the deferred
+    path, replays to the target and checks the parameters against the broadcast ones); then
+    every rank votes. True when every install passed (a rank with nothing to install votes yes)."""
     owned, k, bad = tr.owned, tr.owned.k, None
     if lost is not None and tr.rank == lost:
         try:
             owned.tier1.install_decoded(buf[:, :k - 1], pv)
-            if rows:
-                owned.tier1.install_parity(buf[:, k - 1], target)
-        except CorruptParity as e:
+            if rows_at is not None:
+                owned.tier1.install_parity(buf[:, k - 1], rows_at)
+            if replay is not None:
+                _adopt_log(tr, replay.status, replay.log_src, replay.point)
+                owned.replay_to(replay.target)
+                if not torch.equal(owned.flat.params[owned.lo:owned.hi], replay.expected):
+                    raise CorruptParity(f"rank {lost}'s shard replayed from step {replay.point} to "
+                                        f"{replay.target} differs from the survivors' parameters")
+        except (CorruptParity, UnrecoverableChunk) as e:
             bad = str(e)
             tr.ctx.events.emit("warning", message=f"rank {lost}: {e}")
     flag = torch.tensor([1 if bad else 0], dtype=torch.int32)
@@ -270,7 +383,7 @@ def _restore_tier2(tr: "Trainer", *, reason: str) -> str:
                                      run_id=tr.ctx.run_dir.name)
     owned.load(tensors, step)
     if owned.tier1 is not None:
-        owned.tier1.build(tr.group, step)
+        owned.rebuild_parity(tr.group, step)
     owned.commit(tr.comm)
     tr.grads_step = None
     tr.step_count = step

@@ -30,6 +30,14 @@ from unbroken.runtime.context import ProcessContext
 from unbroken.runtime.faults import FaultInjector
 
 
+def protect_interval(cfg) -> int:
+    """K for `protect_every`: the configured integer, or for "auto" the default interval
+    (`unbroken.protect.interval` explains the choice)."""
+    from unbroken.protect.interval import DEFAULT_K
+
+    return DEFAULT_K if cfg.protect_every == "auto" else int(cfg.protect_every)
+
+
 class LayoutMismatch(ValueError):
     """Ranks disagree on model size, chunking, world size or strategy."""
 
@@ -55,7 +63,8 @@ class Trainer:
         self.local_grads: torch.Tensor | None = None
         self.local_step: int | None = None  # the step whose local gradient local_grads holds
         self.parity_rebuilt: str | None = None  # how the last recovery restored tier-1 parity
-        self.deferred: dict | None = None  # a recovery's decode still running (recovery._rebuild_overlapped)
+        self.deferred = None  # recovery.DeferredDecode: a recovery's decode still running (its first step ends it)
+        self.steps_replayed = 0  # chunk updates the last recovery replayed from the gradient log
         self.scalars: StepScalars | None = None
         self.last_loss = float("nan")
         self.comm: Comm | None = None
@@ -69,6 +78,7 @@ class Trainer:
         self.redo_since: float | None = None
         self._t_step = time.perf_counter()
         self._phase_s: dict[str, float] = {}
+        self._parity_step = False  # did the last step bring tier-1 parity up to date
         ctx.start_heartbeat()
         self.watch = membership.GenerationWatch(
             lambda: membership.connect_store(ctx.host, ctx.port, timeout_s=self.cfg.collective_timeout_s))
@@ -82,7 +92,8 @@ class Trainer:
         self.rank = rank
         self.owned = OwnedState(self.model, strategy=self.cfg.strategy, rank=rank, world=self.world_size,
                                 group_size=self.cfg.effective_parity_group if self.cfg.tier1 else 1,
-                                chunk_elems=max(16, self.cfg.chunk_kb * 1024 // 12), optim=self.optim)
+                                chunk_elems=max(16, self.cfg.chunk_kb * 1024 // 12), optim=self.optim,
+                                protect_every=protect_interval(self.cfg))
         if self.ctx.role == "worker" or self.has_state is not None:
             self.ctx.phase["rank"] = rank
             self.ctx.events.rank = rank
@@ -104,8 +115,12 @@ class Trainer:
             self.comm.broadcast(self.owned.flat.params, src=0, what="initial parameter sync")
             self._point("build")
             if self.owned.tier1 is not None:
-                secs = self.owned.tier1.build(self.group, 0)
-                self.ctx.events.emit("parity_built", bytes=self.owned.tier1.parity_bytes, seconds=round(secs, 4))
+                secs = self.owned.rebuild_parity(self.group, 0)
+                self.ctx.events.emit("parity_built", bytes=self.owned.tier1.parity_bytes, seconds=round(secs, 4),
+                                     protect_every=self.owned.protect_every,
+                                     snapshot_bytes=self.owned.snapshot_bytes,
+                                     gradient_log_bytes=self.owned.gradient_log_bytes,
+                                     protected_bytes=self.owned.state.n_chunks * self.owned.state.chunk_bytes)
         except CollectiveError as e:
             self.ctx.events.emit("collective_error", step=0, phase="build", error=str(e)[:300])
             recover(self, new_member=False)
@@ -214,6 +229,7 @@ class Trainer:
     def _attempt(self, t: int, closure: Callable[[], torch.Tensor]) -> None:
         ctx, flat = self.ctx, self.owned.flat
         t0 = time.perf_counter()
+        flat.use_grads_of(t)
         if self.local_step == t:
             # Our gradient of step t survived the failed all-reduce (parameters are unchanged
             # since: the step was never applied), so only the replacement computes its share.
@@ -236,14 +252,16 @@ class Trainer:
         self.scalars = self.optim.scalars(t, norm)
         ctx.set_phase("optimizer")
         t2 = time.perf_counter()
-        self.owned.update(self.scalars, self.group, lambda phase, c: self._point(phase, t, c))
+        parity = self.owned.parity_due(t)
+        self.owned.update(self.scalars, self.group, lambda phase, c: self._point(phase, t, c), parity=parity)
         ctx.set_phase("allgather")
         self._point("allgather", t)
         t3 = time.perf_counter()
-        self.owned.commit(self.comm)
+        self.owned.commit(self.comm, parity_step=t if parity else None)
         t4 = time.perf_counter()
         # where the step's time went: compute, gradient all-reduce, update (+parity), all-gather
         self._phase_s = {"compute": t1 - t0, "allreduce": t2 - t1, "update": t3 - t2, "allgather": t4 - t3}
+        self._parity_step = parity
         self._finish_step(t, float(flat.grads[-1]))
 
     def _compute_local_gradient(self, t: int, closure: Callable[[], torch.Tensor]) -> None:
@@ -279,7 +297,7 @@ class Trainer:
         parts = {f"{k}_s": round(v, 4) for k, v in self._phase_s.items()}
         self._phase_s = {}
         self.ctx.events.emit("step", step=t, loss=round(loss, 6), step_s=round(step_s, 4),
-                             wait_s=round(wait_s, 4), tokens=tokens, **parts)
+                             wait_s=round(wait_s, 4), tokens=tokens, parity=self._parity_step, **parts)
         if self.redo_since is not None:
             from unbroken.runtime.recovery import reporter
 

@@ -1,8 +1,12 @@
-"""Recovery costs measured by the recovery benchmark (bench/results/*.json), scaled up to cluster size.
+"""Costs measured by the benchmarks (bench/results/*.json), scaled up to cluster size.
 
-Scaling model: detect and decide are taken as measured; regroup and job relaunch grow like
-log2(ranks); rebuild keeps the measured seconds per GB and the bench's share of its link.
-Missing optional keys fall back to documented defaults, each one named in `notes`.
+`--calibrate PATH` (repeatable) takes the recovery benchmark's JSON, the overhead
+benchmark's JSON (sim/overhead.py), or a directory holding recovery.json and/or
+overhead.json; a file is recognised by its keys.
+
+Recovery scaling model: detect and decide are taken as measured; regroup and job relaunch
+grow like log2(ranks); rebuild keeps the measured seconds per GB and the bench's share of
+its link. Missing optional keys fall back to documented defaults, each one named in `notes`.
 """
 from __future__ import annotations
 
@@ -15,9 +19,11 @@ from typing import Any
 
 from unbroken.sim.costs import log2_scale
 from unbroken.sim.errors import SimError, need
+from unbroken.sim.overhead import OVERHEAD_FILE, OverheadCalibration, overhead_from_dict
 from unbroken.sim.policies import Policy, Unbroken
 
 DEFAULT_RANKS = 4
+RECOVERY_FILE = "recovery.json"
 PHASES = ("detect", "decide", "regroup", "rebuild", "redo")
 
 
@@ -102,17 +108,78 @@ def calibration_from_dict(d: Any, origin: str) -> Calibration:
         ratio=None if ratio is None else float(ratio), notes=tuple(notes))
 
 
+def _read_json(p: Path) -> Any:
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise SimError(f"cannot read calibration file {str(p)!r}: {e.strerror or e}; "
+                       "run the benchmark first or pass --calibrate with its JSON") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SimError(f"calibration file {str(p)!r} is not valid JSON ({e}); rerun the benchmark "
+                       "that wrote it") from None
+
+
 def load_calibration(path: str | Path) -> Calibration:
     """Read the recovery benchmark's JSON; unreadable or malformed files raise SimError."""
     p = Path(path)
-    try:
-        d = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise SimError(f"cannot read calibration file {str(p)!r}: {e.strerror or e}; "
-                       "run the recovery benchmark first or pass --calibrate with its JSON") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SimError(f"calibration file {str(p)!r} is not valid JSON ({e})") from None
-    return calibration_from_dict(d, str(p))
+    return calibration_from_dict(_read_json(p), str(p))
+
+
+def load_overhead(path: str | Path) -> OverheadCalibration:
+    """Read the overhead benchmark's JSON; unreadable or malformed files raise SimError."""
+    p = Path(path)
+    return overhead_from_dict(_read_json(p), str(p))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibrations:
+    """What `--calibrate` found: the recovery and overhead measurements (None if not given), and
+    `overhead_missing`: why unbroken's overhead stays uncalibrated (None when it is calibrated)."""
+
+    recovery: Calibration | None = None
+    overhead: OverheadCalibration | None = None
+    overhead_missing: str | None = None
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return (self.recovery.notes if self.recovery else ()) + (self.overhead.notes if self.overhead else ())
+
+
+def _kind(d: Any, origin: str) -> str:
+    """'recovery' or 'overhead', by the keys of a benchmark's JSON."""
+    if not isinstance(d, dict) or "baseline" in d or "unbroken" in d:
+        return "recovery"  # calibration_from_dict names what is wrong with a non-object
+    need("ratio" in d, f"{origin}: neither the recovery benchmark's JSON ('baseline', 'unbroken') nor the "
+         "overhead benchmark's ('ratio' per strategy and world size); pass one of those files")
+    return "overhead"
+
+
+def load_calibrations(paths: list[str | Path]) -> Calibrations:
+    """Every --calibrate PATH: a benchmark JSON (kind by its keys) or a directory with recovery.json
+    and/or overhead.json. At most one file of each kind."""
+    found: dict[str, Any] = {}
+    missing = "no overhead file among the --calibrate paths"
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            files = [(k, p / name, _read_json(p / name))
+                     for k, name in (("recovery", RECOVERY_FILE), ("overhead", OVERHEAD_FILE)) if (p / name).is_file()]
+            need(bool(files), f"--calibrate {str(p)!r}: the directory holds neither {RECOVERY_FILE} nor "
+                 f"{OVERHEAD_FILE}; run `unbroken bench recovery` / `unbroken bench overhead` first")
+            if not (p / OVERHEAD_FILE).is_file():
+                missing = f"no {OVERHEAD_FILE} in {p}"
+        else:
+            d = _read_json(p)
+            files = [(_kind(d, str(p)), p, d)]
+        for kind, f, d in files:
+            need(kind not in found, f"--calibrate: two {kind} files ({found[kind][0] if kind in found else ''}, "
+                 f"{f}); pass one")
+            found[kind] = (f, d)
+    rec = found.get("recovery")
+    ov = found.get("overhead")
+    return Calibrations(recovery=None if rec is None else calibration_from_dict(rec[1], str(rec[0])),
+                        overhead=None if ov is None else overhead_from_dict(ov[1], str(ov[0])),
+                        overhead_missing=None if ov else missing)
 
 
 def _unbroken_phases(pol: Unbroken, cal: Calibration) -> dict[str, Any]:

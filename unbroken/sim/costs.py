@@ -38,8 +38,9 @@ class Workload:
     of 1 MB to 4 GB per GPU). storage_gbps: per-GPU share of persistent storage
     bandwidth (Llama 3: 2 TB/s sustained over 16,384 GPUs = 0.122 GB/s). net_gbps:
     per-GPU back-end bandwidth usable for recovery traffic (a quarter of a 400 Gb/s NIC).
-    overlap: fraction of a background copy (in-memory copy, parity update, async save)
-    hidden behind compute.
+    overlap: fraction of the asynchronous persistent (tier-2) save hidden behind compute.
+    Per-step protection copies (in-memory copies, parity updates) are not modelled as saves:
+    they are in each policy's failure-free `overhead` (sim/policies.py).
     """
 
     step_s: float = 10.0

@@ -36,7 +36,8 @@ def mean_ci95(values: list[float]) -> tuple[float, float, float]:
 
 @dataclass(frozen=True)
 class Summary:
-    """One policy at one cluster size, over `seeds` runs."""
+    """One policy at one cluster size, over `seeds` runs. `ettr` is net of the policy's failure-free
+    `overhead`; `ettr_gross` is the same runs before it is taken out."""
 
     policy: str
     gpus: int
@@ -49,6 +50,9 @@ class Summary:
     failures: float
     tier2: float
     phases_h: dict[str, float]
+    ettr_gross: float = 0.0
+    overhead: float = 0.0
+    failure_free_overhead: float = 0.0
 
     @property
     def lost_work_h(self) -> float:
@@ -57,6 +61,8 @@ class Summary:
     def to_json(self) -> dict[str, Any]:
         return {"policy": self.policy, "gpus": self.gpus, "days": self.days, "seeds": self.seeds,
                 "ettr": round(self.ettr, 6), "ettr_ci95": [round(self.ettr_low, 6), round(self.ettr_high, 6)],
+                "ettr_gross": round(self.ettr_gross, 6), "overhead": round(self.overhead, 6),
+                "failure_free_overhead": round(self.failure_free_overhead, 6),
                 "failures": round(self.failures, 2), "mttf_h": round(self.mttf_h, 4),
                 "lost_work_h": round(self.lost_work_h, 3), "tier2_recoveries": round(self.tier2, 2),
                 "phases_h": {k: round(v, 3) for k, v in self.phases_h.items()}}
@@ -70,7 +76,9 @@ def summarize(runs: list[RunResult], mttf_h: float) -> Summary:
     phases = {k: sum(r.time_s[k] for r in runs) / n / 3600.0 for k in ACCOUNTS}
     return Summary(policy=r0.policy, gpus=r0.gpus, days=r0.days, seeds=n, mttf_h=mttf_h, ettr=m, ettr_low=lo,
                    ettr_high=hi, failures=sum(r.failures for r in runs) / n,
-                   tier2=sum(r.tier2 for r in runs) / n, phases_h=phases)
+                   tier2=sum(r.tier2 for r in runs) / n, phases_h=phases,
+                   ettr_gross=sum(r.ettr_gross for r in runs) / n, overhead=r0.overhead,
+                   failure_free_overhead=r0.failure_free_overhead)
 
 
 def monte_carlo(policies: Mapping[str, Policy], cluster: Cluster, mix: FailureMix, workload: Workload, *,

@@ -1,7 +1,10 @@
 """The four recovery policies, each resolved at a cluster size into a schedule and recovery phases.
 
-`Resolved` is all the engine needs: when state is saved (two tiers) and which phases a
-failure costs on the fast path (tier 1) and on the persistent-checkpoint path (tier 2).
+`Resolved` is all the engine needs: when state is saved (two tiers), which phases a
+failure costs on the fast path (tier 1) and on the persistent-checkpoint path (tier 2),
+and the policy's failure-free `overhead`: the fraction of every step's time it costs when
+nothing fails, beyond the saves its schedule simulates (the engine divides productive
+time by 1 + overhead; docs/simulator.md, "Failure-free overhead").
 """
 from __future__ import annotations
 
@@ -17,6 +20,42 @@ from unbroken.sim.errors import SimError, need
 
 POLICY_NAMES = ("ckpt-restart", "in-memory", "replica-heal", "unbroken")
 MAX_TIER2_INTERVAL_S = 86400.0
+
+# Failure-free overhead defaults: fraction of every step's time, on top of the saves the schedule
+# simulates. Sources (docs/simulator.md, "Failure-free overhead"):
+# ckpt-restart: 0 here, because its failure-free cost IS its simulated blocking checkpoint, C = state /
+#   storage every Young (1974) / Daly (2006) interval (the checkpoint-stall model of costs.py; C/tau is
+#   3.9% at 16k and 11.7% at 131k with the defaults); counting it again here would charge it twice.
+CKPT_RESTART_OVERHEAD = 0.0
+# in-memory: Gemini (Wang et al., SOSP'23) reports that checkpointing to CPU memory every iteration
+#   "incurs no overhead on training throughput" (abstract; its traffic scheduling interleaves the copies
+#   with training traffic). We take that published figure as is: 0.
+GEMINI_OVERHEAD = 0.0
+# replica-heal: OUR MODELLING CHOICE, no published figure for torchft over NCCL at scale: 2% for the
+#   per-step quorum (torchft overlaps it with backward) and the fault-tolerant cross-replica all-reduce.
+#   A vendor benchmark (Clockwork, 64 H200, torchft with Gloo across replicas) saw far more.
+REPLICA_HEAL_OVERHEAD = 0.02
+# unbroken, uncalibrated: 0.16, about the tier-1 + tier-2 step overhead measured on main before
+#   amortized protection (bench/results/protect.json: +14.8% median, +19.0% mean per step;
+#   throughput.json: 1/0.839 - 1 = +19% at 4 ranks). `--calibrate` replaces it from overhead.json.
+UNCALIBRATED_OVERHEAD = 0.16
+OVERHEAD_SOURCES = {
+    "ckpt-restart": "0: its cost is the simulated blocking checkpoint (state / storage every Young/Daly "
+                    "interval), reported as save share",
+    "in-memory": "Gemini (Wang et al., SOSP'23): per-iteration in-memory checkpoints with no throughput "
+                 "overhead",
+    "replica-heal": "modelling choice (no published torchft figure over NCCL): per-step quorum + "
+                    "fault-tolerant cross-replica all-reduce",
+    "unbroken": "uncalibrated default: the cost measured on main before amortized protection",
+}
+DEFAULT_OVERHEAD = {"ckpt-restart": CKPT_RESTART_OVERHEAD, "in-memory": GEMINI_OVERHEAD,
+                    "replica-heal": REPLICA_HEAL_OVERHEAD, "unbroken": UNCALIBRATED_OVERHEAD}
+
+
+def check_overhead(owner: str, v: object) -> None:
+    """A failure-free overhead is a fraction of step time in [0, 1)."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v < 1
+    need(ok, f"{owner} must be a fraction in [0, 1) of step time (e.g. 0.05 for 5%), got {v!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +74,12 @@ class Schedule:
     @property
     def slow_interval_s(self) -> float:
         return self.fast_interval_s * self.slow_every
+
+    @property
+    def save_share(self) -> float:
+        """Blocking save seconds per compute second when nothing fails."""
+        saves = (self.slow_every - 1) * self.fast_cost_s + self.slow_cost_s
+        return saves / self.slow_interval_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +107,12 @@ class Resolved:
     guard_nodes: int = 0
     carry: frozenset[str] = frozenset()
     wait_share: float = 1.0
+    overhead: float = 0.0
+
+    @property
+    def failure_free_overhead(self) -> float:
+        """All a failure-free step costs: the overhead and the blocking saves, (1 + o)(1 + s) - 1."""
+        return (1.0 + self.overhead) * (1.0 + self.schedule.save_share) - 1.0
 
 
 def _tier2_schedule(scale: Scale, fast_interval_s: float, fast_cost_s: float,
@@ -87,10 +138,12 @@ class CkptRestart:
 
     interval_s: float | None = None
     save_s: float | None = None
+    overhead: float = CKPT_RESTART_OVERHEAD
     restart: JobRestart = field(default_factory=JobRestart)
     name: str = "ckpt-restart"
 
     def __post_init__(self) -> None:
+        check_overhead("ckpt-restart.overhead", self.overhead)
         if self.interval_s is not None:
             _positive("ckpt-restart", interval_s=self.interval_s)
         if self.save_s is not None:
@@ -105,7 +158,8 @@ class CkptRestart:
         tau = self.interval_s if self.interval_s is not None else daly_interval(max(c, 1e-9), scale.mttf_s)
         phases = self.restart.phases(scale.gpus, scale.workload.storage_s)
         sched = Schedule(fast_interval_s=tau, fast_cost_s=c, slow_every=1, slow_cost_s=c)
-        return Resolved(name=self.name, schedule=sched, tier1=phases, tier2=phases, path="tier2")
+        return Resolved(name=self.name, schedule=sched, tier1=phases, tier2=phases, path="tier2",
+                        overhead=self.overhead)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,16 +167,19 @@ class InMemory:
     """Gemini-like: copy state to peers' CPU memory every `every_steps`; restart the job, load from memory.
 
     `peers` machines hold copies of each other's state; losing two of one group during a
-    recovery falls back to the persistent checkpoint.
+    recovery falls back to the persistent checkpoint. The copies cost `overhead` per step
+    (Gemini's published figure), not a simulated save.
     """
 
     every_steps: int = 1
     peers: int = 2
     tier2_interval_s: float | None = None
+    overhead: float = GEMINI_OVERHEAD
     restart: JobRestart = field(default_factory=JobRestart)
     name: str = "in-memory"
 
     def __post_init__(self) -> None:
+        check_overhead("in-memory.overhead", self.overhead)
         need(isinstance(self.every_steps, int) and self.every_steps >= 1,
              f"in-memory.every_steps must be an integer >= 1, got {self.every_steps!r}")
         need(isinstance(self.peers, int) and self.peers >= 2,
@@ -132,11 +189,10 @@ class InMemory:
     def resolve(self, scale: Scale) -> Resolved:
         w = scale.workload
         need(self.peers <= scale.nodes, f"in-memory.peers ({self.peers}) exceeds the {scale.nodes} nodes")
-        sched = _tier2_schedule(scale, self.every_steps * w.step_s, w.background_s(w.network_s),
-                                self.tier2_interval_s)
+        sched = _tier2_schedule(scale, self.every_steps * w.step_s, 0.0, self.tier2_interval_s)
         return Resolved(name=self.name, schedule=sched, tier1=self.restart.phases(scale.gpus, w.network_s),
                         tier2=self.restart.phases(scale.gpus, w.storage_s), path="tier1",
-                        guard_nodes=self.peers)
+                        guard_nodes=self.peers, overhead=self.overhead)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,10 +209,12 @@ class ReplicaHeal:
     quorum_s: float = 1.0
     regroup_per_log2_s: float = 1.0
     tier2_interval_s: float | None = None
+    overhead: float = REPLICA_HEAL_OVERHEAD
     restart: JobRestart = field(default_factory=JobRestart)
     name: str = "replica-heal"
 
     def __post_init__(self) -> None:
+        check_overhead("replica-heal.overhead", self.overhead)
         need(isinstance(self.replicas, int) and self.replicas >= 2,
              f"replica-heal.replicas must be an integer >= 2, got {self.replicas!r}")
         _non_negative("replica-heal", detect_s=self.detect_s, quorum_s=self.quorum_s,
@@ -178,7 +236,8 @@ class ReplicaHeal:
         sched = _tier2_schedule(scale, scale.workload.step_s, 0.0, self.tier2_interval_s)
         return Resolved(name=self.name, schedule=sched, tier1=tier1,
                         tier2=self.restart.phases(scale.gpus, scale.workload.storage_s),
-                        path="replica", carry=frozenset({"degraded"}), wait_share=1.0 / self.replicas)
+                        path="replica", carry=frozenset({"degraded"}), wait_share=1.0 / self.replicas,
+                        overhead=self.overhead)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,6 +249,8 @@ class Unbroken:
     during its recovery, or silent corruption, falls back to the persistent checkpoint (tier 2).
     Rebuild: state / net bandwidth, or the calibrated bench seconds per GB scaled by
     `bench_gbps` / net_gbps (the same fraction of the link as measured on the bench).
+    `overhead`: the failure-free cost per step (parity updates included), measured by the
+    overhead benchmark (`--calibrate`), else UNCALIBRATED_OVERHEAD.
     """
 
     detect_s: float = 10.0
@@ -200,10 +261,12 @@ class Unbroken:
     protect_every: int = 1
     parity_group: int = 4
     tier2_interval_s: float | None = None
+    overhead: float = UNCALIBRATED_OVERHEAD
     restart: JobRestart = field(default_factory=JobRestart)
     name: str = "unbroken"
 
     def __post_init__(self) -> None:
+        check_overhead("unbroken.overhead", self.overhead)
         _non_negative("unbroken", detect_s=self.detect_s, decide_s=self.decide_s,
                       regroup_per_log2_s=self.regroup_per_log2_s)
         _positive("unbroken", bench_gbps=self.bench_gbps)
@@ -228,11 +291,10 @@ class Unbroken:
              f"{scale.nodes}; use --parity-group {max(2, min(4, scale.nodes))}")
         tier1 = (("detect", self.detect_s), ("decide", self.decide_s),
                  ("regroup", self.regroup_per_log2_s * log2_scale(scale.gpus)), ("rebuild", self.rebuild_s(w)))
-        sched = _tier2_schedule(scale, self.protect_every * w.step_s, w.background_s(w.network_s),
-                                self.tier2_interval_s)
+        sched = _tier2_schedule(scale, self.protect_every * w.step_s, 0.0, self.tier2_interval_s)
         return Resolved(name=self.name, schedule=sched, tier1=tier1,
                         tier2=self.restart.phases(scale.gpus, w.storage_s), path="tier1",
-                        guard_nodes=self.parity_group)
+                        guard_nodes=self.parity_group, overhead=self.overhead)
 
 
 Policy = Union[CkptRestart, InMemory, ReplicaHeal, Unbroken]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from typing import TextIO
+from typing import Any, Mapping, TextIO
 
 from rich.console import Console
 from rich.table import Table
@@ -10,19 +10,24 @@ from rich.table import Table
 from unbroken.sim.engine import RECOVERY_PHASES
 from unbroken.sim.montecarlo import Summary
 
-TABLE_PHASES = ("redo", "checkpoint") + RECOVERY_PHASES
+TABLE_PHASES = ("overhead", "redo", "checkpoint") + RECOVERY_PHASES
 
 
-def json_lines(summaries: list[Summary]) -> str:
-    return "".join(json.dumps(s.to_json(), sort_keys=False) + "\n" for s in summaries)
+def json_lines(summaries: list[Summary], extra: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+    """One object per summary; `extra[policy]` adds keys (e.g. where its overhead came from)."""
+    extra = extra or {}
+    return "".join(json.dumps({**s.to_json(), **extra.get(s.policy, {})}) + "\n" for s in summaries)
 
 
 def table(summaries: list[Summary], title: str) -> Table:
-    """ETTR with its 95% interval, failures, and hours spent in each phase (mean over seeds)."""
+    """Net ETTR with its 95% interval, the gross ETTR and overhead behind it, failures, and hours
+    spent in each account (mean over seeds)."""
     t = Table(title=title, title_justify="left")
     t.add_column("policy")
     t.add_column("ETTR", justify="right")
     t.add_column("95% CI", justify="right")
+    t.add_column("gross", justify="right")
+    t.add_column("overhead", justify="right")
     t.add_column("failures", justify="right")
     t.add_column("MTTF h", justify="right")
     t.add_column("tier-2", justify="right")
@@ -30,6 +35,7 @@ def table(summaries: list[Summary], title: str) -> Table:
         t.add_column(f"{p} h", justify="right")
     for s in summaries:
         t.add_row(s.policy, f"{100 * s.ettr:.2f}%", f"{100 * s.ettr_low:.2f}-{100 * s.ettr_high:.2f}",
+                  f"{100 * s.ettr_gross:.2f}%", f"{100 * s.overhead:.1f}%",
                   f"{s.failures:.1f}", f"{s.mttf_h:.3g}", f"{s.tier2:.1f}",
                   *(f"{s.phases_h[p]:.2f}" for p in TABLE_PHASES))
     return t
