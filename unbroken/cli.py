@@ -9,7 +9,7 @@ import sys
 
 import typer
 
-from unbroken.bench.command import overhead, protect, recovery, throughput
+from unbroken.bench.command import interval, overhead, protect, recovery, throughput
 from unbroken.bench.detect import detect as detect_bench
 from unbroken.config import ConfigError
 from unbroken.detect.command import report
@@ -30,6 +30,7 @@ bench_app.command("protect")(protect)
 bench_app.command("recovery")(recovery)
 bench_app.command("detect")(detect_bench)
 bench_app.command("overhead")(overhead)
+bench_app.command("interval")(interval)
 
 
 def main() -> None:

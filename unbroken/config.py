@@ -60,8 +60,10 @@ class RunConfig:
     # in between, survivors replay a lost shard from the parity point with the logged
     # averaged gradients. "auto" picks K from measured step and parity times.
     protect_every: int | str = 8
-    chunk_kb: int = 256
-    checkpoint_every: int = 0
+    expected_mtbf_s: float = 10800.0  # for protect_every "auto": expected time between failures of the job
+    chunk_kb: int = 1024  # transaction/parity chunk (3 tensors): fewer, larger chunks cost less per-op dispatch
+    bucket_kb: int = 25600  # gradient all-reduce bucket, issued while backward runs (as torch DDP: 25 MB)
+    checkpoint_every: int = 50  # tier 2 (two losses in a parity group, a corrupted parity); 0 = off
     checkpoint_keep: int = 2
     shadows: int = 1
     heartbeat_s: float = 0.1
@@ -95,7 +97,11 @@ class RunConfig:
                                                and not isinstance(self.protect_every, bool) and self.protect_every >= 1),
               f"protect_every must be an integer >= 1 or 'auto', got {self.protect_every!r}; "
               "e.g. --protect-every 8 (1 = parity every step)")
+        _need(isinstance(self.expected_mtbf_s, (int, float)) and self.expected_mtbf_s > 0,
+              f"expected_mtbf_s must be > 0 seconds, got {self.expected_mtbf_s!r}")
         _need(self.chunk_kb >= 1, f"chunk_kb must be >= 1, got {self.chunk_kb!r}")
+        _need(isinstance(self.bucket_kb, int) and self.bucket_kb >= 1,
+              f"bucket_kb must be an integer >= 1, got {self.bucket_kb!r}; e.g. bucket_kb = 1024")
         _need(self.checkpoint_every >= 0, f"checkpoint_every must be >= 0 (0 = off), got {self.checkpoint_every!r}")
         _need(self.checkpoint_keep >= 1, f"checkpoint_keep must be >= 1, got {self.checkpoint_keep!r}")
         _need(self.shadows >= 0, f"shadows must be >= 0, got {self.shadows!r}")

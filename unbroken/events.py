@@ -34,6 +34,7 @@ KINDS: dict[str, str] = {
     "checkpoint_saved": "step, path, bytes, save_s",
     "checkpoint_invalid": "path, error",
     "parity_built": "bytes, seconds",
+    "protect_every_chosen": "step, protect_every, parity_extra_s, step_s, replay_step_s, mtbf_s, max_k",
     "retry": "attempt, of, action, outcome",
     "node_excluded": "node, faults, window_s",
     "straggler": "rank, ratio, median_s",

@@ -1,4 +1,4 @@
-"""`unbroken bench throughput|protect|recovery|overhead`: run one benchmark, print its table, save JSON (+PNG)."""
+"""`unbroken bench throughput|protect|recovery|overhead|interval`: run one, print its table, save JSON (+PNG)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,6 +7,7 @@ import typer
 from rich.console import Console
 
 from unbroken.bench.common import RESULTS_DIR, write_result
+from unbroken.bench.interval import interval  # noqa: F401  (the command lives with its benchmark)
 
 _OUT = typer.Option(RESULTS_DIR, "--out", help="directory for NAME.json (and NAME.png)")
 _QUICK = typer.Option(False, "--quick", help="smoke run: fewer steps and repeats")

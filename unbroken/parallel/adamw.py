@@ -41,14 +41,17 @@ class AdamW:
 
     def apply(self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: StepScalars,
               point: Callable[[], None] | None = None) -> None:
-        """Update p, m, v in place; `point` is a fault-injection hook half-way through."""
-        g = g * s.clip_coef if s.clip_coef != 1.0 else g
+        """Update p, m, v in place; `point` is a fault-injection hook half-way through.
+
+        The clip coefficient is folded into the moment updates' scalars (no scaled copy of
+        the gradient); the denominator is torch's: sqrt(v) / sqrt(bc2) + eps."""
+        c = s.clip_coef
         p.mul_(1.0 - s.lr * self.weight_decay)
-        m.mul_(self.beta1).add_(g, alpha=1.0 - self.beta1)
+        m.mul_(self.beta1).add_(g, alpha=(1.0 - self.beta1) * c)
         if point is not None:
             point()
-        v.mul_(self.beta2).addcmul_(g, g, value=1.0 - self.beta2)
+        v.mul_(self.beta2).addcmul_(g, g, value=(1.0 - self.beta2) * c * c)
         bc1 = 1.0 - self.beta1 ** s.step
         bc2 = 1.0 - self.beta2 ** s.step
-        denom = (v / bc2).sqrt_().add_(self.eps)
+        denom = torch.sqrt(v).div_(math.sqrt(bc2)).add_(self.eps)
         p.addcdiv_(m, denom, value=-s.lr / bc1)

@@ -3,7 +3,8 @@
 The model's parameters become views into `params`, so updating a shard of the flat
 buffer updates the model. Gradients are copied into `grads` after backward (autograd
 may replace a .grad tensor, so we never rely on aliasing it); `grads[-1]` carries the
-local loss so that one all-reduce also averages the loss.
+local loss and `grads[aux]` a few runtime measurements, so that one all-reduce also
+averages them.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import math
 
 import torch
 import torch.nn as nn
+
+AUX_SLOTS = 3  # ride along in the gradient all-reduce (runtime/autok.py's measurements)
 
 
 def plan_chunks(n: int, world: int, chunk_elems: int, multiple: int) -> tuple[int, int]:
@@ -44,7 +47,9 @@ class FlatModel:
         # A ring of gradient buffers, one per step of the protection interval: the averaged
         # gradient of step s stays in slot s % grad_slots until step s + grad_slots, so a lost
         # shard can be replayed from the last parity point without copying any gradient.
-        self._ring = [torch.zeros(self.n_pad + 1) for _ in range(grad_slots)]  # + local loss
+        # layout: [parameters (n_pad) | AUX_SLOTS spare values averaged with them | local loss]
+        self._ring = [torch.zeros(self.n_pad + AUX_SLOTS + 1) for _ in range(grad_slots)]
+        self.aux = slice(self.n_pad, self.n_pad + AUX_SLOTS)
         self.grads = self._ring[0]
         off = 0
         with torch.no_grad():

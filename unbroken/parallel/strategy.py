@@ -26,14 +26,15 @@ Point = Callable[[str, int], None]  # fault-injection hook: point(phase, chunk)
 
 class OwnedState:
     def __init__(self, model: nn.Module, *, strategy: str, rank: int, world: int, group_size: int,
-                 chunk_elems: int, optim: AdamW, protect_every: int = 1) -> None:
+                 chunk_elems: int, optim: AdamW, protect_every: int = 1, grad_slots: int | None = None) -> None:
         self.strategy, self.rank, self.world, self.optim = strategy, rank, world, optim
         sharded = strategy == "zero1"
         self.k = group_size if (sharded and group_size >= 2) else 1
         # parity every K steps; the gradient ring keeps the K averaged gradients a replay needs
         self.protect_every = protect_every if self.k >= 2 else 1
         self.flat = FlatModel(model, world=world if sharded else 1, chunk_elems=chunk_elems,
-                              multiple=max(1, self.k - 1), grad_slots=self.protect_every)
+                              multiple=max(1, self.k - 1),
+                              grad_slots=max(self.protect_every, grad_slots or 1) if self.k >= 2 else 1)
         self.lo, self.hi = self.flat.shard_range(rank if sharded else 0)
         n = self.hi - self.lo
         self.m, self.v = torch.zeros(n), torch.zeros(n)
@@ -62,6 +63,12 @@ class OwnedState:
     @property
     def gradient_log_bytes(self) -> int:
         return 0 if self.tier1 is None else self.flat.grad_slots * self.flat.grads.numel() * 4
+
+    def set_interval(self, k: int) -> None:
+        """A new protect_every, from the current parity point on (the ring must hold K)."""
+        assert 1 <= k <= self.flat.grad_slots, f"protect_every {k} exceeds the gradient ring ({self.flat.grad_slots})"
+        self.protect_every = k
+        self.next_parity = self.txn.snap_ver + k
 
     def parity_due(self, step: int) -> bool:
         return self.tier1 is not None and step >= self.next_parity

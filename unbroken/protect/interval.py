@@ -10,9 +10,10 @@ gradient ring may use (K full gradients per rank).
 from __future__ import annotations
 
 import math
+import os
 
 DEFAULT_K = 8  # measured: `unbroken bench overhead` (docs/benchmarks.md)
-MAX_K = 64
+MAX_K = 32
 
 
 def best_interval(*, parity_s: float, step_s: float, replay_step_s: float, mtbf_s: float,
@@ -31,3 +32,27 @@ def largest_fitting(grad_bytes: int, budget_bytes: int) -> int:
     if grad_bytes <= 0:
         raise ValueError(f"grad_bytes must be > 0, got {grad_bytes}")
     return max(0, budget_bytes // grad_bytes)
+
+
+def memory_budget_bytes(processes: int, fraction: float = 0.5) -> int:
+    """What one process may give its gradient ring: `fraction` of the memory available now,
+    shared by the `processes` of this node (workers and shadows)."""
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(avail * fraction / max(1, processes))
+
+
+def ring_slots(protect_every: int | str, grad_bytes: int, budget_bytes: int) -> int:
+    """Gradient buffers the ring needs: K, or for "auto" the largest K up to MAX_K that fits.
+    Raises ValueError naming the largest K that fits when K does not."""
+    fit = largest_fitting(grad_bytes, budget_bytes)
+    if protect_every == "auto":
+        if fit < 1:
+            raise ValueError(f"protect_every auto: not even one gradient buffer ({grad_bytes >> 20} MB) fits in "
+                             f"{budget_bytes >> 20} MB per process; use --protect-every 1 or free memory")
+        return min(MAX_K, fit)
+    k = int(protect_every)
+    if k > fit:
+        raise ValueError(f"protect_every {k} needs a gradient log of {k} x {grad_bytes / 2**20:.1f} MB per rank, "
+                         f"but only {budget_bytes / 2**20:.0f} MB fit (half the available memory over this node's "
+                         f"processes); use --protect-every {max(1, fit)} or less")
+    return k

@@ -81,7 +81,8 @@ def _status(tr: "Trainer", new_member: bool) -> dict:
             "log_from": None, "history": []}
     if not new_member:
         mine.update(parity_ver=owned.txn.parity_ver.tolist(), snap_ver=owned.txn.snap_ver,
-                    next_parity=owned.next_parity, log_from=owned.log_from,
+                    next_parity=owned.next_parity, log_from=owned.log_from, protect_every=owned.protect_every,
+                    tuned=tr.tuner.done,
                     history=[s.to_list() for s in owned.txn.history.values()])
     return mine
 
@@ -95,6 +96,8 @@ def _rebuild(tr: "Trainer", new_member: bool) -> None:
     new_ranks = [s["rank"] for s in status if s["new"]]
     if not survivors:
         raise RecoveryFailed("every rank of the job was lost at once; restart from a tier-2 checkpoint")
+    if new_member:  # the survivors' protection interval (it may have been chosen by "auto")
+        owned.protect_every, tr.tuner.done = survivors[0]["protect_every"], survivors[0]["tuned"]
     c_max = max(s["committed"] for s in survivors)
     holders = [s["rank"] for s in survivors if s["grads_step"] == c_max + 1]
     target = c_max + 1 if holders else c_max
@@ -218,6 +221,9 @@ def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], ta
     return "tier1"
 
 
+_LOG_TAG = 1 << 28  # point-to-point tags far above any collective sequence number of a generation
+
+
 def _start_log_transfers(tr: "Trainer", status: list[dict], new_ranks: list[int], first: int, last: int,
                          src: int) -> list:
     """The gradient log a new member needs to replay its shard from the parity point:
@@ -230,9 +236,11 @@ def _start_log_transfers(tr: "Trainer", status: list[dict], new_ranks: list[int]
         for step in range(first, last + 1):
             view = owned.flat.grads_of(step)[lo:hi]
             if tr.rank == src:
-                pend.append(tr.comm.send_start(view, dst=r, tag=step, what=f"gradient log step {step} to rank {r}"))
+                pend.append(tr.comm.send_start(view, dst=r, tag=_LOG_TAG + step % _LOG_TAG,
+                                               what=f"gradient log step {step} to rank {r}"))
             elif tr.rank == r:
-                pend.append(tr.comm.recv_start(view, src=src, tag=step, what=f"gradient log step {step}"))
+                pend.append(tr.comm.recv_start(view, src=src, tag=_LOG_TAG + step % _LOG_TAG,
+                                               what=f"gradient log step {step}"))
     return pend
 
 

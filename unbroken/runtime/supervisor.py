@@ -24,9 +24,10 @@ from unbroken.fsutil import atomic_write_json
 from unbroken.runtime import auth, membership
 from unbroken.runtime.faults import FaultSpec
 from unbroken.runtime.procs import Child, ProcessTable
+from unbroken.runtime.wake import ChildWake
 from unbroken.runtime.watch import Watch
 
-_TICK_S = 0.01
+_FAULT_TICK_S = 0.05  # how often the leader reads the fault log when nothing exited here
 _LINK_GRACE_S = 0.3  # a crashed member's exit shows within ~0.1 s; errors outliving this mean a link
 _KILL_ON = ("hang", "stall", "straggler", "health")  # faults whose process is still alive: kill it first
 
@@ -407,21 +408,26 @@ class Supervisor:
             time.sleep(0.05)
 
     def _loop(self) -> None:
-        """Every tick: reap exits and take fault reports (recovery latency); every half
-        heartbeat: detectors, bookkeeping and the pool (store round trips cost CPU the
-        workers need)."""
-        next_beat = 0.0
-        while True:
-            now = time.time()
-            exited = self._check_exits()
-            if self.leader:
-                self._take_faults(now)
-            if exited or now >= next_beat:  # an exit is acted on at once, not at the next beat
-                next_beat = now + self.cfg.heartbeat_s / 2
-                self._detect()
-                if self._bookkeeping():
-                    return
-            time.sleep(_TICK_S)
+        """Sleep until a child exits or the next period: every _FAULT_TICK_S the leader takes
+        fault reports (recovery latency); every heartbeat: detectors, bookkeeping and
+        the pool (store round trips and wake-ups cost CPU the workers need)."""
+        wake = ChildWake()
+        try:
+            next_beat = next_faults = 0.0
+            while True:
+                now = time.time()
+                exited = self._check_exits()
+                if exited or now >= next_beat:  # an exit is acted on at once, not at the next beat
+                    next_beat = now + self.cfg.heartbeat_s
+                    self._detect()
+                    if self._bookkeeping():
+                        return
+                if self.leader and (exited or now >= next_faults):  # a local exit was just reported
+                    next_faults = now + _FAULT_TICK_S
+                    self._take_faults(now)
+                wake.wait(min(next_beat, next_faults if self.leader else next_beat) - time.time())
+        finally:
+            wake.close()
 
     def _bookkeeping(self) -> bool:
         """Abort, completion, progress and the shadow pool; True when this supervisor is done."""

@@ -23,19 +23,27 @@ from unbroken.comm.group import CollectiveError, Comm, GenerationChanged
 from unbroken.detect.detectors import numerics_check
 from unbroken.fsutil import atomic_write_bytes
 from unbroken.parallel.adamw import AdamW
+from unbroken.parallel.buckets import GradBuckets
 from unbroken.parallel.strategy import OwnedState
+from unbroken.config import ConfigError
+from unbroken.protect.interval import memory_budget_bytes, ring_slots
+from unbroken.runtime.autok import IntervalTuner
 from unbroken.protect.txn import StepScalars
 from unbroken.runtime import membership
 from unbroken.runtime.context import ProcessContext
 from unbroken.runtime.faults import FaultInjector
 
 
-def protect_interval(cfg) -> int:
-    """K for `protect_every`: the configured integer, or for "auto" the default interval
-    (`unbroken.protect.interval` explains the choice)."""
-    from unbroken.protect.interval import DEFAULT_K
-
-    return DEFAULT_K if cfg.protect_every == "auto" else int(cfg.protect_every)
+def gradient_ring_slots(cfg, model: nn.Module) -> int:
+    """Gradient buffers the ring needs (K, or the most "auto" may use); ConfigError naming the
+    largest K that fits when the ring would not fit in memory."""
+    if not cfg.tier1 or cfg.strategy != "zero1" or cfg.effective_parity_group < 2:
+        return 1
+    grad_bytes = 4 * (sum(p.numel() for p in model.parameters() if p.requires_grad) + 4)
+    try:
+        return ring_slots(cfg.protect_every, grad_bytes, memory_budget_bytes(cfg.world_size + cfg.shadows))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 class LayoutMismatch(ValueError):
@@ -60,7 +68,7 @@ class Trainer:
         # This rank's own (not yet averaged) gradient, kept until its all-reduce succeeds: when a
         # peer dies during the all-reduce, survivors skip forward/backward on the redo and only
         # the replacement computes its share.
-        self.local_grads: torch.Tensor | None = None
+        self.local_grads: torch.Tensor | None = None  # allocated with the state (_build_state)
         self.local_step: int | None = None  # the step whose local gradient local_grads holds
         self.parity_rebuilt: str | None = None  # how the last recovery restored tier-1 parity
         self.deferred = None  # recovery.DeferredDecode: a recovery's decode still running (its first step ends it)
@@ -90,10 +98,18 @@ class Trainer:
     # --- start-up ----------------------------------------------------------------------
     def _build_state(self, rank: int) -> None:
         self.rank = rank
-        self.owned = OwnedState(self.model, strategy=self.cfg.strategy, rank=rank, world=self.world_size,
-                                group_size=self.cfg.effective_parity_group if self.cfg.tier1 else 1,
-                                chunk_elems=max(16, self.cfg.chunk_kb * 1024 // 12), optim=self.optim,
-                                protect_every=protect_interval(self.cfg))
+        if getattr(self, "buckets", None) is not None:
+            self.buckets.close()
+        cfg = self.cfg
+        slots = gradient_ring_slots(cfg, self.model)
+        self.tuner = IntervalTuner(mtbf_s=cfg.expected_mtbf_s, max_k=slots)
+        self.owned = OwnedState(self.model, strategy=cfg.strategy, rank=rank, world=self.world_size,
+                                group_size=cfg.effective_parity_group if cfg.tier1 else 1,
+                                chunk_elems=max(16, cfg.chunk_kb * 1024 // 12), optim=self.optim,
+                                protect_every=self.tuner.initial_k if cfg.protect_every == "auto"
+                                else int(cfg.protect_every), grad_slots=slots)
+        self.buckets = GradBuckets(self.owned.flat, bucket_elems=max(16, self.cfg.bucket_kb * 1024 // 4))
+        self.local_grads = torch.empty_like(self.owned.flat.grads)
         if self.ctx.role == "worker" or self.has_state is not None:
             self.ctx.phase["rank"] = rank
             self.ctx.events.rank = rank
@@ -229,13 +245,16 @@ class Trainer:
     def _attempt(self, t: int, closure: Callable[[], torch.Tensor]) -> None:
         ctx, flat = self.ctx, self.owned.flat
         t0 = time.perf_counter()
-        flat.use_grads_of(t)
+        grads = flat.use_grads_of(t)
+        overlapped = False
         if self.local_step == t:
             # Our gradient of step t survived the failed all-reduce (parameters are unchanged
             # since: the step was never applied), so only the replacement computes its share.
-            flat.grads.copy_(self.local_grads)
+            grads.copy_(self.local_grads)
         else:
-            self._compute_local_gradient(t, closure)
+            # a pending decode votes on the world group first: then no bucket may be issued before it
+            overlapped = self.deferred is None
+            self._compute_local_gradient(t, closure, overlap=overlapped)
         if self.deferred is not None:
             from unbroken.runtime.recovery import finish_deferred_decode
 
@@ -244,10 +263,14 @@ class Trainer:
         self._point("allreduce", t)
         t1 = time.perf_counter()
         self.grads_step = None
-        self.comm.allreduce(flat.grads, what=f"gradient all-reduce step {t}")
+        if overlapped:
+            self.buckets.finish()
+        else:
+            self.buckets.issue_all(self.comm, grads, what=f"gradient all-reduce step {t}")
         flat.grads.div_(self.world_size)
         norm = float(torch.linalg.vector_norm(flat.grads[:flat.n_pad]))
         self._check_numerics(t, float(flat.grads[-1]), norm)
+        self._maybe_choose_interval(t)
         self.grads_step = t
         self.scalars = self.optim.scalars(t, norm)
         ctx.set_phase("optimizer")
@@ -264,8 +287,9 @@ class Trainer:
         self._parity_step = parity
         self._finish_step(t, float(flat.grads[-1]))
 
-    def _compute_local_gradient(self, t: int, closure: Callable[[], torch.Tensor]) -> None:
-        """Forward and backward of step t into flat.grads, and a copy kept for a redo."""
+    def _compute_local_gradient(self, t: int, closure: Callable[[], torch.Tensor], *, overlap: bool) -> None:
+        """Forward and backward of step t into flat.grads, and a copy kept for a redo. With
+        `overlap`, the gradient buckets' all-reduces are issued while backward runs."""
         ctx, flat = self.ctx, self.owned.flat
         ctx.set_phase("forward", t)
         self._point("forward", t)
@@ -275,14 +299,19 @@ class Trainer:
         loss = closure()
         ctx.set_phase("backward")
         self._point("backward", t)
-        loss.backward()
-        flat.collect_grads(float(loss.detach()))
-        if self._nan_pending:
-            self._nan_pending = False
-            flat.grads[0] = float("nan")
-        if self.local_grads is None:
-            self.local_grads = torch.empty_like(flat.grads)
-        self.local_grads.copy_(flat.grads)
+        value = float(loss.detach())
+        self.tuner.fill(flat.grads[flat.aux])
+        if overlap:
+            self.buckets.begin(self.comm, flat.grads, self.local_grads, value, poison=self._nan_pending,
+                               what=f"gradient all-reduce step {t}")
+            loss.backward()
+        else:
+            loss.backward()
+            flat.collect_grads(value)
+            if self._nan_pending:
+                flat.grads[0] = float("nan")
+            self.local_grads.copy_(flat.grads)
+        self._nan_pending = False
         self.local_step = t
 
     def _finish_step(self, t: int, loss: float) -> None:
@@ -295,6 +324,7 @@ class Trainer:
         # Heartbeats pair `step` (being executed) with the times of step-1: update them together.
         self.ctx.phase.update({"step": t + 1, "step_s": step_s, "wait_s": wait_s})
         parts = {f"{k}_s": round(v, 4) for k, v in self._phase_s.items()}
+        self.tuner.observe(t, step_s, self._phase_s.get("update", 0.0), self._parity_step)
         self._phase_s = {}
         self.ctx.events.emit("step", step=t, loss=round(loss, 6), step_s=round(step_s, 4),
                              wait_s=round(wait_s, 4), tokens=tokens, parity=self._parity_step, **parts)
@@ -308,6 +338,19 @@ class Trainer:
             membership.put(self.ctx.store, "progress",
                            {"step": t, "loss": loss, "step_s": step_s, "tokens_per_s": tokens / max(step_s, 1e-9)})
         self._maybe_checkpoint(t)
+
+    def _maybe_choose_interval(self, t: int) -> None:
+        """protect_every "auto": on the step after the first parity point, every rank takes K from
+        the averaged measurements the all-reduce just delivered (runtime/autok.py)."""
+        owned = self.owned
+        if (self.cfg.protect_every != "auto" or self.tuner.done or owned.tier1 is None
+                or owned.txn.snap_ver == 0 or t != owned.txn.snap_ver + 1):
+            return
+        chosen = self.tuner.choose(owned.flat.grads[owned.flat.aux])
+        if chosen is not None:
+            owned.set_interval(chosen["protect_every"])
+            if self.rank == 0:
+                self.ctx.events.emit("protect_every_chosen", step=t, **chosen)
 
     def _check_numerics(self, t: int, loss: float, norm: float) -> None:
         """NaN/Inf in the averaged gradient: record, then redo the step (never apply it)."""

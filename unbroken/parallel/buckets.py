@@ -1,0 +1,119 @@
+"""Gradient buckets: all-reduce slices of the flat gradient while backward still runs, as torch DDP does.
+
+Parameters are grouped, in reverse registration order (roughly the order backward produces
+their gradients), into buckets of about `bucket_elems` contiguous elements of the flat
+gradient; the first bucket also covers the padding and the loss slot at the end. A
+post-accumulate-grad hook copies each gradient into its slice (and into the kept local
+copy); once a bucket is complete *and every bucket before it has been issued*, its
+all-reduce is issued. So every rank issues the same collectives in the same order, the
+boundaries never change (the reduction is bitwise reproducible), and a redo that issues
+the kept local gradient bucket by bucket (`issue_all`) gives the same bits.
+"""
+from __future__ import annotations
+
+import torch
+
+from unbroken.comm.group import Comm, Pending
+from unbroken.parallel.flat import FlatModel
+
+
+class _Round:
+    """One step's backward: where gradients go, what is still missing, what was issued."""
+
+    def __init__(self, comm: Comm, grads: torch.Tensor, local: torch.Tensor, n_buckets: int,
+                 missing: list[int], poison: bool, what: str) -> None:
+        self.comm, self.grads, self.local, self.what = comm, grads, local, what
+        self.missing = list(missing)
+        self.next = 0  # the next bucket to issue
+        self.pending: list[Pending] = []
+        self.poison = poison  # fault injection: a NaN in element 0 before it is sent
+        self.seen = [False] * sum(missing)
+
+
+class GradBuckets:
+    def __init__(self, flat: FlatModel, bucket_elems: int) -> None:
+        if bucket_elems < 1:
+            raise ValueError(f"bucket size must be >= 1 element, got {bucket_elems}")
+        self.flat = flat
+        offs, off = [], 0
+        for p in flat.plist:
+            offs.append((off, p.numel()))
+            off += p.numel()
+        self.offsets = offs
+        self.ranges: list[tuple[int, int]] = []  # bucket b covers grads[lo:hi]
+        self.bucket_of: list[int] = [0] * len(offs)
+        members: list[int] = []
+        hi = flat.grads.numel()  # + the spare slots and the loss
+        for i in reversed(range(len(offs))):
+            members.append(i)
+            lo = offs[i][0]
+            if hi - lo >= bucket_elems or i == 0:
+                for j in members:
+                    self.bucket_of[j] = len(self.ranges)
+                self.ranges.append((lo, hi))
+                members, hi = [], lo
+        self.sizes = [0] * len(self.ranges)
+        for b in self.bucket_of:
+            self.sizes[b] += 1
+        self._round: _Round | None = None
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i, p))
+                       for i, p in enumerate(flat.plist)]
+
+    def close(self) -> None:
+        """Remove the hooks (the Trainer rebuilds its state when a shadow takes a rank)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    @property
+    def n_buckets(self) -> int:
+        return len(self.ranges)
+
+    def begin(self, comm: Comm, grads: torch.Tensor, local: torch.Tensor, loss: float, *, poison: bool,
+              what: str) -> None:
+        """Arm the hooks for one backward: gradients land in `grads` (and `local`); the padding
+        and the loss are set now, the spare slots must be already."""
+        grads[self.flat.n:self.flat.n_pad].zero_()
+        grads[-1] = loss
+        self._round = _Round(comm, grads, local, self.n_buckets, self.sizes, poison, what)
+
+    def finish(self) -> None:
+        """After backward: zero what no gradient reached (unused parameters), issue the rest and
+        wait for every bucket. Raises CollectiveError."""
+        r, self._round = self._round, None
+        assert r is not None, "GradBuckets.finish() without begin()"
+        for i, done in enumerate(r.seen):
+            if not done:
+                lo, n = self.offsets[i]
+                r.grads[lo:lo + n].zero_()
+                r.seen[i] = True
+                r.missing[self.bucket_of[i]] -= 1
+        self._issue_ready(r)
+        for p in r.pending:
+            r.comm.finish(p)
+
+    def issue_all(self, comm: Comm, grads: torch.Tensor, what: str) -> None:
+        """All-reduce `grads` (already holding the local gradient) bucket by bucket, in the
+        order backward issues them; wait for all. Raises CollectiveError."""
+        pend = [comm.allreduce_start(grads[lo:hi], what=f"{what} bucket {b}") for b, (lo, hi) in enumerate(self.ranges)]
+        for p in pend:
+            comm.finish(p)
+
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        r = self._round
+        if r is None or r.seen[i]:
+            return  # a backward unbroken did not start (or a second accumulation): leave it alone
+        lo, n = self.offsets[i]
+        r.grads[lo:lo + n].copy_(p.grad.reshape(-1))
+        r.seen[i] = True
+        r.missing[self.bucket_of[i]] -= 1
+        self._issue_ready(r)
+
+    def _issue_ready(self, r: _Round) -> None:
+        while r.next < self.n_buckets and r.missing[r.next] == 0:
+            lo, hi = self.ranges[r.next]
+            if r.poison and lo == 0:
+                r.grads[0] = float("nan")
+            r.local[lo:hi].copy_(r.grads[lo:hi])  # kept for a redo: survivors skip recomputation
+            r.pending.append(r.comm.allreduce_start(r.grads[lo:hi], what=f"{r.what} bucket {r.next}"))
+            r.next += 1
