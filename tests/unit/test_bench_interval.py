@@ -170,3 +170,17 @@ def test_interval_command_is_registered_and_rejects_bad_options(tmp_path):
         res = runner.invoke(app, ["bench", "interval", "--out-dir", str(tmp_path), *args])
         assert res.exit_code == 2, (args, res.output)
     assert not any(tmp_path.iterdir())
+
+
+def test_a_failed_run_is_kept_for_reading(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    run_dir = tmp_path / "k4-free-0"
+    run_dir.mkdir()
+    (run_dir / "events.jsonl").write_text("{}\n")
+    monkeypatch.setattr(iv, "run_job", lambda *a, **k: {"ok": False})
+    monkeypatch.setattr(iv.tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(RuntimeError, match="unbroken-bench-interval-failed-k4-free-0"):
+        iv._run(iv.variant_config(4, 2, 16), run_dir, Console(quiet=True))
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("unbroken-bench-interval-failed-")]
+    assert len(kept) == 1 and (kept[0] / "events.jsonl").read_text() == "{}\n"

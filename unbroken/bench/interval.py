@@ -29,12 +29,13 @@ Results: a rich table, `interval.json` (`interval_result` is its schema) and `in
 """
 from __future__ import annotations
 
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
 
 from unbroken.bench.common import RESULTS_DIR, SKIP_STEPS, fmt, job_events, run_job, step_events, write_result
@@ -204,11 +205,24 @@ def interval_result(samples: dict, *, ks: list[int], world: int, steps: int, rou
 
 
 # --- running it ---------------------------------------------------------------------------------
+def _keep(run_dir: Path, console: Console) -> Path:
+    """Copy a failed run's directory out of the temporary root (which is deleted) and say where."""
+    kept = Path(tempfile.mkdtemp(prefix=f"unbroken-bench-interval-failed-{run_dir.name}-"))
+    shutil.copytree(run_dir, kept, dirs_exist_ok=True)
+    console.log(f"interval: kept the failed run {run_dir.name} at {kept}")
+    return kept
+
+
 def _run(cfg: RunConfig, run_dir: Path, console: Console, faults: tuple = ()) -> tuple[dict, list]:
-    s = run_job(cfg, run_dir, faults=faults, console=console)
+    try:
+        s = run_job(cfg, run_dir, faults=faults, console=console)
+    except Exception:
+        if run_dir.is_dir():
+            _keep(run_dir, console)
+        raise
     if not s["ok"]:
         raise RuntimeError(f"interval run {run_dir.name} did not finish all {cfg.steps} steps; "
-                           f"see {run_dir}/events.jsonl")
+                           f"see {_keep(run_dir, console)}/events.jsonl")
     return s, job_events(run_dir)
 
 
@@ -242,29 +256,33 @@ def measure(*, ks: list[int], world: int, steps: int, rounds: int, console: Cons
 
 
 # --- the table and the figure -------------------------------------------------------------------
-def _mem_cell(mem: dict | None) -> str:
-    """'parity / snapshot / gradient log' in MiB, and each as a % of the protected shard below."""
+def _mem_cell(mem: dict | None, part: str) -> str:
+    """MiB per rank (fraction of the protected shard)."""
     if mem is None:
         return "-"
-    mib = " / ".join(f"{mem[p] / 2**20:.1f}" for p in MEMORY_PARTS)
-    fr = [mem["fractions"][p] for p in MEMORY_PARTS]
-    return mib + ("" if None in fr else "\n" + " / ".join(f"{f:.0%}" for f in fr))
+    f = mem["fractions"][part]
+    mib = sum(mem[p] for p in MEMORY_PARTS) if part == "total" else mem[part]
+    return f"{mib / 2**20:.1f}" + ("" if f is None else f" ({f:.0%})")
 
 
-def table(res: dict) -> Table:
+def table(res: dict) -> Group:
     t = Table(title=f"parity interval K: {res['strategy']}, {res['world']} ranks, {res['steps']} steps x "
                     f"{res['rounds']} interleaved rounds; protection off: mean step {fmt(res['off_step_s'])} s; "
                     f"SIGKILL rank {res['kill']['rank']} at {res['kill']['phase']}")
-    for col in ("K", "kill\nstep", "mean\nstep s", "overhead\n[95% CI]", "recovery s\n(median)", "re-\nplayed",
-                "MiB per rank: parity / snapshot\n/ gradient log (% of shard)", "bit-\nwise"):
-        t.add_column(col, justify="right")
+    for col in ("K", "kill\nstep", "mean\nstep s", "overhead\nvs off", "95% CI", "recovery\ns (median)",
+                "steps\nreplayed", "weights\nbitwise"):
+        t.add_column(col, justify="right", no_wrap=col == "95% CI")
+    m = Table(title="memory per rank, MiB (fraction of the protected optimizer shard)")
+    for col in ("K", "protected", "parity", "snapshot", "gradient log", "total"):
+        m.add_column(col, justify="right")
     for k in map(str, res["ks"]):
-        ci = res["overhead_ci95"][k]
+        ci, mem = res["overhead_ci95"][k], res["memory"][k]
         t.add_row(k, str(res["kill"]["step"][k]), fmt(res["mean_step_s"][k]),
-                  f"{res['overhead'][k]:+.1%}\n[{ci[0]:+.1%}, {ci[1]:+.1%}]", f"{res['recovery_s'][k]:.2f}",
-                  str(res["steps_replayed"][k]), _mem_cell(res["memory"][k]),
-                  "[green]yes[/]" if res["bitwise"][k] else "[red]NO[/]")
-    return t
+                  f"{res['overhead'][k]:+.1%}", f"[{ci[0]:+.0%}, {ci[1]:+.0%}]", f"{res['recovery_s'][k]:.2f}",
+                  str(res["steps_replayed"][k]), "[green]yes[/]" if res["bitwise"][k] else "[red]NO[/]")
+        m.add_row(k, "-" if mem is None else f"{mem['protected'] / 2**20:.1f}",
+                  *(_mem_cell(mem, p) for p in (*MEMORY_PARTS, "total")))
+    return Group(t, m)
 
 
 def plot(res: dict, path: str | Path) -> None:
