@@ -42,12 +42,20 @@ def test_user_script_example_survives_a_kill(tmp_path):
     (["--strategy", "zero9"], "strategy must be one of"),
     (["--inject", "sigkill:rank=9,step=2"], "names rank 9"),
     (["--inject", "explode:rank=1"], "unknown fault kind"),
+    (["--protect-every", "0"], "protect_every must be an integer >= 1 or 'auto'"),
+    (["--protect-every", "often"], "--protect-every must be an integer >= 1 or 'auto'"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, needle):
     p = run_cli(tmp_path / "r", *args)
     assert p.returncode == 2
     assert needle in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "r" / "events.jsonl").exists()
+
+
+def test_a_gradient_log_that_cannot_fit_names_the_largest_k(tmp_path):
+    p = run_cli(tmp_path / "r", *SMALL, "--protect-every", "100000000")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "gradient log" in p.stderr and "use --protect-every" in p.stderr
 
 
 @pytest.mark.parametrize("text,needle", [

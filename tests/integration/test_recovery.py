@@ -173,3 +173,15 @@ def test_without_shadows_a_cold_process_takes_over(tmp_path, reference):
     assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
     assigned = [e for e in events(tmp_path / "run") if e["kind"] == "shadow_assigned"]
     assert [e["fields"]["cold"] for e in assigned] == [True]
+
+
+def test_auto_interval_is_chosen_once_and_kills_stay_bitwise(tmp_path):
+    # "auto" starts at K=8, takes K from the averaged measurements at step 9; kills before
+    # and after the choice (the second new member must adopt the chosen K)
+    args = (*SMALL, "--steps", "14", "--checkpoint-every", "2")
+    plain = run_job(tmp_path / "plain", *args, "--protect-every", "1")
+    got = run_job(tmp_path / "run", *args, "--protect-every", "auto", "--shadows", "2",
+                  "--inject", "sigkill:rank=1,step=6,phase=backward", "--inject", "sigkill:rank=3,step=12,phase=optimizer")
+    assert got["weights_sha256"] == plain["weights_sha256"] and len(got["recoveries"]) == 2
+    [chosen] = [e["fields"] for e in events(tmp_path / "run") if e["kind"] == "protect_every_chosen"]
+    assert chosen["step"] == 9 and 1 <= chosen["protect_every"] <= chosen["max_k"]

@@ -22,7 +22,7 @@ def _finish(name: str, res: dict, table, out: Path) -> None:
 
 def throughput(quick: bool = _QUICK, out: Path = _OUT,
                steps: int = typer.Option(0, "--steps", help="steps per run (default 20, quick 6)")) -> None:
-    """Tokens/s at 1, 2 and 4 ranks, with a plain torchrun + DDP run of the same job beside each."""
+    """Tokens/s at 1, 2 and 4 ranks: unbroken's scaling (the comparison with native PyTorch: bench overhead)."""
     from unbroken.bench import throughput as tp
 
     if steps < 0:
@@ -32,7 +32,7 @@ def throughput(quick: bool = _QUICK, out: Path = _OUT,
 
 
 def protect(quick: bool = _QUICK, out: Path = _OUT) -> None:
-    """Parity encode vs memcpy, per-step overhead of tier 1 (and tier 2), rebuild time, memory overhead."""
+    """Parity encode vs memcpy, rebuild time of one rank, memory overhead (step overhead: bench overhead)."""
     from unbroken.bench import protect as pr
 
     res = pr.measure(quick=quick)

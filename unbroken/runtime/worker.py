@@ -101,7 +101,11 @@ class Trainer:
         if getattr(self, "buckets", None) is not None:
             self.buckets.close()
         cfg = self.cfg
-        slots = gradient_ring_slots(cfg, self.model)
+        try:
+            slots = gradient_ring_slots(cfg, self.model)
+        except ConfigError as e:
+            self.ctx.store.set("abort", str(e))  # not recoverable: the supervisor stops the job (exit 2)
+            raise
         self.tuner = IntervalTuner(mtbf_s=cfg.expected_mtbf_s, max_k=slots)
         self.owned = OwnedState(self.model, strategy=cfg.strategy, rank=rank, world=self.world_size,
                                 group_size=cfg.effective_parity_group if cfg.tier1 else 1,
