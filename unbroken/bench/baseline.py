@@ -34,6 +34,22 @@ def torchrun_command(run_dir: Path, *, nproc: int, port: int, every: int, kills:
     return cmd
 
 
+def run_torchrun(cmd: list[str], env: dict, run_dir: Path, *, timeout_s: float, what: str) -> None:
+    """Run torchrun in its own session, output to run_dir/torchrun.log; reap it (and every worker
+    it started) on timeout or interrupt; RuntimeError with the log's last lines if it failed."""
+    with open(run_dir / "torchrun.log", "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)  # our own session: torchrun and the workers it started
+            proc.wait()
+            raise
+    if rc != 0:
+        tail = (run_dir / "torchrun.log").read_text(errors="replace").strip().splitlines()[-5:]
+        raise RuntimeError(f"{what} exited {rc}; last lines of {run_dir}/torchrun.log: {tail}")
+
+
 def run_baseline(cfg: RunConfig, run_dir: Path, *, every: int, kills: list[tuple[int, int]] = (),
                  timeout_s: float = 900) -> dict:
     """Run the job under torchrun to completion; returns wall_s and the log records."""
@@ -45,18 +61,8 @@ def run_baseline(cfg: RunConfig, run_dir: Path, *, every: int, kills: list[tuple
            "PYTHONUNBUFFERED": "1"}
     cmd = torchrun_command(run_dir, nproc=cfg.world_size, port=free_port(), every=every, kills=list(kills))
     t0 = time.time()
-    with open(run_dir / "torchrun.log", "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)  # our own session: torchrun and the workers it started
-            proc.wait()
-            raise
+    run_torchrun(cmd, env, run_dir, timeout_s=timeout_s, what="torchrun baseline")
     wall = time.time() - t0
-    if rc != 0:
-        tail = (run_dir / "torchrun.log").read_text(errors="replace").strip().splitlines()[-5:]
-        raise RuntimeError(f"torchrun baseline exited {rc}; last lines of {run_dir}/torchrun.log: {tail}")
     return {"wall_s": wall, "t0": t0, "records": read_log(run_dir)}
 
 

@@ -10,7 +10,6 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Iterable
@@ -20,6 +19,7 @@ from rich.console import Console
 from unbroken.config import RunConfig
 from unbroken.events import Event, read_events
 from unbroken.fsutil import atomic_write_json
+from unbroken.provenance import git_commit  # noqa: F401  (re-exported: benchmarks record it)
 
 RESULTS_DIR = Path("bench/results")
 SKIP_STEPS = 2  # the first steps pay for start-up (lazy allocation, the shadow importing torch)
@@ -32,27 +32,6 @@ def machine() -> dict:
     return {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(terse=True), "loadavg": [round(x, 2) for x in os.getloadavg()],
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-
-def git_commit(repo: Path | None = None) -> dict:
-    """{"commit": HEAD sha, "dirty": uncommitted changes?} of the checkout this code runs from.
-
-    Both are None when git is missing or the code is not in a git checkout (an installed wheel).
-    """
-    repo = Path(repo) if repo else Path(__file__).resolve().parents[2]
-
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout if out.returncode == 0 else None
-
-    sha = git("rev-parse", "HEAD")
-    if not sha:
-        return {"commit": None, "dirty": None}
-    status = git("status", "--porcelain")
-    return {"commit": sha.strip(), "dirty": None if status is None else bool(status.strip())}
 
 
 def write_result(name: str, data: dict, out_dir: Path = RESULTS_DIR) -> Path:

@@ -12,12 +12,10 @@ A strategy without a known peer is compared with the ddp peer, and the result sa
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 
-from unbroken.bench.baseline import read_log, torchrun_command
+from unbroken.bench.baseline import read_log, run_torchrun, torchrun_command
 from unbroken.bench.common import free_port
 from unbroken.config import RunConfig
 from unbroken.fsutil import atomic_write_json
@@ -51,18 +49,8 @@ def run_native(cfg: RunConfig, run_dir: Path, *, optimizer: str, timeout_s: floa
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "PYTHONUNBUFFERED": "1"}
     cmd = native_command(run_dir, nproc=cfg.world_size, port=free_port(), optimizer=optimizer)
     t0 = time.time()
-    with open(run_dir / "torchrun.log", "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)  # our own session: torchrun and the workers it started
-            proc.wait()
-            raise
+    run_torchrun(cmd, env, run_dir, timeout_s=timeout_s, what=f"native peer ({optimizer})")
     wall = time.time() - t0
-    if rc != 0:
-        tail = (run_dir / "torchrun.log").read_text(errors="replace").strip().splitlines()[-3:]
-        raise RuntimeError(f"native peer ({optimizer}) exited {rc}; last lines of {run_dir}/torchrun.log: {tail}")
     return {"wall_s": wall, "records": step_records(read_log(run_dir))}
 
 

@@ -8,11 +8,11 @@ on the same seeds (common random numbers), so it stays right if the model change
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from unbroken.fsutil import atomic_write_json
+from unbroken.provenance import git_commit
 from unbroken.sim.cluster import Cluster
 from unbroken.sim.costs import Workload
 from unbroken.sim.errors import SimError, need
@@ -89,24 +89,6 @@ def describe(gpus: int, be: Mapping[str, Any]) -> str:
 
 def overhead_grid(ettr_at: Callable[[float], float]) -> dict[str, float]:
     return {f"{o:g}": round(ettr_at(o), 6) for o in OVERHEAD_GRID}
-
-
-def git_commit(repo: Path | None = None) -> dict[str, Any]:
-    """{"commit": HEAD sha, "dirty": uncommitted changes?} of this checkout; None outside a git checkout."""
-    repo = Path(repo) if repo else Path(__file__).resolve().parents[2]
-
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout if out.returncode == 0 else None
-
-    sha = git("rev-parse", "HEAD")
-    if not sha:
-        return {"commit": None, "dirty": None}
-    status = git("status", "--porcelain")
-    return {"commit": sha.strip(), "dirty": None if status is None else bool(status.strip())}
 
 
 def write_document(path: Path, doc: dict[str, Any]) -> None:
