@@ -16,68 +16,64 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from unbroken.comm.group import Pending
+from unbroken.comm.group import CollectiveError, Pending
 from unbroken.protect.tier1 import CorruptParity
 from unbroken.protect.txn import StepScalars, UnrecoverableChunk
 from unbroken.runtime import membership
+from unbroken.runtime.state import RecoveryInputs
 
-if TYPE_CHECKING:
-    from unbroken.runtime.worker import Trainer
 
 
 class RecoveryFailed(RuntimeError):
     """Neither tier 1 nor tier 2 can restore the job's state."""
 
 
-def recover(tr: "Trainer", *, new_member: bool) -> None:
+def recover(tr: RecoveryInputs, *, new_member: bool) -> None:
     """Bring this process into the newest generation with state at an agreed version."""
-    from unbroken.comm.group import CollectiveError
-
     ctx = tr.ctx
     ctx.set_phase("recovery")
     while True:  # a failure during recovery (or a newer generation) moves everyone on
         try:
             t0 = time.time()
-            tr._join(membership.wait_newer_generation(ctx.store, tr.gen.gen if tr.gen else -1,
+            tr.join(membership.wait_newer_generation(ctx.store, tr.gen.gen if tr.gen else -1,
                                                       tr.cfg.collective_timeout_s, tr.watch))
             if tr.gen.members.get(tr.rank) != ctx.proc:
                 raise RecoveryFailed(f"{ctx.proc} is no longer rank {tr.rank} in generation {tr.gen.gen}")
             _phase(tr, "regroup", t0)
-            if tr.has_state:
-                tr._point("recovery", tr.step_count + 1)
-            tr.deferred = None  # a decode deferred by an earlier generation is void now
-            _rebuild(tr, new_member=not tr.has_state)
-            if tr.deferred is None:
-                tr.has_state = True
+            if tr.st.has_state:
+                tr.point("recovery", tr.st.step_count + 1)
+            tr.st.deferred = None  # a decode deferred by an earlier generation is void now
+            _rebuild(tr, new_member=not tr.st.has_state)
+            if tr.st.deferred is None:
+                tr.st.has_state = True
             # else: a new member gets its state in finish_deferred_decode (first step)
             return
         except CollectiveError as e:
             ctx.set_phase("recovery")
-            tr._report_collective_error(tr.step_count + 1, e)
+            tr.report(tr.st.step_count + 1, e)
 
 
-def reporter(tr: "Trainer") -> bool:
+def reporter(tr: RecoveryInputs) -> bool:
     """One member reports the recovery's phases: the lowest-ranked survivor (the lowest rank
     when every member is new)."""
     kept = [r for r in tr.gen.members if r not in tr.gen.replaced]
     return tr.rank == min(kept or tr.gen.members)
 
 
-def _phase(tr: "Trainer", name: str, start: float) -> None:
+def _phase(tr: RecoveryInputs, name: str, start: float) -> None:
     if reporter(tr):
-        tr.ctx.events.emit("recovery_phase", phase=name, start=start, end=time.time(), step=tr.step_count + 1)
+        tr.ctx.events.emit("recovery_phase", phase=name, start=start, end=time.time(), step=tr.st.step_count + 1)
 
 
-def _status(tr: "Trainer", new_member: bool) -> dict:
+def _status(tr: RecoveryInputs, new_member: bool) -> dict:
     """What this member tells the others at the start of a recovery."""
     owned = tr.owned
-    mine = {"rank": tr.rank, "new": new_member, "committed": tr.step_count, "grads_step": tr.grads_step,
-            "local_step": tr.local_step, "parity_ver": None, "snap_ver": None, "next_parity": None,
+    mine = {"rank": tr.rank, "new": new_member, "committed": tr.st.step_count, "grads_step": tr.st.grads_step,
+            "local_step": tr.st.local_step, "parity_ver": None, "snap_ver": None, "next_parity": None,
             "log_from": None, "history": []}
     if not new_member:
         mine.update(parity_ver=owned.txn.parity_ver.tolist(), snap_ver=owned.txn.snap_ver,
@@ -87,9 +83,9 @@ def _status(tr: "Trainer", new_member: bool) -> dict:
     return mine
 
 
-def _rebuild(tr: "Trainer", new_member: bool) -> None:
+def _rebuild(tr: RecoveryInputs, new_member: bool) -> None:
     t0 = time.time()
-    tr.parity_rebuilt = None
+    tr.st.parity_rebuilt = None
     owned, comm = tr.owned, tr.comm
     status = comm.allgather_object(_status(tr, new_member), what="recovery status")
     survivors = [s for s in status if not s["new"]]
@@ -104,10 +100,10 @@ def _rebuild(tr: "Trainer", new_member: bool) -> None:
     if holders:
         grads = owned.flat.use_grads_of(target)
         comm.broadcast(grads, src=min(holders), what="gradient hand-off")
-        tr.grads_step = target
-        tr.scalars = tr.optim.scalars(target, float(torch.linalg.vector_norm(grads[:owned.flat.n_pad])))
-        owned.txn.record(tr.scalars)
-        tr.last_loss = float(grads[-1])
+        tr.st.grads_step = target
+        tr.st.scalars = tr.optim.scalars(target, float(torch.linalg.vector_norm(grads[:owned.flat.n_pad])))
+        owned.txn.record(tr.st.scalars)
+        tr.st.last_loss = float(grads[-1])
     src = min(s["rank"] for s in survivors)
     if owned.sharded and owned.tier1 is not None:
         path = _rebuild_sharded(tr, status, new_ranks, target, src, redo=not holders)
@@ -116,25 +112,25 @@ def _rebuild(tr: "Trainer", new_member: bool) -> None:
     _phase(tr, "rebuild", t0)
     if path == "tier2":
         return
-    tr.step_count = target
-    tr.redo_since = time.time()  # the first step completed from here closes the `redo` phase
+    tr.st.step_count = target
+    tr.st.redo_since = time.time()  # the first step completed from here closes the `redo` phase
     if reporter(tr):
         secs = time.time() - t0
         nbytes = owned.state.n_chunks * owned.state.chunk_bytes * len(new_ranks)
         kept = [s["rank"] for s in survivors if s.get("local_step") == target + 1]
         tr.ctx.events.emit("recovered", step=target, steps_lost=max(0, c_max - target),
-                           steps_redone=0 if holders else 1, path=path, parity_rebuilt=tr.parity_rebuilt,
-                           steps_replayed=tr.steps_replayed,
+                           steps_redone=0 if holders else 1, path=path, parity_rebuilt=tr.st.parity_rebuilt,
+                           steps_replayed=tr.st.steps_replayed,
                            # on a redo, survivors that kept their own gradient skip forward/backward
                            recompute_ranks=[] if holders else sorted(set(range(tr.world_size)) - set(kept)),
                            replaced=new_ranks, rebuild_s=round(secs, 4), rebuilt_bytes=nbytes,
                            rebuild_gbps=round(nbytes / secs / 1e9, 3))
 
 
-def _rebuild_replicated(tr: "Trainer", new_member: bool, target: int, src: int) -> str:
+def _rebuild_replicated(tr: RecoveryInputs, new_member: bool, target: int, src: int) -> str:
     owned = tr.owned
-    tr.steps_replayed = 0
-    if not new_member and tr.grads_step == target and target > 0:
+    tr.st.steps_replayed = 0
+    if not new_member and tr.st.grads_step == target and target > 0:
         owned.replay_to(target)
     for name, t in (("parameters", owned.flat.params), ("adam m", owned.m), ("adam v", owned.v)):
         tr.comm.broadcast(t, src=src, what=f"replica hand-off of {name}")
@@ -142,7 +138,7 @@ def _rebuild_replicated(tr: "Trainer", new_member: bool, target: int, src: int) 
     return "replica"
 
 
-def _parity_point(tr: "Trainer", status: list[dict]) -> int | None:
+def _parity_point(tr: RecoveryInputs, status: list[dict]) -> int | None:
     """The version every survivor's parity holds, if it is one version (else None: a parity
     step was interrupted half-way). A survivor whose snapshot is older (it had absorbed every
     window of that step but not finished its all-gather) catches its snapshot up now."""
@@ -150,7 +146,7 @@ def _parity_point(tr: "Trainer", status: list[dict]) -> int | None:
     if len(versions) != 1:
         return None
     p = versions.pop()
-    if tr.has_state and tr.owned.txn.snap_ver != p:
+    if tr.st.has_state and tr.owned.txn.snap_ver != p:
         tr.owned.take_snapshot(p)  # all our chunks are at p: we staged every one of them
     return p
 
@@ -163,10 +159,10 @@ def _log_source(status: list[dict], first: int, last: int) -> int | None:
     return min(ok) if ok else None
 
 
-def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], target: int, src: int,
+def _rebuild_sharded(tr: RecoveryInputs, status: list[dict], new_ranks: list[int], target: int, src: int,
                      redo: bool) -> str:
     owned, k = tr.owned, tr.owned.k
-    tr.steps_replayed = 0
+    tr.st.steps_replayed = 0
     lost_by_group: dict[int, list[int]] = {}
     for r in new_ranks:
         lost_by_group.setdefault(r // k, []).append(r)
@@ -184,7 +180,7 @@ def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], ta
     oldest = point if point is not None else min(v for s in status if not s["new"] for v in s["parity_ver"])
     c_max = max(s["committed"] for s in status if not s["new"])
     log_src = _log_source(status, oldest + 1, c_max)
-    tr.steps_replayed = target - oldest if new_ranks else 0  # steps the lost shard is replayed
+    tr.st.steps_replayed = target - oldest if new_ranks else 0  # steps the lost shard is replayed
     if point is not None and can and redo and log_src is not None:
         return _rebuild_overlapped(tr, status, lost_by_group, target, point, log_src)
     mine_lost = lost_by_group.get(tr.rank // k, [])
@@ -217,14 +213,14 @@ def _rebuild_sharded(tr: "Trainer", status: list[dict], new_ranks: list[int], ta
     if point is None:
         owned.rebuild_parity(tr.group, target)
     owned.commit(tr.comm)
-    tr.parity_rebuilt = "lost rows" if point is not None else "full"
+    tr.st.parity_rebuilt = "lost rows" if point is not None else "full"
     return "tier1"
 
 
 _LOG_TAG = 1 << 28  # point-to-point tags far above any collective sequence number of a generation
 
 
-def _start_log_transfers(tr: "Trainer", status: list[dict], new_ranks: list[int], first: int, last: int,
+def _start_log_transfers(tr: RecoveryInputs, status: list[dict], new_ranks: list[int], first: int, last: int,
                          src: int) -> list:
     """The gradient log a new member needs to replay its shard from the parity point:
     steps first..last of its own slice, sent by `src` (one send per step)."""
@@ -244,7 +240,7 @@ def _start_log_transfers(tr: "Trainer", status: list[dict], new_ranks: list[int]
     return pend
 
 
-def _adopt_log(tr: "Trainer", status: list[dict], src: int, point: int | None) -> None:
+def _adopt_log(tr: RecoveryInputs, status: list[dict], src: int, point: int | None) -> None:
     """A new member takes the survivors' step log (scalars since the parity point) and, when the
     parity is at one version, their parity interval; its ring holds only what it was sent."""
     owned = tr.owned
@@ -258,7 +254,7 @@ def _adopt_log(tr: "Trainer", status: list[dict], src: int, point: int | None) -
     owned.log_from = max(s["committed"] for s in status if not s["new"]) + 1
 
 
-def _rebuild_overlapped(tr: "Trainer", status: list[dict], lost_by_group: dict[int, list[int]], target: int,
+def _rebuild_overlapped(tr: RecoveryInputs, status: list[dict], lost_by_group: dict[int, list[int]], target: int,
                         point: int, log_src: int) -> str:
     """The common case, a failure before the update: nothing changed in step target+1.
 
@@ -286,12 +282,12 @@ def _rebuild_overlapped(tr: "Trainer", status: list[dict], lost_by_group: dict[i
                                           what=f"tier-1 decode of rank {d.lost}")
         if tr.rank == d.lost:
             d.expected = owned.flat.params[owned.lo:owned.hi].clone()
-    tr.deferred = d  # not None: the checksum vote is due (every rank votes, lost member or not)
-    tr.parity_rebuilt = "lost rows"
+    tr.st.deferred = d  # not None: the checksum vote is due (every rank votes, lost member or not)
+    tr.st.parity_rebuilt = "lost rows"
     return "tier1"
 
 
-def _decode_input(tr: "Trainer", status: list[dict], lost: int, *, rows_at: int | None) -> tuple[list, torch.Tensor]:
+def _decode_input(tr: RecoveryInputs, status: list[dict], lost: int, *, rows_at: int | None) -> tuple[list, torch.Tensor]:
     """(parity versions of lost's group, this rank's decode buffer): k-1 slots of the lost
     member's chunks, plus slot k-1 for its parity rows (at version `rows_at`) when given. The
     lost member's own buffer stays zero (the reduce's destination). Raises UnrecoverableChunk."""
@@ -327,9 +323,9 @@ class DeferredDecode:
     expected: torch.Tensor | None = None  # the new member's parameter shard at target (broadcast)
 
 
-def finish_deferred_decode(tr: "Trainer") -> None:
+def finish_deferred_decode(tr: RecoveryInputs) -> None:
     """Complete `_rebuild_overlapped`: the new member installs and replays its state; all vote."""
-    d, tr.deferred = tr.deferred, None
+    d, tr.st.deferred = tr.st.deferred, None
     if d.pending is not None:
         tr.group.finish(d.pending)
     for p in d.transfers:
@@ -338,12 +334,12 @@ def finish_deferred_decode(tr: "Trainer") -> None:
     if not ok:
         _restore_tier2(tr, reason="a tier-1 decoded chunk failed its checksum or its replay (corrupted parity "
                                   "or data)")
-        tr.has_state = True
-        raise RolledBack(f"restored tier-2 checkpoint of step {tr.step_count}")
-    tr.has_state = True
+        tr.st.has_state = True
+        raise RolledBack(f"restored tier-2 checkpoint of step {tr.st.step_count}")
+    tr.st.has_state = True
 
 
-def _install_and_vote(tr: "Trainer", buf: torch.Tensor | None, pv: list | None, lost: int | None,
+def _install_and_vote(tr: RecoveryInputs, buf: torch.Tensor | None, pv: list | None, lost: int | None,
                       *, rows_at: int | None, replay: DeferredDecode | None = None) -> bool:
     """The new member `lost` installs what the decode delivered (its chunks, and its parity
     rows when `rows_at` is given), each chunk checked against its CRC (and, on the deferred
@@ -369,7 +365,7 @@ def _install_and_vote(tr: "Trainer", buf: torch.Tensor | None, pv: list | None, 
     return int(flag) == 0
 
 
-def _restore_tier2(tr: "Trainer", *, reason: str) -> str:
+def _restore_tier2(tr: RecoveryInputs, *, reason: str) -> str:
     from unbroken.protect.tier2 import latest_valid_step, load_checkpoint
 
     owned, cfg = tr.owned, tr.cfg
@@ -393,6 +389,6 @@ def _restore_tier2(tr: "Trainer", *, reason: str) -> str:
     if owned.tier1 is not None:
         owned.rebuild_parity(tr.group, step)
     owned.commit(tr.comm)
-    tr.grads_step = None
-    tr.step_count = step
+    tr.st.grads_step = None
+    tr.st.step_count = step
     return "tier2"

@@ -28,9 +28,10 @@ from unbroken.parallel.strategy import OwnedState
 from unbroken.config import ConfigError
 from unbroken.protect.interval import memory_budget_bytes, ring_slots
 from unbroken.runtime.autok import IntervalTuner
-from unbroken.protect.txn import StepScalars
 from unbroken.runtime import membership
 from unbroken.runtime.context import ProcessContext
+from unbroken.runtime.recovery import RolledBack, finish_deferred_decode, recover, reporter
+from unbroken.runtime.state import RecoveryInputs, TrainState
 from unbroken.runtime.faults import FaultInjector
 
 
@@ -63,18 +64,8 @@ class Trainer:
         self.world_size = cfg.world_size
         self.optim = AdamW(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
                            warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
-        self.step_count = 0
-        self.grads_step: int | None = None  # the step whose averaged gradient flat.grads holds
-        # This rank's own (not yet averaged) gradient, kept until its all-reduce succeeds: when a
-        # peer dies during the all-reduce, survivors skip forward/backward on the redo and only
-        # the replacement computes its share.
+        self.st = TrainState()  # where training is: the record recovery reads and moves
         self.local_grads: torch.Tensor | None = None  # allocated with the state (_build_state)
-        self.local_step: int | None = None  # the step whose local gradient local_grads holds
-        self.parity_rebuilt: str | None = None  # how the last recovery restored tier-1 parity
-        self.deferred = None  # recovery.DeferredDecode: a recovery's decode still running (its first step ends it)
-        self.steps_replayed = 0  # chunk updates the last recovery replayed from the gradient log
-        self.scalars: StepScalars | None = None
-        self.last_loss = float("nan")
         self.comm: Comm | None = None
         self.group: Comm | None = None
         self.gen: membership.Generation | None = None
@@ -83,7 +74,6 @@ class Trainer:
         self._slow_s = 0.0  # injected straggling (fault kind `slow`): extra seconds per step
         self._waited = 0.0
         self._norms: list[float] = []  # recent gradient norms (spike detection)
-        self.redo_since: float | None = None
         self._t_step = time.perf_counter()
         self._phase_s: dict[str, float] = {}
         self._parity_step = False  # did the last step bring tier-1 parity up to date
@@ -114,15 +104,13 @@ class Trainer:
                                 else int(cfg.protect_every), grad_slots=slots)
         self.buckets = GradBuckets(self.owned.flat, bucket_elems=max(16, self.cfg.bucket_kb * 1024 // 4))
         self.local_grads = torch.empty_like(self.owned.flat.grads)
-        if self.ctx.role == "worker" or self.has_state is not None:
+        if self.ctx.role == "worker" or self.st.has_state is not None:
             self.ctx.phase["rank"] = rank
             self.ctx.events.rank = rank
         self.ckpt = self._make_checkpoint_writer()
 
     def _start_as_worker(self, rank: int) -> None:
-        from unbroken.runtime.recovery import recover
-
-        self.has_state = True
+        self.st.has_state = True
         self._build_state(rank)
         self._join(membership.read_generation(self.ctx.store, 0, self.cfg.collective_timeout_s))
         self.ctx.set_phase("build", 0)
@@ -143,7 +131,7 @@ class Trainer:
                                      protected_bytes=self.owned.state.n_chunks * self.owned.state.chunk_bytes)
         except CollectiveError as e:
             self.ctx.events.emit("collective_error", step=0, phase="build", error=str(e)[:300])
-            recover(self, new_member=False)
+            recover(self._recovery_inputs(), new_member=False)
         self._maybe_checkpoint(0)
 
     def _check_layout(self) -> None:
@@ -162,19 +150,30 @@ class Trainer:
         from unbroken.runtime.shadow import wait_for_assignment
 
         # Touch the flat buffers now so that taking over costs only the state transfer.
-        self.has_state = None  # not yet a member: build buffers without claiming a rank
+        self.st.has_state = None  # not yet a member: build buffers without claiming a rank
         self._build_state(0)
-        self.has_state = False
+        self.st.has_state = False
         rank, gen = wait_for_assignment(self.ctx)
         self._build_state(rank)
         self.gen = None
         self.ctx.set_phase("shadow", 0)
         self._point("shadow")
-        from unbroken.runtime.recovery import recover
-
         # Join the newest generation, not necessarily the one that assigned us: a second
         # failure may already have superseded it.
-        recover(self, new_member=True)
+        recover(self._recovery_inputs(), new_member=True)
+
+    @property
+    def step_count(self) -> int:
+        """The last committed step (steps continue across recoveries)."""
+        return self.st.step_count
+
+    def _recovery_inputs(self) -> RecoveryInputs:
+        """What recovery needs, explicitly: it never sees the Trainer itself."""
+        return RecoveryInputs(ctx=self.ctx, cfg=self.cfg, st=self.st, owned=self.owned, optim=self.optim,
+                              tuner=self.tuner, ckpt=self.ckpt, watch=self.watch, rank=self.rank,
+                              world_size=self.world_size, join=self._join,
+                              groups=lambda: (self.comm, self.group, self.gen), point=self._point,
+                              report=self._report_collective_error)
 
     def _join(self, gen: membership.Generation) -> None:
         """Build this generation's groups over PrefixStore(f"gen{g}/...")."""
@@ -205,8 +204,8 @@ class Trainer:
     def steps(self, total: int | None = None):
         """Yield the next step number until `total` (default: config.steps) steps are done."""
         total = total or self.cfg.steps
-        while self.step_count < total:
-            yield self.step_count + 1
+        while self.st.step_count < total:
+            yield self.st.step_count + 1
 
     def step(self, closure: Callable[[], torch.Tensor]) -> float | None:
         """Run step `step_count + 1`: closure() returns the loss; returns the mean loss.
@@ -214,25 +213,23 @@ class Trainer:
         Returns None if a recovery rolled the job back further (the loop's next step
         number tells where it resumes).
         """
-        from unbroken.runtime.recovery import RolledBack, recover
-
-        t = self.step_count + 1
+        t = self.st.step_count + 1
         while True:
             try:
                 self._attempt(t, closure)
-                return self.last_loss
+                return self.st.last_loss
             except NumericsFault as e:
-                self.local_step = None  # the bad gradient is recomputed, never reused
+                self.st.local_step = None  # the bad gradient is recomputed, never reused
                 self.ctx.events.emit("numerics", step=t, what=str(e), action="redo step from protected state")
             except CollectiveError as e:
                 self._report_collective_error(t, e)
-                recover(self, new_member=False)
-                if self.step_count >= t:
-                    return self.last_loss
-                if self.step_count < t - 1:
+                recover(self._recovery_inputs(), new_member=False)
+                if self.st.step_count >= t:
+                    return self.st.last_loss
+                if self.st.step_count < t - 1:
                     return None
             except RolledBack:
-                if self.step_count < t - 1:
+                if self.st.step_count < t - 1:
                     return None
 
     def _report_collective_error(self, step: int, e: Exception) -> None:
@@ -251,22 +248,20 @@ class Trainer:
         t0 = time.perf_counter()
         grads = flat.use_grads_of(t)
         overlapped = False
-        if self.local_step == t:
+        if self.st.local_step == t:
             # Our gradient of step t survived the failed all-reduce (parameters are unchanged
             # since: the step was never applied), so only the replacement computes its share.
             grads.copy_(self.local_grads)
         else:
             # a pending decode votes on the world group first: then no bucket may be issued before it
-            overlapped = self.deferred is None
+            overlapped = self.st.deferred is None
             self._compute_local_gradient(t, closure, overlap=overlapped)
-        if self.deferred is not None:
-            from unbroken.runtime.recovery import finish_deferred_decode
-
-            finish_deferred_decode(self)
+        if self.st.deferred is not None:
+            finish_deferred_decode(self._recovery_inputs())
         ctx.set_phase("allreduce")
         self._point("allreduce", t)
         t1 = time.perf_counter()
-        self.grads_step = None
+        self.st.grads_step = None
         if overlapped:
             self.buckets.finish()
         else:
@@ -275,12 +270,12 @@ class Trainer:
         norm = float(torch.linalg.vector_norm(flat.grads[:flat.n_pad]))
         self._check_numerics(t, float(flat.grads[-1]), norm)
         self._maybe_choose_interval(t)
-        self.grads_step = t
-        self.scalars = self.optim.scalars(t, norm)
+        self.st.grads_step = t
+        self.st.scalars = self.optim.scalars(t, norm)
         ctx.set_phase("optimizer")
         t2 = time.perf_counter()
         parity = self.owned.parity_due(t)
-        self.owned.update(self.scalars, self.group, lambda phase, c: self._point(phase, t, c), parity=parity)
+        self.owned.update(self.st.scalars, self.group, lambda phase, c: self._point(phase, t, c), parity=parity)
         ctx.set_phase("allgather")
         self._point("allgather", t)
         t3 = time.perf_counter()
@@ -316,10 +311,10 @@ class Trainer:
                 flat.grads[0] = float("nan")
             self.local_grads.copy_(flat.grads)
         self._nan_pending = False
-        self.local_step = t
+        self.st.local_step = t
 
     def _finish_step(self, t: int, loss: float) -> None:
-        self.step_count, self.last_loss = t, loss
+        self.st.step_count, self.st.last_loss = t, loss
         now = time.perf_counter()
         step_s, self._t_step = now - self._t_step, now
         tokens = self.world_size * self.cfg.batch_size * self.cfg.model.seq_len
@@ -332,12 +327,10 @@ class Trainer:
         self._phase_s = {}
         self.ctx.events.emit("step", step=t, loss=round(loss, 6), step_s=round(step_s, 4),
                              wait_s=round(wait_s, 4), tokens=tokens, parity=self._parity_step, **parts)
-        if self.redo_since is not None:
-            from unbroken.runtime.recovery import reporter
-
-            if reporter(self):
-                self.ctx.events.emit("recovery_phase", phase="redo", start=self.redo_since, end=time.time(), step=t)
-            self.redo_since = None
+        if self.st.redo_since is not None:
+            if reporter(self._recovery_inputs()):
+                self.ctx.events.emit("recovery_phase", phase="redo", start=self.st.redo_since, end=time.time(), step=t)
+            self.st.redo_since = None
         if self.rank == 0:
             membership.put(self.ctx.store, "progress",
                            {"step": t, "loss": loss, "step_s": step_s, "tokens_per_s": tokens / max(step_s, 1e-9)})
@@ -376,7 +369,7 @@ class Trainer:
 
     # --- faults and checkpoints ------------------------------------------------------------
     def _point(self, phase: str, step: int | None = None, chunk: int = 0) -> None:
-        spec = self.ctx.faults.due(phase, rank=self.rank, step=self.step_count + 1 if step is None else step,
+        spec = self.ctx.faults.due(phase, rank=self.rank, step=self.st.step_count + 1 if step is None else step,
                                    chunk=chunk)
         if spec is None:
             return
@@ -420,7 +413,7 @@ class Trainer:
 
     def finish(self) -> str:
         """Write the final weights (rank 0, atomically, with checksum); returns their sha256."""
-        self.ctx.set_phase("done", self.step_count)
+        self.ctx.set_phase("done", self.st.step_count)
         if self.ckpt is not None:
             self.ckpt.close(timeout=self.cfg.collective_timeout_s)
         digest = self.weights_sha256()
@@ -429,6 +422,6 @@ class Trainer:
             torch.save({k: v.detach().clone() for k, v in self.model.state_dict().items()}, buf)
             atomic_write_bytes(self.ctx.run_dir / "weights.pt", buf.getvalue())
             atomic_write_bytes(self.ctx.run_dir / "weights.sha256", f"{digest}  parameters\n".encode())
-        self.ctx.events.emit("worker_done", steps=self.step_count, weights_sha256=digest)
-        membership.put(self.ctx.store, f"done/{self.rank}", {"sha256": digest, "steps": self.step_count})
+        self.ctx.events.emit("worker_done", steps=self.st.step_count, weights_sha256=digest)
+        membership.put(self.ctx.store, f"done/{self.rank}", {"sha256": digest, "steps": self.st.step_count})
         return digest
