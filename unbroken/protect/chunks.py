@@ -52,9 +52,6 @@ class ChunkedState:
         for i, w in enumerate(self.words):
             w[sl].copy_(src[i * e:(i + 1) * e])
 
-    def empty_chunk(self) -> torch.Tensor:
-        return torch.zeros(self.chunk_shape, dtype=torch.int32)
-
     def crc(self, c: int) -> int:
         """CRC-32C of chunk c's data, as a signed int32 value (the hardware CRC instruction:
         ~25 GB/s here, 6x zlib's CRC-32; it runs on every chunk of every step)."""
@@ -66,14 +63,6 @@ class ChunkedState:
     @staticmethod
     def crc_of_packed(buf: torch.Tensor, data_words: int) -> int:
         return _signed(google_crc32c.value(buf[:data_words].numpy()))
-
-    def xor_into(self, c: int, old: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out[:data_words] = chunk c's current words XOR `old` (a packed chunk): one pass."""
-        sl, e = self._sl(c), self.chunk_elems
-        for i, w in enumerate(self.words):
-            torch.bitwise_xor(w[sl], old[i * e:(i + 1) * e], out=out[i * e:(i + 1) * e])
-        return out
-
 
     def xor_with(self, c: int, other: "ChunkedState", out: torch.Tensor) -> torch.Tensor:
         """out[:data_words] = chunk c here XOR chunk c of `other` (same layout): one pass, no packing."""

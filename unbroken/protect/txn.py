@@ -41,7 +41,6 @@ class TxnLog:
         self.chunk_ver = np.zeros(n_chunks, dtype=np.int64)
         self.parity_ver = np.full(n_parity, -1, dtype=np.int64)  # -1: parity not built yet
         self.snap_ver = 0  # the version every chunk of the snapshot holds
-        self.scalars: StepScalars | None = None
         self.history: dict[int, StepScalars] = {}  # scalars of every step after snap_ver
 
     # --- the step's lifecycle ----------------------------------------------------------
@@ -52,7 +51,6 @@ class TxnLog:
         self.record(scalars)
 
     def record(self, scalars: StepScalars) -> None:
-        self.scalars = scalars
         self.history[scalars.step] = scalars
 
     def commit_chunk(self, c: int, step: int) -> None:
