@@ -43,6 +43,10 @@ KINDS: dict[str, str] = {
     "collective_error": "step, phase, error (a worker saw its group fail)",
     "worker_done": "steps, weights_sha256",
     "tier2_restore": "step, reason",
+    "node_lost": "node, lease_age_s, ranks (a node's lease expired: its supervisor and processes are gone or frozen)",
+    "software_fault": "proc, step, error, fingerprint, occurrences (the same exception at the same step again: not retried)",
+    "shadow_pool": "node, size, reason (the per-node standby pool was resized)",
+    "nonfinite": "step, tensor, attempts, action (skip|stop: non-finite gradients persisted past the retry bound)",
 }
 
 

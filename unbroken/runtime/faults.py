@@ -3,8 +3,10 @@
 Kinds: sigkill (crash), sigstop (hang), exception (Python error), nan (poisoned gradient),
 bitflip (silent corruption of this rank's tier-1 parity chunk `chunk`), slow (from this
 step on the rank spends `ms` extra milliseconds per step: a straggler), linkdrop (every
-gloo connection of this rank is shut down, the process lives on: a broken link).
-Phases: forward, backward, allreduce, optimizer (before chunk `chunk`), midchunk (inside
+gloo connection of this rank is shut down, the process lives on: a broken link), collerr
+(this rank alone sees its collective fail after its peers completed it: at phase `reduced`,
+the rank discards the averaged gradient it just received and raises CollectiveError).
+Phases: forward, backward, allreduce, reduced (the gradient all-reduce just completed), optimizer (before chunk `chunk`), midchunk (inside
 chunk `chunk`, parameters updated but not yet the Adam moments), parity (delta of window
 `chunk`), allgather, checkpoint, recovery (a survivor, during a recovery), shadow (the
 shadow chosen for `rank`, right after assignment), build (initial parity build).
@@ -17,8 +19,8 @@ import random
 import signal
 from dataclasses import dataclass
 
-KINDS = ("sigkill", "sigstop", "exception", "nan", "bitflip", "slow", "linkdrop")
-PHASES = ("forward", "backward", "allreduce", "optimizer", "midchunk", "parity", "allgather",
+KINDS = ("sigkill", "sigstop", "exception", "nan", "bitflip", "slow", "linkdrop", "collerr")
+PHASES = ("forward", "backward", "allreduce", "reduced", "optimizer", "midchunk", "parity", "allgather",
           "checkpoint", "recovery", "shadow", "build")
 
 

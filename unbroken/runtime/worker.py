@@ -266,6 +266,7 @@ class Trainer:
             self.buckets.finish()
         else:
             self.buckets.issue_all(self.comm, grads, what=f"gradient all-reduce step {t}")
+        self._point("reduced", t)
         flat.grads.div_(self.world_size)
         norm = float(torch.linalg.vector_norm(flat.grads[:flat.n_pad]))
         self._check_numerics(t, float(flat.grads[-1]), norm)
@@ -382,6 +383,8 @@ class Trainer:
             self.comm.drop_links()  # every connection of this rank breaks; the process lives on
             if self.group is not self.comm:
                 self.group.drop_links()
+        elif spec.kind == "collerr":  # as if our wait had failed: peers completed, we did not
+            raise CollectiveError(f"injected: rank {self.rank}'s collective failed after its peers completed it")
         elif spec.kind == "bitflip":
             if self.owned.tier1 is not None:
                 self.owned.tier1.parity[chunk % self.owned.layout.n_windows][0] ^= 1
