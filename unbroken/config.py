@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 STRATEGIES = ("zero1", "ddp")
+NONFINITE_POLICIES = ("stop", "skip")
 
 
 class ConfigError(ValueError):
@@ -65,7 +66,17 @@ class RunConfig:
     bucket_kb: int = 25600  # gradient all-reduce bucket, issued while backward runs (as torch DDP: 25 MB)
     checkpoint_every: int = 50  # tier 2 (two losses in a parity group, a corrupted parity); 0 = off
     checkpoint_keep: int = 2
-    shadows: int = 1
+    shadows: int | str = 1  # pre-started shadows per node, or "auto" (sized from the failure rate)
+    max_shadows: int = 4  # the most "auto" keeps per node
+    # Retries: at most `retry_budget` generations for one incident (until a step completes),
+    # and at most `max_recoveries_per_hour` recoveries in any hour of the job (0 = no limit).
+    retry_budget: int = 8
+    max_recoveries_per_hour: int = 60
+    # A step whose averaged gradient stays non-finite after `nonfinite_retries` redos:
+    # "stop" the job naming the step and tensor, or "skip" the step (no update applied).
+    on_nonfinite: str = "stop"
+    nonfinite_retries: int = 2
+    node_lease_s: float = 3.0  # a node whose supervisor has not renewed its lease for this long is lost
     heartbeat_s: float = 0.1
     hang_timeout_s: float = 5.0
     collective_timeout_s: float = 60.0
@@ -104,7 +115,23 @@ class RunConfig:
               f"bucket_kb must be an integer >= 1, got {self.bucket_kb!r}; e.g. bucket_kb = 1024")
         _need(self.checkpoint_every >= 0, f"checkpoint_every must be >= 0 (0 = off), got {self.checkpoint_every!r}")
         _need(self.checkpoint_keep >= 1, f"checkpoint_keep must be >= 1, got {self.checkpoint_keep!r}")
-        _need(self.shadows >= 0, f"shadows must be >= 0, got {self.shadows!r}")
+        _need(self.shadows == "auto" or (isinstance(self.shadows, int) and not isinstance(self.shadows, bool)
+                                         and self.shadows >= 0),
+              f"shadows must be an integer >= 0 or 'auto', got {self.shadows!r}; e.g. --shadows 1")
+        _need(isinstance(self.max_shadows, int) and self.max_shadows >= 1,
+              f"max_shadows must be an integer >= 1, got {self.max_shadows!r}")
+        _need(isinstance(self.retry_budget, int) and self.retry_budget >= 1,
+              f"retry_budget must be an integer >= 1 (attempts per incident), got {self.retry_budget!r}; "
+              "e.g. --retry-budget 8")
+        _need(isinstance(self.max_recoveries_per_hour, int) and self.max_recoveries_per_hour >= 0,
+              f"max_recoveries_per_hour must be an integer >= 0 (0 = no limit), got {self.max_recoveries_per_hour!r}")
+        _need(self.on_nonfinite in NONFINITE_POLICIES,
+              f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {self.on_nonfinite!r}; "
+              "e.g. --on-nonfinite skip")
+        _need(isinstance(self.nonfinite_retries, int) and self.nonfinite_retries >= 0,
+              f"nonfinite_retries must be an integer >= 0, got {self.nonfinite_retries!r}")
+        _need(self.node_lease_s >= 5 * self.heartbeat_s,
+              f"node_lease_s ({self.node_lease_s}) must be at least 5 heartbeats ({5 * self.heartbeat_s})")
         _need(self.heartbeat_s > 0, f"heartbeat_s must be > 0, got {self.heartbeat_s!r}")
         _need(self.hang_timeout_s >= 3 * self.heartbeat_s,
               f"hang_timeout_s ({self.hang_timeout_s}) must be at least 3 heartbeats ({3 * self.heartbeat_s})")
@@ -116,6 +143,11 @@ class RunConfig:
         _need(self.threads >= 1, f"threads must be >= 1, got {self.threads!r}")
         if isinstance(self.model, dict):  # from JSON/TOML
             object.__setattr__(self, "model", ModelConfig(**_known(ModelConfig, self.model, "model.")))
+
+    @property
+    def shadow_pool_max(self) -> int:
+        """The most shadows a node may keep (the memory budget counts them)."""
+        return self.max_shadows if self.shadows == "auto" else self.shadows
 
     @property
     def effective_parity_group(self) -> int:

@@ -15,7 +15,7 @@ from unbroken.detect.detectors import FAULTS, Finding
 CLASSES = ("operable", "replace")
 ACTIONS = ("in_place", "exclude_node", "tier2", "none")
 # Faults that are a property of the node, not of one unlucky moment: replace on the first one.
-ALWAYS_REPLACE = ("straggler", "health")
+ALWAYS_REPLACE = ("straggler", "health", "node_lost")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +154,8 @@ def classify(finding: Finding, offenders: OffenderTable, *, can_exclude: bool = 
 
 def _replace_reason(f: Finding) -> str:
     ev = f.evidence
+    if f.fault == "node_lost":
+        return f"node lost: {ev.get('why', 'its lease expired')}; its ranks are replaced on other nodes"
     if f.fault == "straggler":
         return (f"persistent straggler: {ev.get('ratio')}x the peers' median step time for "
                 f"{ev.get('windows')} windows of {ev.get('window_steps')} steps")

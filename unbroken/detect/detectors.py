@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from unbroken.detect.signals import Heartbeat, HostSignals, ProbeResult
 
-FAULTS = ("crash", "hang", "exception", "numerics", "straggler", "stall", "health")
+FAULTS = ("crash", "hang", "exception", "numerics", "straggler", "stall", "health", "node_lost")
 COLLECTIVE_PHASES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "collective")
 IDLE_PHASES = ("standby", "done")
 # Kernel process states that mean "will not run": stopped / traced.

@@ -33,10 +33,12 @@ class AdamW:
         frac = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
         return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
-    def scalars(self, step: int, grad_norm: float) -> StepScalars:
-        """Global scalars from the norm of the full (replicated, averaged) gradient."""
-        norm = grad_norm
-        clip = 1.0 if self.grad_clip <= 0 else min(1.0, self.grad_clip / (norm + 1e-6))
+    def scalars(self, step: int, grad_norm: float, loss: float = 0.0) -> StepScalars:
+        """Global scalars from the norm of the full (replicated, averaged) gradient. A non-finite
+        norm or loss reaches here only when the step is to be skipped (runtime's on_nonfinite)."""
+        if not (math.isfinite(grad_norm) and math.isfinite(loss)):
+            return StepScalars(step=step, lr=self.lr_at(step), clip_coef=0.0, skip=True)
+        clip = 1.0 if self.grad_clip <= 0 else min(1.0, self.grad_clip / (grad_norm + 1e-6))
         return StepScalars(step=step, lr=self.lr_at(step), clip_coef=clip)
 
     def apply(self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: StepScalars,
@@ -45,6 +47,8 @@ class AdamW:
 
         The clip coefficient is folded into the moment updates' scalars (no scaled copy of
         the gradient); the denominator is torch's: sqrt(v) / sqrt(bc2) + eps."""
+        if s.skip:
+            return
         c = s.clip_coef
         p.mul_(1.0 - s.lr * self.weight_decay)
         m.mul_(self.beta1).add_(g, alpha=(1.0 - self.beta1) * c)

@@ -3,8 +3,8 @@
 The model's parameters become views into `params`, so updating a shard of the flat
 buffer updates the model. Gradients are copied into `grads` after backward (autograd
 may replace a .grad tensor, so we never rely on aliasing it); `grads[-1]` carries the
-local loss and `grads[aux]` a few runtime measurements, so that one all-reduce also
-averages them.
+local loss, `grads[aux]` a few runtime measurements and `grads[vote]` this rank's
+non-finite retry vote, so that one all-reduce also averages them.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn as nn
 
-AUX_SLOTS = 3  # ride along in the gradient all-reduce (runtime/autok.py's measurements)
+AUX_SLOTS = 4  # ride along in the gradient all-reduce: 3 for runtime/autok.py's measurements, 1 vote
 
 
 def plan_chunks(n: int, world: int, chunk_elems: int, multiple: int) -> tuple[int, int]:
@@ -33,7 +33,9 @@ class FlatModel:
     def __init__(self, model: nn.Module, *, world: int, chunk_elems: int, multiple: int,
                  grad_slots: int = 1) -> None:
         self.model = model
-        self.plist = [p for p in model.parameters() if p.requires_grad]
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.plist = [p for _, p in named]
+        self.names = [name for name, _ in named]
         if not self.plist:
             raise ValueError("the model has no trainable parameters")
         for p in self.plist:
@@ -49,7 +51,8 @@ class FlatModel:
         # shard can be replayed from the last parity point without copying any gradient.
         # layout: [parameters (n_pad) | AUX_SLOTS spare values averaged with them | local loss]
         self._ring = [torch.zeros(self.n_pad + AUX_SLOTS + 1) for _ in range(grad_slots)]
-        self.aux = slice(self.n_pad, self.n_pad + AUX_SLOTS)
+        self.aux = slice(self.n_pad, self.n_pad + AUX_SLOTS - 1)
+        self.vote = self.n_pad + AUX_SLOTS - 1
         self.grads = self._ring[0]
         off = 0
         with torch.no_grad():
@@ -87,6 +90,16 @@ class FlatModel:
             off += k
         self.grads[self.n:self.n_pad].zero_()
         self.grads[-1] = loss
+
+    def first_nonfinite(self, grads: torch.Tensor) -> str | None:
+        """The name of the first parameter whose gradient in `grads` holds NaN/Inf."""
+        off = 0
+        for name, p in zip(self.names, self.plist):
+            k = p.numel()
+            if not bool(torch.isfinite(grads[off:off + k]).all()):
+                return name
+            off += k
+        return None
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard, (rank + 1) * self.shard

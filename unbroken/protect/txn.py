@@ -27,13 +27,14 @@ class StepScalars:
     step: int
     lr: float
     clip_coef: float
+    skip: bool = False  # a step skipped for a non-finite gradient: every chunk keeps its bytes
 
     def to_list(self) -> list:
-        return [self.step, self.lr, self.clip_coef]
+        return [self.step, self.lr, self.clip_coef, self.skip]
 
     @staticmethod
     def from_list(x: list) -> "StepScalars":
-        return StepScalars(step=int(x[0]), lr=float(x[1]), clip_coef=float(x[2]))
+        return StepScalars(step=int(x[0]), lr=float(x[1]), clip_coef=float(x[2]), skip=bool(x[3]) if len(x) > 3 else False)
 
 
 class TxnLog:

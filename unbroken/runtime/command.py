@@ -14,7 +14,7 @@ from unbroken.cli_error import fail
 from unbroken.config import ConfigError, build_config
 from unbroken.runtime.faults import FaultSpec, chaos_schedule
 from unbroken.runtime.run import launch, new_run_dir
-from unbroken.runtime.supervisor import LaunchError, LaunchOptions
+from unbroken.runtime.supervisor import LaunchError, LaunchOptions, SoftwareFault
 
 BUILTIN_JOB = "unbroken.jobs.tiny_gpt"
 
@@ -29,6 +29,16 @@ def _env_int(name: str) -> int | None:
         return int(v)
     except ValueError:
         fail(f"environment variable {name}={v!r} is not an integer")
+
+
+def _int_or_auto(flag: str, text: str | None, example: str) -> int | str | None:
+    """A flag taking an integer or 'auto' (validated again by the config)."""
+    if text is None or text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        fail(f"{flag} must be an integer or 'auto', got {text!r}; e.g. {flag} {example}")
 
 
 def _protect_every(text: str | None) -> int | str | None:
@@ -53,7 +63,15 @@ def run(
     parity_group: Optional[int] = typer.Option(None, "--parity-group"),
     chunk_kb: Optional[int] = typer.Option(None, "--chunk-kb", help="transaction/parity chunk size"),
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="tier-2 checkpoint period (0 = off)"),
-    shadows: Optional[int] = typer.Option(None, "--shadows", help="pre-started shadows per node"),
+    shadows: Optional[str] = typer.Option(None, "--shadows", help="pre-started shadows per node, or auto (sized "
+                                                                  "from the observed failure rate)"),
+    retry_budget: Optional[int] = typer.Option(None, "--retry-budget",
+                                               help="recovery attempts per incident (until a step completes)"),
+    max_recoveries_per_hour: Optional[int] = typer.Option(None, "--max-recoveries-per-hour",
+                                                          help="rate limit over any hour (0 = no limit)"),
+    on_nonfinite: Optional[str] = typer.Option(None, "--on-nonfinite",
+                                               help="a gradient that stays NaN/Inf after the retries: stop "
+                                                    "(default) or skip the step"),
     protect_every: Optional[str] = typer.Option(None, "--protect-every",
                                                 help="bring tier-1 parity up to date every K steps (1 = every step, "
                                                      "or auto)"),
@@ -75,7 +93,9 @@ def run(
                       nnodes=nnodes, node_rank=node_rank, inject=inject, chaos=chaos, progress=not no_progress,
                       overrides=dict(world_size=world_size if world_size is not None else _env_int("WORLD_SIZE"),
                                      steps=steps, seed=seed, batch_size=batch_size, lr=lr, strategy=strategy,
-                                     parity_group=parity_group, chunk_kb=chunk_kb, checkpoint_every=checkpoint_every, shadows=shadows,
+                                     parity_group=parity_group, chunk_kb=chunk_kb, checkpoint_every=checkpoint_every,
+                                     shadows=_int_or_auto("--shadows", shadows, "2"), retry_budget=retry_budget,
+                                     max_recoveries_per_hour=max_recoveries_per_hour, on_nonfinite=on_nonfinite,
                                      protect_every=_protect_every(protect_every),
                                      model_n_layer=n_layer, model_n_embd=n_embd))
     if json_out:
@@ -110,6 +130,9 @@ def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, in
             node_rank=node_rank if node_rank is not None else (_env_int("NODE_RANK") or 0),
             faults=tuple(faults))
         return launch(cfg, opts, progress=progress)
+    except SoftwareFault as e:
+        typer.secho(f"software fault (not retried): {e}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(1)
     except (ConfigError, ValueError, LaunchError) as e:
         fail(str(e))
     except KeyboardInterrupt:

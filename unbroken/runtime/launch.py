@@ -11,6 +11,8 @@ import runpy
 import sys
 import traceback
 
+from unbroken.runtime import crash
+
 
 def main() -> None:
     if len(sys.argv) < 2:
@@ -25,8 +27,9 @@ def main() -> None:
             runpy.run_module(script, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported through the exit status and the log
+    except BaseException as e:  # noqa: BLE001 - reported through the exit status, the log and the store
         traceback.print_exc()
+        crash.record(e)
         code = 1
     # Skip interpreter teardown: gloo groups kept alive on purpose (an old generation may
     # hold a hung op) abort in their destructors, which would turn a clean exit into SIGABRT.

@@ -21,8 +21,10 @@ import torch.distributed as dist
 from unbroken.config import RunConfig
 from unbroken.events import EventLog
 from unbroken.fsutil import atomic_write_json
-from unbroken.runtime import auth, membership
+from unbroken.runtime import auth, lease, membership
+from unbroken.runtime.budget import RecoveryRateExceeded, RecoveryRateLimit
 from unbroken.runtime.faults import FaultSpec
+from unbroken.runtime.pool import ShadowPoolSizer
 from unbroken.runtime.procs import Child, ProcessTable
 from unbroken.runtime.wake import ChildWake
 from unbroken.runtime.watch import Watch
@@ -36,6 +38,11 @@ class LaunchError(RuntimeError):
     """The job cannot start as asked (port in use, join refused, ...)."""
 
 
+class SoftwareFault(RuntimeError):
+    """The training script itself fails (the same exception again, or a worker declared the job
+    unrunnable): retrying cannot help. The message carries the rank's traceback; exit 1."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchOptions:
     script: tuple[str, ...] = ("unbroken.jobs.tiny_gpt",)
@@ -46,7 +53,6 @@ class LaunchOptions:
     nnodes: int = 1
     node_rank: int = 0
     faults: tuple[FaultSpec, ...] = ()
-    max_recoveries: int = 16
 
     def __post_init__(self) -> None:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
@@ -78,7 +84,11 @@ class Supervisor:
         self.table = ProcessTable(self.run_dir, env, list(opts.script))
         self.gen: membership.Generation | None = None
         self.faults_seen = 0
-        self.recoveries = 0
+        self.rate = RecoveryRateLimit(cfg.max_recoveries_per_hour)
+        self.crashes: dict[str, int] = {}  # exception fingerprint -> occurrences (runtime/crash.py)
+        self.leases: lease.NodeLeases | None = None  # the leader's, once every node joined
+        self.pool = ShadowPoolSizer(cfg.max_shadows) if cfg.shadows == "auto" else None
+        self._warm: set[str] = set()  # shadows seen ready (their warm-up measured)
         self.killed: set[str] = set()
         self.shadow_seq = 0
         self.verdicts: dict[int, bool] = {}
@@ -154,13 +164,37 @@ class Supervisor:
         return c
 
     def _replenish(self) -> None:
-        if self.status != "running":
+        """Keep this node's pool full; publish how long our shadows took to become ready."""
+        if self.status not in ("running",) and not self.status.startswith("recovering"):
             return
         standby = [c for c in self.table.children.values()
                    if c.role == "shadow" and not c.taken and c.poll() is None
                    and not self.store.check([f"assign/{c.proc}"])]
-        for _ in range(self.cfg.shadows - len(standby)):
+        for c in standby:
+            if c.proc not in self._warm and self.store.check([f"ready/{c.proc}"]):
+                self._warm.add(c.proc)
+                self.store.set(f"warmup/{self.node}", f"{time.time() - c.started:.3f}")
+        for _ in range(self._pool_size() - len(standby)):
             self._start_shadow()
+
+    def _pool_size(self) -> int:
+        if self.cfg.shadows != "auto":
+            return self.cfg.shadows
+        return int(self.store.get("shadows/size")) if self.store.check(["shadows/size"]) else 1
+
+    def _resize_pool(self, now: float) -> None:
+        """shadows = "auto": a failure may show that failures outpace shadows' warm-up."""
+        if self.pool is None:
+            return
+        for n in range(self.opts.nnodes):
+            if self.store.check([f"warmup/{n}"]):
+                self.pool.warmed_up(float(self.store.get(f"warmup/{n}")))
+        size = self.pool.failure(now)
+        if size is not None:
+            self.store.set("shadows/size", str(size))
+            self.events.emit("shadow_pool", node=None, size=size,
+                             reason=f"failures every ~{self.pool.gap_s():.1f}s, a shadow warms up in "
+                                    f"~{self.pool.warmup_s():.1f}s")
 
     # --- detection -----------------------------------------------------------------
     def _check_exits(self) -> bool:
@@ -231,6 +265,7 @@ class Supervisor:
     def _take_faults(self, now: float) -> None:
         """Read the fault log: a process lost (or to be replaced) starts the next generation;
         members' failed collectives with nobody lost may mean a broken link (_check_link)."""
+        self._check_fatal()
         n = self.store.add("faults/n", 0)
         dead = {}
         while self.faults_seen < n:
@@ -241,9 +276,10 @@ class Supervisor:
             if f["fault"] == "collective_error":
                 if f["gen"] == self.gen.gen:
                     if self._collerr is None or self._collerr["gen"] != f["gen"]:
-                        self._collerr = {**f, "seen": now, "reports": 0}
+                        self._collerr = {**f, "seen": now, "seen_mono": time.monotonic(), "reports": 0}
                     self._collerr["reports"] += 1
                 continue
+            self._judge_crash(f["proc"])
             self.store.set(f"dead/{f['proc']}", "1")
             rank = self._rank_of(f["proc"])
             if rank is not None:
@@ -252,6 +288,33 @@ class Supervisor:
             self._next_generation(dead)
         else:
             self._check_link(now)
+
+    def _check_fatal(self) -> None:
+        """A worker declared the job unrunnable (runtime/crash.declare_fatal): stop, exit 1."""
+        if not self.store.check(["fatal"]):
+            return
+        f = json.loads(self.store.get("fatal"))
+        crash = membership.get(self.store, f"crash/{f['proc']}") or {}
+        self.events.emit("software_fault", proc=f["proc"], step=crash.get("step"), error=f["message"],
+                         fingerprint=crash.get("fingerprint"), occurrences=1)
+        raise SoftwareFault(f"{f['message']}\n{crash.get('traceback', '')}".rstrip())
+
+    def _judge_crash(self, proc: str) -> None:
+        """The same exception (type, message, line, step) a second time is the script's bug:
+        stop with its traceback instead of replacing the rank again."""
+        crash = membership.get(self.store, f"crash/{proc}")
+        if crash is None:
+            return
+        self.store.delete_key(f"crash/{proc}")
+        fp = crash["fingerprint"]
+        self.crashes[fp] = self.crashes.get(fp, 0) + 1
+        if self.crashes[fp] < 2:
+            return
+        self.events.emit("software_fault", proc=proc, step=crash["step"], error=crash["error"], fingerprint=fp,
+                         occurrences=self.crashes[fp])
+        raise SoftwareFault(f"{proc} raised the same exception at step {crash['step']} again "
+                            f"({crash['error']}): a bug in the training script, not retried\n"
+                            f"{crash['traceback']}".rstrip())
 
     def _check_link(self, now: float) -> None:
         """Members' collectives failed but no process died (its exit or a detector would have
@@ -265,6 +328,8 @@ class Supervisor:
             return
         if self.gen.cause == "link" and self._last_step <= self._link_regroup_step:
             return
+        if self.leases is not None and not self.leases.renewed_since(first["seen_mono"]):
+            return  # a node has not shown it is alive since the error: its lease decides (node loss)
         from unbroken.detect import Finding, classify
 
         f = Finding(fault="stall", proc="group", rank=None, node=None, time=now, evidence={
@@ -277,9 +342,12 @@ class Supervisor:
         self._next_generation({}, link={"fault": "stall", "time": now, "occurred": first["time"]})
 
     def _next_generation(self, dead: dict[int, dict], link: dict | None = None) -> None:
-        self.recoveries += 1
-        if self.recoveries > self.opts.max_recoveries:
-            raise LaunchError(f"gave up after {self.opts.max_recoveries} recoveries; see {self.run_dir / 'events.jsonl'}")
+        try:
+            self.rate.admit(time.monotonic())
+        except RecoveryRateExceeded as e:
+            raise LaunchError(f"{e}; see {self.run_dir / 'events.jsonl'}") from None
+        if dead:
+            self._resize_pool(time.monotonic())
         incident = list(dead.values()) or [link]  # the fault records behind this generation
         members = dict(self.gen.members)
         assigned = []
@@ -295,7 +363,8 @@ class Supervisor:
         self.events.gen = gen.gen
         for rank, proc, cold in assigned:
             membership.put(self.store, f"assign/{proc}", {"rank": rank, "gen": gen.gen})
-            self.events.emit("shadow_assigned", proc=proc, rank=rank, gen=gen.gen, cold=cold)
+            self.events.emit("shadow_assigned", proc=proc, rank=rank, gen=gen.gen, cold=cold,
+                             shadow="cold" if cold else "warm")
         t_detect = min(f["time"] for f in incident)
         t_fault = min(f.get("occurred", f["time"]) for f in incident)
         self.events.emit("recovery_phase", phase="detect", start=t_fault, end=t_detect, step=None)
@@ -306,10 +375,11 @@ class Supervisor:
                        else f"recovering from a broken link (generation {gen.gen})")
 
     def _pick_shadow(self, exclude: set[str], prefer: int) -> tuple[str, bool]:
-        """A standby shadow: ready ones first, on the failed rank's node first; else a cold start."""
+        """A standby shadow: ready ones first, on the failed rank's node first; else a cold start.
+        Cold (the second value) = not ready when assigned: the recovery waits for its start-up."""
         candidates = []
         for node in range(self.opts.nnodes):
-            if node != 0 and self.store.check([f"excluded/{node}"]):
+            if node != 0 and (self.store.check([f"excluded/{node}"]) or self._node_lost(node)):
                 continue
             for i in range(self.store.add(f"shadows/{node}/n", 0)):
                 proc = self.store.get(f"shadows/{node}/{i}").decode()
@@ -317,12 +387,15 @@ class Supervisor:
                     continue
                 candidates.append((not self.store.check([f"ready/{proc}"]), node != prefer, proc))
         if candidates:
-            proc = min(candidates)[2]
+            unready, _, proc = min(candidates)
         else:
-            proc = self._start_shadow(cold=True).proc
+            unready, proc = True, self._start_shadow(cold=True).proc
         if proc in self.table.children:
             self.table.children[proc].taken = True
-        return proc, not candidates
+        return proc, unready
+
+    def _node_lost(self, node: int) -> bool:
+        return self.leases is not None and node in self.leases.lost
 
     def _retry_link(self, incident: list[dict]) -> None:
         """Each generation published for one incident is a link of its retry chain."""
@@ -332,12 +405,12 @@ class Supervisor:
             self.events.emit("retry", **self.chain.record(self.attempt, "failed"))
         else:
             fault = ",".join(sorted({f["fault"] for f in incident}))
-            self.chain = RetryChain(RetryPolicy(budget=self.opts.max_recoveries, base_backoff_s=0.0),
+            self.chain = RetryChain(RetryPolicy(budget=self.cfg.retry_budget, base_backoff_s=0.0),
                                     action="in_place", fault=fault)
         self.attempt = self.chain.next_attempt()
         if self.attempt is None:
-            raise LaunchError(f"retry budget exhausted ({self.opts.max_recoveries} attempts) for one incident; "
-                              f"see {self.run_dir / 'events.jsonl'}")
+            raise LaunchError(f"retry budget exhausted ({self.cfg.retry_budget} attempts without completing a "
+                              f"step) for one incident; raise it with --retry-budget; see {self.run_dir / 'events.jsonl'}")
 
     def _retry_done(self) -> None:
         if self.chain is not None and self.attempt is not None:
@@ -355,6 +428,8 @@ class Supervisor:
             self.events.emit("run_start", config=self.cfg.to_dict(), world_size=self.cfg.world_size,
                              nodes=self.opts.nnodes, port=self.port)
             self._wait_for_nodes()
+            if self.opts.nnodes > 1:
+                self.leases = lease.NodeLeases(self.opts.nnodes, self.cfg.node_lease_s)
             members = {r: f"n{r // self.local}-w{r}" for r in range(self.cfg.world_size)}
             self.gen = membership.Generation(0, members, (), "start")
             membership.publish(self.store, self.gen)
@@ -380,7 +455,7 @@ class Supervisor:
             if not self.leader:
                 self.store.set(f"left/{self.node}", "1")
                 return
-            nodes = [n for n, ok in self.verdicts.items() if ok]
+            nodes = [n for n, ok in self.verdicts.items() if ok and not self._node_lost(n)]
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline and not all(self.store.check([f"left/{n}"]) for n in nodes):
                 time.sleep(0.02)
@@ -434,13 +509,46 @@ class Supervisor:
         if self.store.check(["abort"]):
             raise LaunchError(f"the job cannot run: {self.store.get('abort').decode()}")
         if self.leader:
+            self._check_fatal()
             if self._all_done():
                 return True
+            self._check_leases()
             self._progress()
         elif self.status == "excluded" or self.store.check(["shutdown"]):
             return True
+        else:
+            lease.renew(self.store, self.node)
         self._replenish()
         return False
+
+    def _check_leases(self) -> None:
+        """A node whose lease expired is lost: all its ranks are replaced as one incident."""
+        if self.leases is None:
+            return
+        for node, age in self.leases.observe(self.store):
+            self._lose_node(node, age)
+
+    def _lose_node(self, node: int, age_s: float) -> None:
+        from unbroken.detect import Finding, classify
+
+        now = time.time()
+        ranks = sorted(r for r, p in self.gen.members.items() if _node_of(p) == node)
+        f = Finding(fault="node_lost", proc=f"node{node}", rank=None, node=node, time=now,
+                    evidence={"why": f"node {node}'s supervisor has not renewed its lease for {age_s:.1f}s "
+                                     f"(node_lease_s={self.cfg.node_lease_s})", "ranks": ranks,
+                              "lease_age_s": round(age_s, 3)})
+        d = classify(f, self.watch.offenders, can_exclude=True)
+        self.events.emit("fault_detected", **f.event_fields())
+        self.events.emit("fault_classified", **d.event_fields())
+        self.events.emit("node_lost", node=node, lease_age_s=round(age_s, 3), ranks=ranks)
+        self.store.set(f"excluded/{node}", "1")  # if it comes back, it stops its processes and leaves
+        dead = {}
+        for r in ranks:
+            proc = self.gen.members[r]
+            self.store.set(f"dead/{proc}", "1")
+            dead[r] = {"proc": proc, "fault": "node_lost", "time": now, "occurred": now - age_s, "node": node}
+        if dead:
+            self._next_generation(dead)
 
     def _progress(self) -> None:
         info = membership.get(self.store, "progress") or {}
@@ -458,6 +566,11 @@ class Supervisor:
         while time.time() < deadline and any(c.poll() is None for c in workers):
             time.sleep(0.02)
         self.table.stop_all(grace_s=2.0)
+
+
+def _node_of(proc: str) -> int:
+    """Process names are n{node}-w{rank} (workers) and n{node}-s{i} (shadows)."""
+    return int(proc[1:proc.index("-")])
 
 
 def install_signal_handlers() -> None:

@@ -28,7 +28,7 @@ from unbroken.parallel.strategy import OwnedState
 from unbroken.config import ConfigError
 from unbroken.protect.interval import memory_budget_bytes, ring_slots
 from unbroken.runtime.autok import IntervalTuner
-from unbroken.runtime import membership
+from unbroken.runtime import crash, membership
 from unbroken.runtime.context import ProcessContext
 from unbroken.runtime.recovery import RolledBack, finish_deferred_decode, recover, reporter
 from unbroken.runtime.state import RecoveryInputs, TrainState
@@ -42,7 +42,7 @@ def gradient_ring_slots(cfg, model: nn.Module) -> int:
         return 1
     grad_bytes = 4 * (sum(p.numel() for p in model.parameters() if p.requires_grad) + 4)
     try:
-        return ring_slots(cfg.protect_every, grad_bytes, memory_budget_bytes(cfg.world_size + cfg.shadows))
+        return ring_slots(cfg.protect_every, grad_bytes, memory_budget_bytes(cfg.world_size + cfg.shadow_pool_max))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -55,22 +55,30 @@ class NumericsFault(RuntimeError):
     """The averaged gradient holds NaN/Inf: the step is redone, never applied."""
 
 
+class NonFiniteGradient(RuntimeError):
+    """The averaged gradient of one step stayed NaN/Inf past `nonfinite_retries` redos and the
+    policy is `stop`: the message names the step and the first non-finite tensor."""
+
+
 class Trainer:
     def __init__(self, model: nn.Module) -> None:
         self.ctx = ctx = ProcessContext.from_env()
+        self.st = TrainState()  # where training is: the record recovery reads and moves
+        # an uncaught exception is recorded for the leader, with the step it happened in
+        crash.register(ctx, lambda: self.st.step_count + 1)
         cfg = self.cfg = ctx.config
         torch.set_num_threads(cfg.threads)  # same threads everywhere: bitwise-reproducible kernels
         self.model = model
         self.world_size = cfg.world_size
         self.optim = AdamW(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
                            warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
-        self.st = TrainState()  # where training is: the record recovery reads and moves
         self.local_grads: torch.Tensor | None = None  # allocated with the state (_build_state)
         self.comm: Comm | None = None
         self.group: Comm | None = None
         self.gen: membership.Generation | None = None
         self._pg_stores: list = []  # one store connection per generation's groups, kept alive
         self._nan_pending = False
+        self._nonfinite_tries: dict[int, int] = {}  # step -> redos so far for a non-finite gradient
         self._slow_s = 0.0  # injected straggling (fault kind `slow`): extra seconds per step
         self._waited = 0.0
         self._norms: list[float] = []  # recent gradient norms (spike detection)
@@ -252,6 +260,7 @@ class Trainer:
             # Our gradient of step t survived the failed all-reduce (parameters are unchanged
             # since: the step was never applied), so only the replacement computes its share.
             grads.copy_(self.local_grads)
+            grads[flat.vote] = self._nonfinite_vote(t)
         else:
             # a pending decode votes on the world group first: then no bucket may be issued before it
             overlapped = self.st.deferred is None
@@ -268,11 +277,11 @@ class Trainer:
             self.buckets.issue_all(self.comm, grads, what=f"gradient all-reduce step {t}")
         self._point("reduced", t)
         flat.grads.div_(self.world_size)
-        norm = float(torch.linalg.vector_norm(flat.grads[:flat.n_pad]))
-        self._check_numerics(t, float(flat.grads[-1]), norm)
+        norm, loss = float(torch.linalg.vector_norm(flat.grads[:flat.n_pad])), float(flat.grads[-1])
+        self._check_numerics(t, loss, norm)
         self._maybe_choose_interval(t)
         self.st.grads_step = t
-        self.st.scalars = self.optim.scalars(t, norm)
+        self.st.scalars = self.optim.scalars(t, norm, loss)  # skip=True when a non-finite step is skipped
         ctx.set_phase("optimizer")
         t2 = time.perf_counter()
         parity = self.owned.parity_due(t)
@@ -301,6 +310,7 @@ class Trainer:
         self._point("backward", t)
         value = float(loss.detach())
         self.tuner.fill(flat.grads[flat.aux])
+        flat.grads[flat.vote] = self._nonfinite_vote(t)
         if overlap:
             self.buckets.begin(self.comm, flat.grads, self.local_grads, value, poison=self._nan_pending,
                                what=f"gradient all-reduce step {t}")
@@ -350,8 +360,14 @@ class Trainer:
             if self.rank == 0:
                 self.ctx.events.emit("protect_every_chosen", step=t, **chosen)
 
+    def _nonfinite_vote(self, t: int) -> float:
+        """1 when this rank has redone step t for a non-finite gradient `nonfinite_retries` times. It
+        rides in the all-reduce: every rank then sees the same verdict, a new member included."""
+        return 1.0 if self._nonfinite_tries.get(t, 0) >= self.cfg.nonfinite_retries else 0.0
+
     def _check_numerics(self, t: int, loss: float, norm: float) -> None:
-        """NaN/Inf in the averaged gradient: record, then redo the step (never apply it)."""
+        """NaN/Inf in the averaged gradient: record, then redo the step (never apply it); once
+        the retries are spent, apply `on_nonfinite` (stop: NonFiniteGradient; skip: return)."""
         f = numerics_check(loss, norm, self._norms, proc=self.ctx.proc, rank=self.rank, node=self.ctx.node,
                            step=t, now=time.time())
         if f is None:
@@ -365,8 +381,27 @@ class Trainer:
             ev.emit("fault_classified", fault="numerics", cls="operable", action="in_place" if nonfinite else "none",
                     reason="non-finite gradient: the step is redone from protected state, never applied"
                     if nonfinite else "gradient-norm spike: recorded; clipping bounds the update")
-        if nonfinite:
+        if not nonfinite:
+            return
+        flat = self.owned.flat
+        if float(flat.grads[flat.vote]) <= 0:  # no rank has spent its retries on this step yet
+            self._nonfinite_tries[t] = self._nonfinite_tries.get(t, 0) + 1
             raise NumericsFault(f"non-finite averaged gradient at step {t} ({f.evidence.get('what')})")
+        self._nonfinite_policy(t, loss)
+
+    def _nonfinite_policy(self, t: int, loss: float) -> None:
+        flat, cfg = self.owned.flat, self.cfg
+        tensor = flat.first_nonfinite(flat.grads[:flat.n]) or "the loss"
+        attempts = self._nonfinite_tries.get(t, 0) + 1
+        if self.rank == 0:
+            self.ctx.events.emit("nonfinite", step=t, tensor=tensor, attempts=attempts, action=cfg.on_nonfinite)
+        if cfg.on_nonfinite == "skip":
+            return  # the step's scalars say skip: every chunk keeps its bytes, the step counts as done
+        msg = (f"step {t}: the averaged gradient stayed non-finite over {attempts} attempts (first non-finite "
+               f"tensor: {tensor}; loss {loss}); the same batch fails every time: fix the data or model at "
+               "this step, or rerun with --on-nonfinite skip")
+        crash.declare_fatal(self.ctx, msg, leader=self.rank == 0)
+        raise NonFiniteGradient(msg)
 
     # --- faults and checkpoints ------------------------------------------------------------
     def _point(self, phase: str, step: int | None = None, chunk: int = 0) -> None:

@@ -1,0 +1,112 @@
+"""Failures the runtime must survive or stop on cleanly (issue 12): persistent NaN, a
+deterministic bug in the user's script, the loss of a whole node."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import SMALL, _procs_of, events, run_cli, run_job
+
+pytestmark = pytest.mark.timeout(300)
+BAD = str(Path(__file__).parent / "scripts" / "bad_step.py")
+BASE = ["--world-size", "4", "--chunk-kb", "16", "--checkpoint-every", "2"]
+
+
+def _kinds(run_dir: Path, kind: str) -> list[dict]:
+    return [e for e in events(run_dir) if e["kind"] == kind]
+
+
+def test_a_gradient_that_stays_nan_stops_the_job_naming_step_and_tensor(tmp_path):
+    p = run_cli(tmp_path / "r", *BASE, BAD, "--bug", "nan", timeout=180)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "step 3" in p.stderr and "first non-finite tensor" in p.stderr and "--on-nonfinite skip" in p.stderr
+    numerics = _kinds(tmp_path / "r", "numerics")
+    assert 0 < len(numerics) <= 4 * 2  # bounded: nonfinite_retries (2) redos per rank, not forever
+    [stop] = _kinds(tmp_path / "r", "nonfinite")
+    assert stop["fields"]["action"] == "stop" and stop["fields"]["step"] == 3
+
+
+def test_skipping_a_nan_step_is_deterministic_across_a_kill(tmp_path):
+    skip = ["--on-nonfinite", "skip", "--steps", "8"]
+    clean = run_job(tmp_path / "a", *BASE, *skip, BAD, "--bug", "nan")
+    killed = run_job(tmp_path / "b", *BASE, *skip, "--inject", "sigkill:rank=2,step=5,phase=optimizer",
+                     BAD, "--bug", "nan")
+    assert clean["ok"] and killed["ok"]
+    assert killed["weights_sha256"] == clean["weights_sha256"]
+    [ev] = _kinds(tmp_path / "a", "nonfinite")
+    assert ev["fields"]["action"] == "skip" and ev["fields"]["step"] == 3
+
+
+def test_the_same_exception_twice_is_a_software_fault_with_its_traceback(tmp_path):
+    p = run_cli(tmp_path / "r", *BASE, BAD, "--bug", "keyerror", timeout=180)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "KeyError" in p.stderr and "Traceback" in p.stderr and "bad_step.py" in p.stderr
+    [sf] = _kinds(tmp_path / "r", "software_fault")
+    assert sf["fields"]["occurrences"] == 2 and sf["fields"]["step"] == 3
+    crashed = [e for e in _kinds(tmp_path / "r", "process_exited") if e["fields"]["returncode"] == 1]
+    assert len(crashed) == 2  # the first occurrence was retried once, the second was not
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node(run_dir: Path, port: int, rank: int, *args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir), "--no-progress", "--json",
+           *args, "--nnodes", "2", "--node-rank", str(rank), "--port", str(port), "--token", "tok"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for_step(run_dir: Path, step: int, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if (run_dir / "events.jsonl").exists() and any(
+                e["kind"] == "step" and e["fields"]["step"] >= step for e in events(run_dir)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} not reached within {timeout_s}s")
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
+def test_a_whole_node_lost_is_one_incident_and_its_ranks_are_replaced(tmp_path, how):
+    """Node 1's supervisor and children killed (or frozen) at once: its lease expires, node 0
+    replaces both ranks and finishes with the failure-free weights."""
+    port, run_dir = _free_port(), tmp_path / "r"
+    args = [*SMALL, "--parity-group", "2", "--checkpoint-every", "2", "--shadows", "2"]
+    args[args.index("--steps") + 1] = "14"
+    node0 = _node(run_dir, port, 0, *args)
+    node1 = None
+    try:
+        time.sleep(1.0)
+        node1 = _node(run_dir, port, 1, *args)
+        _wait_for_step(run_dir, 4, 120)
+        os.killpg(node1.pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+        out, err = node0.communicate(timeout=180)
+        assert node0.returncode == 0, err[-3000:]
+    finally:
+        for p in (node0, node1):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+        for pid in _procs_of(run_dir.resolve()):
+            os.kill(pid, signal.SIGKILL)
+    summary = json.loads(out)
+    assert summary["ok"] and summary["ranks_agree"]
+    [lost] = _kinds(run_dir, "node_lost")
+    assert lost["fields"]["node"] == 1 and lost["fields"]["ranks"] == [2, 3]
+    detected = [e for e in _kinds(run_dir, "fault_detected") if e["fields"]["fault"] != "collective_error"]
+    assert [e["fields"]["fault"] for e in detected] == ["node_lost"]  # one incident, no link regroup
+    last = _kinds(run_dir, "generation")[-1]["fields"]["members"]
+    assert last["2"].startswith("n0-") and last["3"].startswith("n0-")
+    ref = run_job(tmp_path / "ref", *args)
+    assert summary["weights_sha256"] == ref["weights_sha256"]

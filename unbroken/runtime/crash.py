@@ -1,0 +1,63 @@
+"""A rank's uncaught exception, recorded where the leader can judge it.
+
+A crash of the user's code is retried like any other process loss, once. If the same
+exception (type, message, raising line) comes back at the same step, it is a bug in the
+script, not bad luck: retrying it only burns the budget and hides the traceback. The
+process that raised writes `crash/{proc}` (step, error, fingerprint, traceback) to the
+store before it exits; the leader (runtime/supervisor.py) counts fingerprints and stops
+the job on the second occurrence with that traceback and exit status 1.
+
+A worker may also declare the job unrunnable itself (`declare_fatal`: e.g. gradients
+that stay non-finite): `fatal` names the reason and the leader stops the job the same way.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import traceback
+from datetime import timedelta
+from typing import Any
+
+_ctx = None  # the ProcessContext of this process, once unbroken.Trainer has started
+_step = None  # () -> the step the process is executing (its last committed step + 1)
+
+
+def register(ctx, step) -> None:
+    global _ctx, _step
+    _ctx, _step = ctx, step
+
+
+def fingerprint(exc: BaseException, step: int | None) -> str:
+    """Identity of an exception across processes: type, message, raising line, step."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+    text = f"{type(exc).__qualname__}|{str(exc)[:500]}|{where}|{step}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def describe(exc: BaseException) -> dict[str, Any]:
+    step = _step() if _step is not None else None
+    return {"step": step, "phase": _ctx.phase.get("phase") if _ctx is not None else None,
+            "error": f"{type(exc).__name__}: {str(exc)[:500]}", "fingerprint": fingerprint(exc, step),
+            "traceback": "".join(traceback.format_exception(exc))[-6000:]}
+
+
+def record(exc: BaseException) -> None:
+    """Called by the process entry point with the exception that ends the process."""
+    if _ctx is None:
+        return  # not (yet) an unbroken process: the exit status alone reports it
+    try:
+        _ctx.store.set(f"crash/{_ctx.proc}", json.dumps(describe(exc)))
+    except Exception:  # noqa: BLE001 - the store is gone: the job is over anyway
+        pass
+
+
+def declare_fatal(ctx, message: str, *, leader: bool, timeout_s: float = 10.0) -> None:
+    """Tell the leader this job cannot go on (`leader`: the one rank that writes it); every
+    rank waits until the key exists, so that the leader reads the reason before any exit."""
+    if leader:
+        ctx.store.set("fatal", json.dumps({"message": message, "proc": ctx.proc}))
+    try:
+        ctx.store.wait(["fatal"], timedelta(seconds=timeout_s))
+    except RuntimeError:
+        pass  # the declaring rank died: exit anyway, the crash path reports it

@@ -1,0 +1,54 @@
+"""Node leases: the leader's proof that every other node's supervisor is alive.
+
+A supervisor's children are watched by that supervisor; nobody watches the supervisor
+itself, so a host that vanishes (its supervisor and children SIGKILLed, power lost) or
+freezes (SIGSTOP, a hung kernel) would go unreported. Every supervisor therefore renews
+its lease once per loop tick (`renew`: one atomic counter add in the store). The leader
+notes, on its own monotonic clock, when each node's counter last moved (no cross-host
+clock comparison); a node whose counter has not moved for `lease_s` is lost: the leader
+replaces all its ranks at once (one node-loss incident). A link regroup needs proof that
+every node renewed after the collective error (`renewed_since`): a dead host must not be
+regrouped as though only its link had broken.
+"""
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+
+def renew(store: dist.Store, node: int) -> None:
+    store.add(f"lease/{node}", 1)
+
+
+class NodeLeases:
+    """The leader's view of nodes 1..nnodes-1 (node 0 is the leader itself)."""
+
+    def __init__(self, nnodes: int, lease_s: float, *, clock=time.monotonic) -> None:
+        self.lease_s, self._clock = lease_s, clock
+        now = clock()
+        self._value = {n: -1 for n in range(1, nnodes)}
+        self._moved = {n: now for n in range(1, nnodes)}
+        self.lost: set[int] = set()
+
+    def observe(self, store: dist.Store) -> list[tuple[int, float]]:
+        """Read every live node's counter; return (node, age_s) of nodes just found lost."""
+        now, out = self._clock(), []
+        for node in self._value:
+            if node in self.lost:
+                continue
+            v = store.add(f"lease/{node}", 0)
+            if v != self._value[node]:
+                self._value[node], self._moved[node] = v, now
+            elif now - self._moved[node] > self.lease_s:
+                self.lost.add(node)
+                out.append((node, now - self._moved[node]))
+        return out
+
+    def renewed_since(self, t: float) -> bool:
+        """Has every live node renewed at or after `t` (this leader's monotonic clock)?"""
+        return all(self._moved[n] >= t for n in self._value if n not in self.lost)
+
+    def forget(self, node: int) -> None:
+        """An excluded node: its lease no longer matters."""
+        self.lost.add(node)
