@@ -9,6 +9,7 @@ import sys
 
 import typer
 
+from unbroken.bench.chaos import chaos
 from unbroken.bench.command import interval, overhead, protect, recovery, throughput
 from unbroken.bench.detect import detect as detect_bench
 from unbroken.config import ConfigError
@@ -22,6 +23,7 @@ app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_o
 app.command("demo")(demo)
 app.command("report")(report)
 app.command("simulate")(simulate)
+app.command("chaos")(chaos)
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: print ratios side by side, write bench/results/*.json.")
 app.add_typer(bench_app, name="bench")

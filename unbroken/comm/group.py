@@ -2,8 +2,9 @@
 
 Every collective is issued async and polled: it finishes, fails (a peer died),
 runs past its deadline, or is abandoned because the supervisor published a newer
-generation. The group object is never destroyed while an op may still hang in it;
-`retired` keeps old ones referenced until the process exits.
+generation. Retiring a group is a fence: when `retire()` returns, every op it issued has
+ended and no byte can land in a buffer it was given (or AbandonedOpsStuck is raised).
+The group object is never destroyed; `retired` keeps old ones referenced until exit.
 """
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ class GenerationChanged(CollectiveError):
     """A newer generation was published while we waited."""
 
 
+class AbandonedOpsStuck(Exception):
+    """A retired generation's op did not end within the fence timeout: it may still write
+    into a buffer the next generation reuses. Not a CollectiveError (nothing may retry it):
+    the process must die so that a fresh one takes its place."""
+
+
 retired: list["Comm"] = []  # groups that may hold hung ops: keep them alive, never destroy
 
 
@@ -58,12 +65,16 @@ class Comm:
     """Collectives for `rank` of `world` in generation `gen` over `store` (prefix applied by caller)."""
 
     def __init__(self, store: dist.Store, *, rank: int, world: int, gen: int, timeout_s: float,
-                 interrupted: Callable[[], bool] | None = None) -> None:
-        self.rank, self.world, self.gen, self.timeout_s = rank, world, gen, timeout_s
+                 interrupted: Callable[[], bool] | None = None, fence_s: float = 5.0) -> None:
+        if fence_s <= 0:
+            raise ValueError(f"Comm fence_s must be > 0 seconds, got {fence_s!r}; e.g. 5.0")
+        self.rank, self.world, self.gen, self.timeout_s, self.fence_s = rank, world, gen, timeout_s, fence_s
         self._interrupted = interrupted or (lambda: False)
         self.waited_s = 0.0  # total time spent inside collectives (straggler evidence)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._waiter: threading.Thread | None = None
+        self._current: Pending | None = None  # the op the waiter thread is waiting on
+        self._retired = False
         self._sockets: dict[int, str] = {}  # fd -> "socket:[inode]" opened by our rendezvous
         self.pg = self._rendezvous(store)
 
@@ -87,29 +98,51 @@ class Comm:
         self.finish(p)
         return box[0]
 
-    def retire(self) -> None:
-        """This generation is over: shut its group down and keep the object referenced (never
-        destroyed) in case a native thread still holds one of its ops.
+    def retire(self, fence_s: float | None = None) -> None:
+        """This generation is over. A fence: on return every op this group issued has ended
+        (failed or succeeded) and no further byte can land in a buffer it was given, so the
+        next generation may reuse them (flat.grads, flat.params, tier-1 receive buffers).
 
-        gloo's event loop otherwise keeps the dead generation's sockets registered, and an op
-        abandoned mid-collective (released by the newer generation, not failed) leaves a
-        live peer's bytes unread: epoll_wait then returns at once, forever. That loop thread
-        burnt ~45% of a core for the rest of the run (steps ~25% slower after a recovery);
-        `pg.shutdown()` alone does not stop it. So the group's own connected sockets (those
-        its rendezvous opened) are shut down too: gloo sees "connection closed", fails the
-        abandoned op and drops the socket, exactly as when a peer dies. The fds stay open
-        (gloo owns them), so no number is ever reused under it. Runs on a helper thread, so
-        a group stuck in native code can never block the recovery.
+        1. Its connected sockets are shut down (drop_links: syscalls, synchronous): gloo
+           sees "connection closed" and fails every op still waiting on a peer, exactly as
+           when a peer dies; a late sender's bytes now have nowhere to go.
+        2. The waiter thread is handed a sentinel behind every queued op; we wait for it,
+           at most `fence_s` (default: the constructor's). Past that an op is stuck in
+           native code and may still write: AbandonedOpsStuck (the process must die).
+
+        `pg.shutdown()` runs on a helper thread (it may block). The object stays referenced
+        (`retired`), never destroyed: gloo's threads may still touch it. Shutting the sockets
+        also stops gloo's event loop spinning on a dead generation's unread bytes (it burnt
+        ~45% of a core for the rest of the run; pg.shutdown() alone did not stop it). The
+        fds stay open (gloo owns them), so no number is ever reused under it.
         """
+        if self._retired:
+            return
+        self._retired = True
         retired.append(self)
+        self.drop_links()
         threading.Thread(target=self._shutdown, name=f"unbroken-shutdown-gen{self.gen}", daemon=True).start()
+        self._fence(self.fence_s if fence_s is None else fence_s)
+
+    def _fence(self, timeout_s: float) -> None:
+        """Wait until the waiter thread has finished every op queued before now; then let it end."""
+        if self._waiter is None:
+            return  # no op was ever issued
+        fence = Pending(f"retirement fence of generation {self.gen}")
+        self._queue.put(([], fence))
+        self._queue.put(None)  # the waiter thread exits after the fence
+        if not fence.done.wait(timeout_s):
+            stuck = self._current
+            raise AbandonedOpsStuck(
+                f"generation {self.gen} (rank {self.rank}/{self.world}) retired, but "
+                f"{stuck.what if stuck else 'an issued op'} did not end within {timeout_s:.1f}s of its "
+                "sockets being shut down: it may still write into a buffer the next generation reuses")
 
     def _shutdown(self) -> None:
         try:
             self.pg.shutdown()
         except Exception:  # noqa: BLE001 - best effort: a group that cannot shut down is left alone
             pass
-        self.drop_links()
 
     def drop_links(self) -> None:
         """Shut down this group's connected sockets: to gloo (here and at the peers) it looks
@@ -139,6 +172,8 @@ class Comm:
         order, and starting a thread per op cost ~1.5 ms each on a loaded 2-core machine
         (Thread.start() waits until the new thread has been scheduled).
         """
+        if self._retired:
+            raise CollectiveError(f"{what}: generation {self.gen} is retired; its group takes no more ops")
         p = Pending(what)
         if self._waiter is None:
             self._waiter = threading.Thread(target=self._wait_loop, name=f"unbroken-wait-gen{self.gen}", daemon=True)
@@ -147,14 +182,16 @@ class Comm:
         return p
 
     def _wait_loop(self) -> None:
-        while True:
-            works, p = self._queue.get()
+        while (item := self._queue.get()) is not None:  # None: retired, every op before it ended
+            works, p = item
+            self._current = p
             try:
                 for w in works:
                     w.wait()
             except BaseException as e:  # noqa: BLE001 - handed to the caller in finish()
                 p.error.append(e)
             finally:
+                self._current = None
                 p.done.set()
 
     def finish(self, p: "Pending") -> None:

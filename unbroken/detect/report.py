@@ -106,6 +106,35 @@ def run_bounds(events: list[Event]) -> tuple[float, float]:
     return (starts[0] if starts else events[0].time), (ends[-1] if ends else events[-1].time)
 
 
+def steps_lost_by_gen(events: list[Event]) -> dict[int, int | None]:
+    """Per generation: committed steps whose update is not in the state training resumed from.
+
+    A generation resumes at its first `recovered` or `tier2_restore` event, from the lowest
+    step they name (a deferred decode can roll back to tier 2 after `recovered`). Committed
+    then: the highest `step` event since the previous resumption (or that resumption's step),
+    whichever rank, whichever generation emitted it (a rank may commit a step its failed
+    peer never did). Counting from the previous resumption counts a rolled-back step once
+    per rollback that undid it. None: the generation never resumed (a later one that did
+    accounts for its steps, or the job ended in it).
+    """
+    evs = sorted(events, key=lambda e: e.time)
+    gens = {g for e in evs if e.kind == "generation" and (g := as_int(e.fields.get("gen"))) is not None and g > 0}
+    resumed: dict[int, tuple[float, int]] = {}  # gen -> (first resumption time, lowest step)
+    for e in evs:
+        step = as_int(e.fields.get("step"))
+        if e.kind in ("recovered", "tier2_restore") and step is not None and e.gen > 0:
+            t, low = resumed.get(e.gen, (e.time, step))
+            resumed[e.gen] = (t, min(low, step))
+    lost: dict[int, int | None] = {g: None for g in gens}
+    since, base = -math.inf, 0
+    for gen, (t, step) in sorted(resumed.items(), key=lambda kv: kv[1][0]):
+        done = [s for e in evs if e.kind == "step" and since < e.time < t
+                and (s := as_int(e.fields.get("step"))) is not None]
+        lost[gen] = max(0, max(done, default=base) - step)
+        since, base = t, step
+    return lost
+
+
 def recovery_intervals(events: list[Event], start: float, end: float) -> list[tuple[str, float, float]]:
     """(split category, start, end) of every well-formed recovery_phase event, clipped to the run."""
     out = []
@@ -133,7 +162,7 @@ class _FaultWalk:
         self.injections: list[Event] = []
         self.faults: list[dict[str, Any]] = []
         self.open: list[dict[str, Any]] = []
-        self.steps_redone = self.steps_lost = 0
+        self.steps_redone = 0
         self.redo_s = 0.0          # step time thrown away by recoveries that logged no redo phase
         self._saw_redo = False
         step_times = [x for e in evs if e.kind == "step" and (x := as_num(e.fields.get("step_s"))) is not None]
@@ -197,7 +226,6 @@ class _FaultWalk:
         self.open.clear()
         redone = as_int(ev.fields.get("steps_redone")) or 0
         self.steps_redone += redone
-        self.steps_lost += as_int(ev.fields.get("steps_lost")) or 0
         if not self._saw_redo:
             self.redo_s += redone * self._step_s
         self._saw_redo = False
@@ -218,7 +246,8 @@ def _analyze_run(run: RunLog, window_s: float) -> dict[str, Any]:
     return {"run": run.name, "wall_s": wall, "productive_s": productive,
             "ettr": productive / wall if wall > 0 else None, "steps": steps,
             "faults": walk.faults, "missed": len(walk.injections), "split": split,
-            "steps_redone": walk.steps_redone, "steps_lost": walk.steps_lost,
+            "steps_redone": walk.steps_redone,
+            "steps_lost": sum(n for n in steps_lost_by_gen(run.events).values() if n is not None),
             "excluded": sorted({n for e in run.events if e.kind == "node_excluded" and (n := _node(e)) is not None}),
             "retry_events": [e for e in run.events if e.kind == "retry"],
             "stragglers": [_straggler(e, start) for e in run.events if e.kind == "straggler"]}

@@ -2,7 +2,8 @@
 
 The supervisor starts each process with torchrun-style variables (MASTER_ADDR,
 MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK) plus UNBROKEN_PROC (a unique
-process name), UNBROKEN_ROLE (worker|shadow) and UNBROKEN_RUN_DIR.
+process name), UNBROKEN_ROLE (worker|shadow) and UNBROKEN_RUN_DIR. The heartbeat
+rides out store errors (`beat_until_unreachable`); only a sustained outage stops it.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -62,18 +64,54 @@ class ProcessContext:
             self.phase["step"] = step
 
     def start_heartbeat(self) -> threading.Thread:
-        """A daemon thread with its own store connection; SIGSTOP freezes it with the process."""
-        store = membership.connect_store(self.host, self.port, timeout_s=self.config.collective_timeout_s)
-        interval = self.config.heartbeat_s
+        """A daemon thread with its own store connection; SIGSTOP freezes it with the process.
 
-        def beat() -> None:
-            while True:
-                try:
-                    membership.put(store, f"hb/{self.proc}", {**self.phase, "t": time.time(), "pid": os.getpid()})
-                except RuntimeError:
-                    return  # the store is gone: the run is over
-                time.sleep(interval)
+        A store error does not stop it (a dead heartbeat gets a healthy worker killed as
+        hung): it reconnects and retries with backoff, and gives up only once the store has
+        been unreachable for `collective_timeout_s` (the run is over)."""
+        cfg = self.config
+        store = membership.connect_store(self.host, self.port, timeout_s=cfg.collective_timeout_s)
 
-        t = threading.Thread(target=beat, name="unbroken-heartbeat", daemon=True)
+        def send(client: dist.Store) -> None:
+            membership.put(client, f"hb/{self.proc}", {**self.phase, "t": time.time(), "pid": os.getpid()})
+
+        def connect() -> dist.Store:
+            # A short timeout: a reconnect that cannot finish within a hang timeout is a failed attempt.
+            return membership.connect_store(self.host, self.port, timeout_s=cfg.hang_timeout_s)
+
+        t = threading.Thread(target=beat_until_unreachable, args=(send, connect, store),
+                             kwargs={"interval_s": cfg.heartbeat_s, "give_up_s": cfg.collective_timeout_s},
+                             name="unbroken-heartbeat", daemon=True)
         t.start()
         return t
+
+
+# A TCPStore raises DistStoreError / DistNetworkError (RuntimeErrors); sockets may raise OSError.
+_STORE_ERRORS = (RuntimeError, OSError)
+
+
+def beat_until_unreachable(send: Callable[[Any], None], connect: Callable[[], Any], client: Any, *,
+                           interval_s: float, give_up_s: float, max_backoff_s: float = 1.0,
+                           sleep: Callable[[float], None] = time.sleep,
+                           clock: Callable[[], float] = time.monotonic) -> Exception:
+    """`send(client)` every `interval_s`, forever. After a failure: wait (from `interval_s`,
+    doubling, capped at max(interval_s, max_backoff_s)), reconnect, retry. Returns the last
+    error once every attempt has failed for `give_up_s` in a row."""
+    cap = max(interval_s, max_backoff_s)
+    delay, failing_since = interval_s, None
+    while True:
+        try:
+            if client is None:
+                client = connect()
+            send(client)
+        except _STORE_ERRORS as e:
+            now = clock()
+            failing_since = now if failing_since is None else failing_since
+            if now - failing_since >= give_up_s:
+                return e
+            client = None  # a client that failed once may be wedged: the next attempt reconnects
+            sleep(delay)
+            delay = min(2 * delay, cap)
+            continue
+        failing_since, delay = None, interval_s
+        sleep(interval_s)

@@ -49,6 +49,10 @@ class NodeLeases:
         """Has every live node renewed at or after `t` (this leader's monotonic clock)?"""
         return all(self._moved[n] >= t for n in self._value if n not in self.lost)
 
+    def late(self, seconds: float) -> bool:
+        """Has some live node not renewed for more than `seconds`?"""
+        return any(self._clock() - self._moved[n] > seconds for n in self._value if n not in self.lost)
+
     def forget(self, node: int) -> None:
         """An excluded node: its lease no longer matters."""
         self.lost.add(node)

@@ -8,6 +8,7 @@ Keys (all JSON values):
   ready/{proc}        a shadow is built and waiting
   progress            rank 0's {"step", "loss", "tokens_per_s"}
   faults/n, faults/{i} the leader's fault log: supervisors' findings, members' failed collectives
+                      (append = `add` then `set`: read it with FaultLogReader, never by index alone)
   shutdown            the run is over; shadows exit
 Each generation's gloo group lives under PrefixStore(f"gen{g}/").
 """
@@ -147,9 +148,68 @@ def wait_newer_generation(store: dist.Store, than: int, timeout_s: float,
 
 def report_fault(store: dist.Store, record: dict[str, Any]) -> None:
     """Append to the leader's fault log (`faults/n`, `faults/{i}`): a supervisor's finding
-    about one of its processes, or a member's failed collective (fault `collective_error`)."""
-    i = store.add("faults/n", 1) - 1
-    put(store, f"faults/{i}", record)
+    about one of its processes, or a member's failed collective (fault `collective_error`).
+
+    Two writes, not atomic: the index is reserved first, the record lands later (or never,
+    if the reporter dies in between). FaultLogReader is the reader that survives both."""
+    i = store.add(_FAULTS_N, 1) - 1
+    put(store, fault_key(i), record)
+
+
+_FAULTS_N = "faults/n"
+
+
+def fault_key(i: int) -> str:
+    return f"faults/{i}"
+
+
+class FaultLogReader:
+    """The leader's cursor over the fault log: every record exactly once, none lost.
+
+    `take()` returns the records that appeared since the last call, in index order among
+    those present. An index already counted in `faults/n` whose record has not landed yet
+    (its reporter is between its two writes) stays pending and is retried on every later
+    call, so its record is delivered late, never skipped. A record still missing after
+    `give_up_s` (the reporter died between the writes) is declared lost, once: its index
+    is appended to `lost` and passed to `on_lost(index, waited_s)`; it is not polled again.
+    """
+
+    def __init__(self, store: dist.Store, *, give_up_s: float = 10.0,
+                 on_lost: Callable[[int, float], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if give_up_s <= 0:
+            raise ValueError(f"FaultLogReader give_up_s must be > 0 seconds, got {give_up_s!r}; e.g. 10.0")
+        self._store, self._give_up_s, self._on_lost, self._clock = store, give_up_s, on_lost, clock
+        self._next = 0  # first index not yet counted
+        self._pending: dict[int, float] = {}  # index -> when it was first counted without its record
+        self.lost: list[int] = []
+
+    @property
+    def pending(self) -> list[int]:
+        """Indices counted in `faults/n` whose record has not been read yet."""
+        return sorted(self._pending)
+
+    def take(self) -> list[dict[str, Any]]:
+        """New records, each returned exactly once over this reader's lifetime."""
+        n = int(self._store.add(_FAULTS_N, 0))
+        now = self._clock()
+        for i in range(self._next, n):
+            self._pending[i] = now
+        self._next = max(self._next, n)
+        out = []
+        for i in sorted(self._pending):
+            record = get(self._store, fault_key(i))
+            if record is not None:
+                del self._pending[i]
+                out.append(record)
+            elif now - self._pending[i] >= self._give_up_s:
+                self._give_up(i, now - self._pending.pop(i))
+        return out
+
+    def _give_up(self, i: int, waited_s: float) -> None:
+        self.lost.append(i)
+        if self._on_lost is not None:
+            self._on_lost(i, waited_s)
 
 
 def group_store(store: dist.Store, gen: int, name: str = "world") -> dist.PrefixStore:

@@ -101,12 +101,17 @@ def _rebuild(tr: RecoveryInputs, new_member: bool) -> None:
         grads = owned.flat.use_grads_of(target)
         comm.broadcast(grads, src=min(holders), what="gradient hand-off")
         tr.st.grads_step = target
-        tr.st.scalars = tr.optim.scalars(target, float(torch.linalg.vector_norm(grads[:owned.flat.n_pad])))
-        owned.txn.record(tr.st.scalars)
         tr.st.last_loss = float(grads[-1])
-    src = min(s["rank"] for s in survivors)
-    if owned.sharded and owned.tier1 is not None:
+        tr.st.scalars = tr.optim.scalars(target, float(torch.linalg.vector_norm(grads[:owned.flat.n_pad])),
+                                         tr.st.last_loss)  # as the holders computed them
+        owned.txn.record(tr.st.scalars)
+    src = _state_source(survivors, target, handed_off=bool(holders))
+    if src is None:
+        path = _restore_tier2(tr, reason=f"no survivor can bring its state to step {target}")
+    elif owned.sharded and owned.tier1 is not None:
         path = _rebuild_sharded(tr, status, new_ranks, target, src, redo=not holders)
+    elif owned.sharded and owned.world > 1:
+        path = _rebuild_unprotected_shards(tr, new_ranks, target)
     else:
         path = _rebuild_replicated(tr, new_member, target, src)
     _phase(tr, "rebuild", t0)
@@ -127,7 +132,26 @@ def _rebuild(tr: RecoveryInputs, new_member: bool) -> None:
                            rebuild_gbps=round(nbytes / secs / 1e9, 3))
 
 
+def _state_source(survivors: list[dict], target: int, *, handed_off: bool) -> int | None:
+    """The survivor whose state is at `target` once it has replayed what it holds (the lowest
+    rank of those that committed `target`, else of those one step behind that hold target's
+    averaged gradient, their own or `handed_off`); None if there is none.
+
+    Never simply the lowest rank: a survivor can be a step behind its peers (its wait for a
+    collective failed after theirs completed), and its state broadcast would undo their
+    step. With the target rule of `_rebuild` there is always one (the survivor that committed
+    c_max; on a hand-off, every survivor is at c_max = target-1); if a future rule breaks
+    that, every rank sees the same status and goes to tier 2 together.
+    """
+    at = [s["rank"] for s in survivors if s["committed"] == target]
+    behind = [s["rank"] for s in survivors if s["committed"] == target - 1 and target > 0
+              and (handed_off or s["grads_step"] == target)]
+    return min(at) if at else min(behind) if behind else None
+
+
 def _rebuild_replicated(tr: RecoveryInputs, new_member: bool, target: int, src: int) -> str:
+    """Every rank owns all of the state (ddp, or one rank): `src`, brought to `target` by its
+    own replay, broadcasts it; a survivor a step behind without the gradient is overwritten."""
     owned = tr.owned
     tr.st.steps_replayed = 0
     if not new_member and tr.st.grads_step == target and target > 0:
@@ -136,6 +160,21 @@ def _rebuild_replicated(tr: RecoveryInputs, new_member: bool, target: int, src: 
         tr.comm.broadcast(t, src=src, what=f"replica hand-off of {name}")
     owned.txn.chunk_ver[:] = target
     return "replica"
+
+
+def _rebuild_unprotected_shards(tr: RecoveryInputs, new_ranks: list[int], target: int) -> str:
+    """zero1 without tier 1: a lost shard exists nowhere else, so a new member means tier 2.
+    Without one (a link regroup), each survivor replays its own shard to `target` (it holds
+    the gradient: its own or the hand-off) and the parameters are all-gathered."""
+    owned = tr.owned
+    tr.st.steps_replayed = 0
+    if new_ranks:
+        return _restore_tier2(tr, reason=f"rank(s) {new_ranks} lost a shard that tier 1 does not protect (tier1 off)")
+    owned.replay_to(target)
+    behind = [int(v) for v in set(owned.txn.chunk_ver.tolist()) if v != target]
+    assert not behind, f"rank {tr.rank}: chunks at versions {behind} after replay to {target}"
+    owned.commit(tr.comm)
+    return "local"
 
 
 def _parity_point(tr: RecoveryInputs, status: list[dict]) -> int | None:

@@ -218,6 +218,8 @@ class Supervisor:
         if self.status in ("stopping", "excluded"):
             return
         for f, d in self.watch.poll(self.store, list(self.table.children.values()), self._rank_of):
+            if f.fault == "stall" and self.leases is not None and self.leases.late(3 * self.cfg.heartbeat_s):
+                continue  # a node has gone quiet: its lease, not a stall here, will name the fault
             self.events.emit("fault_detected", rank=f.rank, **f.event_fields())
             self.events.emit("fault_classified", rank=d.rank, **d.event_fields())
             if d.exclude:
