@@ -110,3 +110,17 @@ def test_a_whole_node_lost_is_one_incident_and_its_ranks_are_replaced(tmp_path, 
     assert last["2"].startswith("n0-") and last["3"].startswith("n0-")
     ref = run_job(tmp_path / "ref", *args)
     assert summary["weights_sha256"] == ref["weights_sha256"]
+
+
+def test_back_to_back_failures_grow_an_auto_pool_and_cold_takeovers_are_named(tmp_path, reference):
+    kills = [f"sigkill:rank={r},step={s},phase=optimizer" for r, s in ((1, 3), (2, 4), (3, 5))]
+    args = [*SMALL, "--checkpoint-every", "2", "--shadows", "auto"]
+    for k in kills:
+        args += ["--inject", k]
+    got = run_job(tmp_path / "r", *args)
+    assert got["ok"] and got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+    sizes = [e["fields"]["size"] for e in _kinds(tmp_path / "r", "shadow_pool")]
+    assert sizes and max(sizes) > 1  # failures ~0.5 s apart outpace a shadow's warm-up
+    takeovers = [e["fields"]["shadow"] for e in _kinds(tmp_path / "r", "shadow_assigned")]
+    assert len(takeovers) == 3 and set(takeovers) <= {"warm", "cold"}
+    assert "cold" in takeovers  # the pool of one was drained before it grew

@@ -3,7 +3,8 @@
 A shadow needs `warmup_s` (start the interpreter, import torch, build the model) before it
 can take a rank; a failure that finds no warm shadow waits for a cold one. With failures
 arriving every `gap` seconds, a pool of one is enough when gap > warmup_s; otherwise the
-pool must hold as many shadows as failures can arrive during one warm-up, plus one.
+pool must hold one shadow per failure that can arrive during one warm-up, plus the one
+the next failure takes: floor(warmup_s / gap) + 1.
 `ShadowPoolSizer` keeps the recent failure times and the measured warm-ups and proposes
 that size, clamped to [1, max_size]; it never shrinks below what it has proposed within
 the last `hold_s` (a burst of failures is often followed by another).
@@ -48,4 +49,5 @@ class ShadowPoolSizer:
     def proposal(self) -> int:
         if len(self._failures) < 2 or not self._warmups:
             return self.size
-        return max(1, min(self.max_size, math.ceil(self.warmup_s() / max(self.gap_s(), 1e-3)) + 1))
+        # shadows still warming up when the next failure comes, plus the one it takes
+        return max(1, min(self.max_size, math.floor(self.warmup_s() / max(self.gap_s(), 1e-3)) + 1))
