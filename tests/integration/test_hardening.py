@@ -108,6 +108,10 @@ def test_a_whole_node_lost_is_one_incident_and_its_ranks_are_replaced(tmp_path, 
     assert [e["fields"]["fault"] for e in detected] == ["node_lost"]  # one incident, no link regroup
     last = _kinds(run_dir, "generation")[-1]["fields"]["members"]
     assert last["2"].startswith("n0-") and last["3"].startswith("n0-")
+    rep = subprocess.run([sys.executable, "-m", "unbroken.cli", "report", str(run_dir), "--json", "--out",
+                          str(tmp_path / "rep")], capture_output=True, text=True, timeout=60)
+    faults = json.loads(rep.stdout)["faults"]
+    assert [(f["class"], f["node"]) for f in faults] == [("node_lost", 1)]  # the report: one node-loss incident
     ref = run_job(tmp_path / "ref", *args)
     assert summary["weights_sha256"] == ref["weights_sha256"]
 

@@ -130,7 +130,7 @@ def steps_lost_by_gen(events: list[Event]) -> dict[int, int | None]:
     for gen, (t, step) in sorted(resumed.items(), key=lambda kv: kv[1][0]):
         done = [s for e in evs if e.kind == "step" and since < e.time < t
                 and (s := as_int(e.fields.get("step"))) is not None]
-        lost[gen] = max(0, max(done, default=base) - step)
+        lost[gen] = max(0, max([base, *done]) - step)
         since, base = t, step
     return lost
 

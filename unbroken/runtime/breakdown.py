@@ -2,15 +2,18 @@
 
 kill: the `fault_injected` event (or the detection time when the fault was not ours);
 detect: supervisor's `fault_detected`; decide: generation published; regroup: new
-groups built; rebuild: state restored; redo: first step completed afterwards.
+groups built; rebuild: state restored; redo: first step completed afterwards. Each record
+also carries the steps it lost (`detect.report.steps_lost_by_gen`).
 """
 from __future__ import annotations
 
+from unbroken.detect.report import steps_lost_by_gen
 from unbroken.events import Event
 
 
 def recoveries(events: list[Event]) -> list[dict]:
     out = []
+    lost = steps_lost_by_gen(events)
     gens = [e for e in events if e.kind == "generation" and e.fields.get("gen", 0) > 0]
     for g in gens:
         before = [e for e in events if e.time <= g.time]
@@ -25,23 +28,36 @@ def recoveries(events: list[Event]) -> list[dict]:
         regroup = _end(later, "regroup", gen_no)
         rebuild = _end(later, "rebuild", gen_no)
         rec = [e for e in later if e.kind == "recovered" and e.gen == gen_no]
-        resumed_step = rec[0].fields.get("step", 0) if rec else None
+        restored = [e for e in later if e.kind == "tier2_restore" and e.gen == gen_no]
+        resumed = [e.fields.get("step", 0) for e in rec + restored]
+        resumed_step = min(resumed) if resumed else None  # a deferred decode may roll back after `recovered`
         redo = _end(later, "redo", gen_no)
         steps = [e for e in later if e.kind == "step" and resumed_step is not None and e.gen >= gen_no
                  and e.fields.get("step", 0) > resumed_step]
         done = redo if redo is not None else (steps[0].time if steps else None)
         marks = [kill_t, det.time, g.time, regroup, rebuild, done]
         if any(m is None for m in marks):
-            out.append({"gen": gen_no, "complete": False, "fault": det.fields.get("fault")})
+            out.append({"gen": gen_no, "complete": False, "fault": det.fields.get("fault"),
+                        "steps_lost": lost.get(gen_no)})
             continue
         out.append({
             "gen": gen_no, "complete": True, "fault": det.fields.get("fault"), "rank": det.rank,
-            "path": rec[0].fields.get("path"), "resumed_at_step": resumed_step + 1,
-            "steps_redone": rec[0].fields.get("steps_redone", 0),
+            "path": "tier2" if restored else rec[0].fields.get("path"), "resumed_at_step": resumed_step + 1,
+            "steps_redone": rec[0].fields.get("steps_redone", 0) if rec else 0, "steps_lost": lost.get(gen_no),
             "detect_s": det.time - kill_t, "decide_s": g.time - det.time, "regroup_s": regroup - g.time,
             "rebuild_s": rebuild - regroup, "redo_s": done - rebuild, "recovery_s": done - kill_t,
         })
     return out
+
+
+def steps_lost_total(events: list[Event]) -> int | None:
+    """Steps lost by all recoveries; None while the newest one has not resumed training (its
+    loss is unknown). A generation superseded before it resumed lost nothing itself: the one
+    that resumed counts from the last committed step."""
+    lost = steps_lost_by_gen(events)
+    if lost and lost[max(lost)] is None:
+        return None
+    return sum(n for n in lost.values() if n is not None)
 
 
 def _end(events: list[Event], phase: str, gen: int) -> float | None:

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from unbroken.config import RunConfig
 from unbroken.events import read_events
 from unbroken.fsutil import atomic_write_json
-from unbroken.runtime.breakdown import recoveries
+from unbroken.runtime.breakdown import recoveries, steps_lost_total
 from unbroken.runtime.supervisor import LaunchOptions, Supervisor, install_signal_handlers
 
 
@@ -99,7 +99,7 @@ def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float) -> dict:
         "wall_s": wall_s,
         "recoveries": recs,
         "faults": sum(1 for e in events if e.kind == "fault_detected"),
-        "steps_lost": 0 if all(r.get("complete") for r in recs) else None,
+        "steps_lost": steps_lost_total(events),  # measured from the events (runtime/breakdown.py)
         # the script decides how many steps it runs (trainer.steps(n)); ok = every rank finished, in agreement
         "ok": len(shas) == cfg.world_size and len(set(shas.values())) == 1 and last is not None,
     }
