@@ -14,7 +14,8 @@ from unbroken.cli_error import fail
 from unbroken.config import ConfigError, build_config
 from unbroken.runtime.faults import FaultSpec, chaos_schedule
 from unbroken.runtime.run import launch, new_run_dir
-from unbroken.runtime.supervisor import LaunchError, LaunchOptions, SoftwareFault
+from unbroken.runtime.crash import SoftwareFault
+from unbroken.runtime.supervisor import LaunchError, LaunchOptions
 
 BUILTIN_JOB = "unbroken.jobs.tiny_gpt"
 

@@ -61,3 +61,46 @@ def declare_fatal(ctx, message: str, *, leader: bool, timeout_s: float = 10.0) -
         ctx.store.wait(["fatal"], timedelta(seconds=timeout_s))
     except RuntimeError:
         pass  # the declaring rank died: exit anyway, the crash path reports it
+
+
+class SoftwareFault(RuntimeError):
+    """The training script itself fails (the same exception again, or a worker declared the job
+    unrunnable): retrying cannot help. The message carries the rank's traceback; exit 1."""
+
+
+class CrashJudge:
+    """The leader's side: counts crash fingerprints and reads `fatal`; raises SoftwareFault."""
+
+    def __init__(self, store, events) -> None:
+        self.store, self.events = store, events
+        self.counts: dict[str, int] = {}  # fingerprint -> occurrences
+
+    def _get(self, key: str) -> dict | None:
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def check_fatal(self) -> None:
+        """A worker declared the job unrunnable (declare_fatal): stop."""
+        f = self._get("fatal")
+        if f is None:
+            return
+        crash = self._get(f"crash/{f['proc']}") or {}
+        self.events.emit("software_fault", proc=f["proc"], step=crash.get("step"), error=f["message"],
+                         fingerprint=crash.get("fingerprint"), occurrences=1)
+        raise SoftwareFault(f"{f['message']}\n{crash.get('traceback', '')}".rstrip())
+
+    def judge(self, proc: str) -> None:
+        """`proc` was lost: the same exception (type, message, line, step) a second time is the
+        script's bug — stop with its traceback instead of replacing the rank again."""
+        crash = self._get(f"crash/{proc}")
+        if crash is None:
+            return
+        self.store.delete_key(f"crash/{proc}")
+        fp = crash["fingerprint"]
+        self.counts[fp] = self.counts.get(fp, 0) + 1
+        if self.counts[fp] < 2:
+            return
+        self.events.emit("software_fault", proc=proc, step=crash["step"], error=crash["error"], fingerprint=fp,
+                         occurrences=self.counts[fp])
+        raise SoftwareFault(f"{proc} raised the same exception at step {crash['step']} again "
+                            f"({crash['error']}): a bug in the training script, not retried\n"
+                            f"{crash['traceback']}".rstrip())

@@ -51,3 +51,15 @@ class ShadowPoolSizer:
             return self.size
         # shadows still warming up when the next failure comes, plus the one it takes
         return max(1, min(self.max_size, math.floor(self.warmup_s() / max(self.gap_s(), 1e-3)) + 1))
+
+    def resize(self, store, nnodes: int, events, now: float) -> None:
+        """The leader, on a failure: read every node's measured warm-up, and publish (and
+        record) a new size when the failure rate calls for one."""
+        for n in range(nnodes):
+            if store.check([f"warmup/{n}"]):
+                self.warmed_up(float(store.get(f"warmup/{n}")))
+        size = self.failure(now)
+        if size is not None:
+            store.set("shadows/size", str(size))
+            events.emit("shadow_pool", node=None, size=size,
+                        reason=f"failures every ~{self.gap_s():.1f}s, a shadow warms up in ~{self.warmup_s():.1f}s")

@@ -22,6 +22,7 @@ from unbroken.config import RunConfig
 from unbroken.events import EventLog
 from unbroken.fsutil import atomic_write_json
 from unbroken.runtime import auth, lease, membership
+from unbroken.runtime.crash import CrashJudge
 from unbroken.runtime.budget import RecoveryRateExceeded, RecoveryRateLimit
 from unbroken.runtime.faults import FaultSpec
 from unbroken.runtime.pool import ShadowPoolSizer
@@ -38,9 +39,6 @@ class LaunchError(RuntimeError):
     """The job cannot start as asked (port in use, join refused, ...)."""
 
 
-class SoftwareFault(RuntimeError):
-    """The training script itself fails (the same exception again, or a worker declared the job
-    unrunnable): retrying cannot help. The message carries the rank's traceback; exit 1."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +83,6 @@ class Supervisor:
         self.gen: membership.Generation | None = None
         self.faults_seen = 0
         self.rate = RecoveryRateLimit(cfg.max_recoveries_per_hour)
-        self.crashes: dict[str, int] = {}  # exception fingerprint -> occurrences (runtime/crash.py)
         self.leases: lease.NodeLeases | None = None  # the leader's, once every node joined
         self.pool = ShadowPoolSizer(cfg.max_shadows) if cfg.shadows == "auto" else None
         self._warm: set[str] = set()  # shadows seen ready (their warm-up measured)
@@ -93,6 +90,7 @@ class Supervisor:
         self.shadow_seq = 0
         self.verdicts: dict[int, bool] = {}
         self.status = "starting"
+        self.crashes = CrashJudge(self.store, self.events)  # software faults (runtime/crash.py)
         self.watch = Watch(cfg, node=self.node, nnodes=opts.nnodes, checkpoint_dir=self.run_dir, events=self.events)
         self._collerr: dict | None = None  # first failed-collective report of the current generation
         self._last_step = 0  # the newest step rank 0 reported done
@@ -184,17 +182,8 @@ class Supervisor:
 
     def _resize_pool(self, now: float) -> None:
         """shadows = "auto": a failure may show that failures outpace shadows' warm-up."""
-        if self.pool is None:
-            return
-        for n in range(self.opts.nnodes):
-            if self.store.check([f"warmup/{n}"]):
-                self.pool.warmed_up(float(self.store.get(f"warmup/{n}")))
-        size = self.pool.failure(now)
-        if size is not None:
-            self.store.set("shadows/size", str(size))
-            self.events.emit("shadow_pool", node=None, size=size,
-                             reason=f"failures every ~{self.pool.gap_s():.1f}s, a shadow warms up in "
-                                    f"~{self.pool.warmup_s():.1f}s")
+        if self.pool is not None:
+            self.pool.resize(self.store, self.opts.nnodes, self.events, now)
 
     # --- detection -----------------------------------------------------------------
     def _check_exits(self) -> bool:
@@ -267,7 +256,7 @@ class Supervisor:
     def _take_faults(self, now: float) -> None:
         """Read the fault log: a process lost (or to be replaced) starts the next generation;
         members' failed collectives with nobody lost may mean a broken link (_check_link)."""
-        self._check_fatal()
+        self.crashes.check_fatal()
         n = self.store.add("faults/n", 0)
         dead = {}
         while self.faults_seen < n:
@@ -281,7 +270,7 @@ class Supervisor:
                         self._collerr = {**f, "seen": now, "seen_mono": time.monotonic(), "reports": 0}
                     self._collerr["reports"] += 1
                 continue
-            self._judge_crash(f["proc"])
+            self.crashes.judge(f["proc"])
             self.store.set(f"dead/{f['proc']}", "1")
             rank = self._rank_of(f["proc"])
             if rank is not None:
@@ -290,33 +279,6 @@ class Supervisor:
             self._next_generation(dead)
         else:
             self._check_link(now)
-
-    def _check_fatal(self) -> None:
-        """A worker declared the job unrunnable (runtime/crash.declare_fatal): stop, exit 1."""
-        if not self.store.check(["fatal"]):
-            return
-        f = json.loads(self.store.get("fatal"))
-        crash = membership.get(self.store, f"crash/{f['proc']}") or {}
-        self.events.emit("software_fault", proc=f["proc"], step=crash.get("step"), error=f["message"],
-                         fingerprint=crash.get("fingerprint"), occurrences=1)
-        raise SoftwareFault(f"{f['message']}\n{crash.get('traceback', '')}".rstrip())
-
-    def _judge_crash(self, proc: str) -> None:
-        """The same exception (type, message, line, step) a second time is the script's bug:
-        stop with its traceback instead of replacing the rank again."""
-        crash = membership.get(self.store, f"crash/{proc}")
-        if crash is None:
-            return
-        self.store.delete_key(f"crash/{proc}")
-        fp = crash["fingerprint"]
-        self.crashes[fp] = self.crashes.get(fp, 0) + 1
-        if self.crashes[fp] < 2:
-            return
-        self.events.emit("software_fault", proc=proc, step=crash["step"], error=crash["error"], fingerprint=fp,
-                         occurrences=self.crashes[fp])
-        raise SoftwareFault(f"{proc} raised the same exception at step {crash['step']} again "
-                            f"({crash['error']}): a bug in the training script, not retried\n"
-                            f"{crash['traceback']}".rstrip())
 
     def _check_link(self, now: float) -> None:
         """Members' collectives failed but no process died (its exit or a detector would have
@@ -511,7 +473,7 @@ class Supervisor:
         if self.store.check(["abort"]):
             raise LaunchError(f"the job cannot run: {self.store.get('abort').decode()}")
         if self.leader:
-            self._check_fatal()
+            self.crashes.check_fatal()
             if self._all_done():
                 return True
             self._check_leases()
