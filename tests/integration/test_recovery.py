@@ -152,10 +152,13 @@ def test_nan_gradient_is_caught_and_the_step_redone(tmp_path, reference):
 
 
 def test_two_losses_in_one_parity_group_fall_back_to_tier2(tmp_path, reference):
-    got = _faulted(tmp_path, "zero1", "sigkill:rank=1,step=5,phase=optimizer", "sigkill:rank=2,step=5,phase=optimizer",
+    # step 6's update never committed (killed before the all-gather); step 5 had: the newest
+    # checkpoint is step 4 (or 2, if the killed ranks' step-4 files were cut short), so >= 1 is lost
+    got = _faulted(tmp_path, "zero1", "sigkill:rank=1,step=6,phase=optimizer", "sigkill:rank=2,step=6,phase=optimizer",
                    extra=("--shadows", "2"))
     assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
-    assert any(e["kind"] == "tier2_restore" for e in events(tmp_path / "run"))
+    restored = {e["fields"]["step"] for e in events(tmp_path / "run") if e["kind"] == "tier2_restore"}
+    assert len(restored) == 1 and got["steps_lost"] == 5 - restored.pop() > 0
 
 
 @pytest.mark.parametrize("kill_phase", ["optimizer", "backward"])  # full decode path; overlapped (deferred) path
@@ -185,3 +188,34 @@ def test_auto_interval_is_chosen_once_and_kills_stay_bitwise(tmp_path):
     assert got["weights_sha256"] == plain["weights_sha256"] and len(got["recoveries"]) == 2
     [chosen] = [e["fields"] for e in events(tmp_path / "run") if e["kind"] == "protect_every_chosen"]
     assert chosen["step"] == 9 and 1 <= chosen["protect_every"] <= chosen["max_k"]
+
+
+@pytest.mark.parametrize("strategy,path", [("ddp", "replica"), ("zero1", "tier1")])
+def test_a_survivor_a_step_behind_is_never_the_source(tmp_path, reference, strategy, path):
+    # rank 0 alone fails step 5's all-reduce after its peers completed it: they commit step 5,
+    # rank 0 stays at 4, and the same members regroup; the lowest rank is the stale one
+    got = _faulted(tmp_path, strategy, "collerr:rank=0,step=5,phase=reduced")
+    assert got["weights_sha256"] == reference[strategy]["weights_sha256"] and got["ranks_agree"]
+    assert [(r["fault"], r["complete"], r["path"]) for r in got["recoveries"]] == [("stall", True, path)]
+    assert got["steps_lost"] == 0
+    [rec] = _recovered(tmp_path)
+    assert rec["step"] == 5 and rec["replaced"] == []
+
+
+@pytest.fixture(scope="module")
+def untiered(tmp_path_factory) -> tuple[list[str], dict]:
+    """zero1 with tier 1 off (a config file: there is no flag) and its failure-free run."""
+    root = tmp_path_factory.mktemp("untiered")
+    (root / "tier1_off.toml").write_text("tier1 = false\n")
+    args = [*SMALL, "--strategy", "zero1", "--checkpoint-every", "2", "--config", str(root / "tier1_off.toml")]
+    return args, run_job(root / "plain", *args)
+
+
+@pytest.mark.parametrize("inject,path", [("sigkill:rank=2,step=5,phase=optimizer", "tier2"),
+                                         ("collerr:rank=0,step=5,phase=reduced", "local")])
+def test_zero1_without_tier1_never_takes_a_peer_shard(tmp_path, untiered, inject, path):
+    # a lost shard exists nowhere else: tier 2; a regroup of the same members replays in place
+    args, plain = untiered
+    got = run_job(tmp_path / "run", *args, "--inject", inject)
+    assert got["weights_sha256"] == plain["weights_sha256"]
+    assert got["recoveries"][-1]["complete"] and got["recoveries"][-1]["path"] == path

@@ -114,24 +114,30 @@ def steps_lost_by_gen(events: list[Event]) -> dict[int, int | None]:
     then: the highest `step` event since the previous resumption (or that resumption's step),
     whichever rank, whichever generation emitted it (a rank may commit a step its failed
     peer never did). Counting from the previous resumption counts a rolled-back step once
-    per rollback that undid it. None: the generation never resumed (a later one that did
+    per rollback that undid it. A `recovered` event's own `steps_lost` is a lower bound
+    (simulated runs log no step events; the runtime's is 0: tier 1 never goes back), so the
+    larger of the two counts. None: the generation never resumed (a later one that did
     accounts for its steps, or the job ended in it).
     """
     evs = sorted(events, key=lambda e: e.time)
-    gens = {g for e in evs if e.kind == "generation" and (g := as_int(e.fields.get("gen"))) is not None and g > 0}
-    resumed: dict[int, tuple[float, int]] = {}  # gen -> (first resumption time, lowest step)
+    lost: dict[int, int | None] = {
+        g: None for e in evs if e.kind == "generation" and (g := as_int(e.fields.get("gen"))) is not None and g > 0}
+    resumed: dict[int, list] = {}  # gen -> [first resumption time, lowest step, steps_lost it claims]
     for e in evs:
         step = as_int(e.fields.get("step"))
         if e.kind in ("recovered", "tier2_restore") and step is not None and e.gen > 0:
-            t, low = resumed.get(e.gen, (e.time, step))
-            resumed[e.gen] = (t, min(low, step))
-    lost: dict[int, int | None] = {g: None for g in gens}
-    since, base = -math.inf, 0
-    for gen, (t, step) in sorted(resumed.items(), key=lambda kv: kv[1][0]):
-        done = [s for e in evs if e.kind == "step" and since < e.time < t
-                and (s := as_int(e.fields.get("step"))) is not None]
-        lost[gen] = max(0, max([base, *done]) - step)
-        since, base = t, step
+            r = resumed.setdefault(e.gen, [e.time, step, 0])
+            r[1] = min(r[1], step)
+            r[2] = max(r[2], as_int(e.fields.get("steps_lost")) or 0)
+    order = sorted(resumed.items(), key=lambda kv: kv[1][0])
+    i, top = 0, 0  # top: the newest committed step since the last resumption (or its step)
+    for e in [*evs, None]:
+        while i < len(order) and (e is None or order[i][1][0] <= e.time):
+            gen, (_, step, claimed) = order[i]
+            lost[gen] = max(0, top - step, claimed)
+            i, top = i + 1, step
+        if e is not None and e.kind == "step" and (s := as_int(e.fields.get("step"))) is not None:
+            top = max(top, s)
     return lost
 
 

@@ -123,6 +123,8 @@ def _rebuild(tr: RecoveryInputs, new_member: bool) -> None:
         secs = time.time() - t0
         nbytes = owned.state.n_chunks * owned.state.chunk_bytes * len(new_ranks)
         kept = [s["rank"] for s in survivors if s.get("local_step") == target + 1]
+        # 0 by construction (target >= c_max); what a tier-2 rollback loses is measured from
+        # the events (detect.report.steps_lost_by_gen)
         tr.ctx.events.emit("recovered", step=target, steps_lost=max(0, c_max - target),
                            steps_redone=0 if holders else 1, path=path, parity_rebuilt=tr.st.parity_rebuilt,
                            steps_replayed=tr.st.steps_replayed,
