@@ -29,7 +29,7 @@ KINDS: dict[str, str] = {
     "generation": "gen, members, replaced, cause",
     "shadow_assigned": "proc, rank, gen, cold",
     "recovery_phase": "phase (detect|decide|regroup|rebuild|redo), start, end, step",
-    "recovered": "step, steps_lost, steps_redone, recovery_s, breakdown, path (tier1|replica|tier2)",
+    "recovered": "step, steps_lost, steps_redone, recovery_s, breakdown, path (tier1|replica|tier2|local|initial)",
     "numerics": "step, what, action",
     "checkpoint_saved": "step, path, bytes, save_s",
     "checkpoint_invalid": "path, error",

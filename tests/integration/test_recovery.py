@@ -133,9 +133,12 @@ def test_failure_during_recovery(tmp_path, reference):
 
 
 def test_shadow_dies_while_being_assigned(tmp_path, reference):
-    got = _faulted(tmp_path, "zero1", "sigkill:rank=1,step=4,phase=optimizer", "sigkill:rank=1,step=0,phase=shadow",
+    got = _faulted(tmp_path, "zero1", "sigkill:rank=1,step=4,phase=optimizer", "sigkill:rank=1,step=1,phase=shadow",
                    extra=("--shadows", "2"))
     assert got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+    evs = events(tmp_path / "run")
+    assert [e["fields"]["phase"] for e in evs if e["kind"] == "fault_injected"] == ["optimizer", "shadow"]
+    assert sum(1 for e in evs if e["kind"] == "shadow_assigned" and e["rank"] == 1) == 2
 
 
 def test_python_exception_in_a_rank(tmp_path, reference):

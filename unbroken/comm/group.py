@@ -172,7 +172,7 @@ class Comm:
         order, and starting a thread per op cost ~1.5 ms each on a loaded 2-core machine
         (Thread.start() waits until the new thread has been scheduled).
         """
-        if self._retired:
+        if self._retired:  # its waiter thread is gone: nothing would ever finish the op
             raise CollectiveError(f"{what}: generation {self.gen} is retired; its group takes no more ops")
         p = Pending(what)
         if self._waiter is None:
@@ -217,6 +217,18 @@ class Comm:
         self.finish(self.start(work, what))
 
     # --- collectives ---------------------------------------------------------------
+    def _issue(self, op: Callable[[], dist.Work], what: str) -> dist.Work:
+        """Issue one op. gloo's send/recv touch the socket at once: on a link already closed
+        (a dead peer, a retired generation) they raise there, not in wait(). Either way it
+        is a failed collective, never a bare RuntimeError escaping recovery."""
+        if self._retired:
+            raise CollectiveError(f"{what}: generation {self.gen} is retired; its group takes no more ops")
+        try:
+            return op()
+        except RuntimeError as e:
+            raise CollectiveError(f"{what} failed at issue in generation {self.gen}: "
+                                  f"{str(e).splitlines()[0][:200]}") from e
+
     def allreduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, what: str = "allreduce") -> None:
         self.finish(self.allreduce_start(t, op, what))
 
@@ -225,24 +237,25 @@ class Comm:
         """Issue an all-reduce and return at once; `finish()` it later (ops complete in issue order)."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        return self.start(self.pg.allreduce([t], opts), what)
+        return self.start(self._issue(lambda: self.pg.allreduce([t], opts), what), what)
 
     def alltoall_start(self, out: torch.Tensor, inp: torch.Tensor, what: str = "all-to-all") -> "Pending":
         """inp[s] goes to rank s, out[m] comes from rank m (first dimension = world); one op."""
-        return self.start(self.pg.alltoall_base(out, inp, [], [], dist.AllToAllOptions()), what)
+        return self.start(self._issue(lambda: self.pg.alltoall_base(out, inp, [], [], dist.AllToAllOptions()), what),
+                          what)
 
     def send_start(self, t: torch.Tensor, dst: int, tag: int, what: str = "send") -> "Pending":
         """Point-to-point send of a contiguous tensor; `finish()` it later."""
-        return self.start(self.pg.send([t], dst, tag), what)
+        return self.start(self._issue(lambda: self.pg.send([t], dst, tag), what), what)
 
     def recv_start(self, t: torch.Tensor, src: int, tag: int, what: str = "recv") -> "Pending":
         """Point-to-point receive into a contiguous tensor; `finish()` it later."""
-        return self.start(self.pg.recv([t], src, tag), what)
+        return self.start(self._issue(lambda: self.pg.recv([t], src, tag), what), what)
 
     def broadcast(self, t: torch.Tensor, src: int, what: str = "broadcast") -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
-        self._wait(self.pg.broadcast([t], opts), what)
+        self._wait(self._issue(lambda: self.pg.broadcast([t], opts), what), what)
 
     def reduce(self, t: torch.Tensor, dst: int, op: dist.ReduceOp, what: str = "reduce") -> None:
         self.finish(self.reduce_start(t, dst, op, what))
@@ -250,13 +263,13 @@ class Comm:
     def reduce_start(self, t: torch.Tensor, dst: int, op: dist.ReduceOp, what: str = "reduce") -> "Pending":
         opts = dist.ReduceOptions()
         opts.reduceOp, opts.rootRank, opts.rootTensor = op, dst, 0
-        return self.start(self.pg.reduce([t], opts), what)
+        return self.start(self._issue(lambda: self.pg.reduce([t], opts), what), what)
 
     def allgather_into(self, out: torch.Tensor, mine: torch.Tensor, what: str = "allgather") -> None:
         """`out` is (world * n,) and `mine` is out's slice for this rank (n,)."""
         n = mine.numel()
         outs = [out[i * n:(i + 1) * n] for i in range(self.world)]
-        self._wait(self.pg.allgather([outs], [mine]), what)
+        self._wait(self._issue(lambda: self.pg.allgather([outs], [mine]), what), what)
 
     def allgather_object(self, obj: object, what: str = "allgather_object", cap: int = 16 << 10) -> list:
         """Small metadata exchange, pickled. One all-gather of `cap`-byte slots; only when some

@@ -1,6 +1,8 @@
 """A rank's uncaught exception, recorded where the leader can judge it.
 
-A crash of the user's code is retried like any other process loss, once. If the same
+A crash of the user's code is retried like any other process loss, once. (Exceptions of
+unbroken's own classes — a collective that failed, a recovery that could not proceed —
+are infrastructure faults and never judged this way.) If the same
 exception (type, message, raising line) comes back at the same step, it is a bug in the
 script, not bad luck: retrying it only burns the budget and hides the traceback. The
 process that raised writes `crash/{proc}` (step, error, fingerprint, traceback) to the
@@ -46,6 +48,9 @@ def record(exc: BaseException) -> None:
     """Called by the process entry point with the exception that ends the process."""
     if _ctx is None:
         return  # not (yet) an unbroken process: the exit status alone reports it
+    if type(exc).__module__.startswith("unbroken."):
+        return  # the runtime's own verdict (a collective that failed, a recovery that could not
+        # proceed): an infrastructure fault, never the script's bug, however often it repeats
     try:
         _ctx.store.set(f"crash/{_ctx.proc}", json.dumps(describe(exc)))
     except Exception:  # noqa: BLE001 - the store is gone: the job is over anyway

@@ -9,7 +9,7 @@ the rank discards the averaged gradient it just received and raises CollectiveEr
 Phases: forward, backward, allreduce, reduced (the gradient all-reduce just completed), optimizer (before chunk `chunk`), midchunk (inside
 chunk `chunk`, parameters updated but not yet the Adam moments), parity (delta of window
 `chunk`), allgather, checkpoint, recovery (a survivor, during a recovery), shadow (the
-shadow chosen for `rank`, right after assignment), build (initial parity build).
+shadow chosen for `rank`, right after assignment; its step is always 1: it has no state yet), build (initial parity build).
 Each spec fires at most once per job: the store's atomic counter decides who fires.
 """
 from __future__ import annotations

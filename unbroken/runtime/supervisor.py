@@ -81,7 +81,9 @@ class Supervisor:
                "UNBROKEN_FAULTS": json.dumps([str(f) for f in opts.faults]), "OMP_NUM_THREADS": str(cfg.threads)}
         self.table = ProcessTable(self.run_dir, env, list(opts.script))
         self.gen: membership.Generation | None = None
-        self.faults_seen = 0
+        self.fault_log = membership.FaultLogReader(self.store, on_lost=lambda i, w: self.events.emit(
+            "warning", message=f"fault record {i} never written ({w:.1f}s after its index was taken): "
+                               "its reporter died between add and set"))
         self.rate = RecoveryRateLimit(cfg.max_recoveries_per_hour)
         self.leases: lease.NodeLeases | None = None  # the leader's, once every node joined
         self.pool = ShadowPoolSizer(cfg.max_shadows) if cfg.shadows == "auto" else None
@@ -257,13 +259,8 @@ class Supervisor:
         """Read the fault log: a process lost (or to be replaced) starts the next generation;
         members' failed collectives with nobody lost may mean a broken link (_check_link)."""
         self.crashes.check_fatal()
-        n = self.store.add("faults/n", 0)
         dead = {}
-        while self.faults_seen < n:
-            f = membership.get(self.store, f"faults/{self.faults_seen}")
-            self.faults_seen += 1
-            if f is None:
-                continue
+        for f in self.fault_log.take():  # a record whose key lands late is read on a later tick
             if f["fault"] == "collective_error":
                 if f["gen"] == self.gen.gen:
                     if self._collerr is None or self._collerr["gen"] != f["gen"]:

@@ -120,9 +120,10 @@ class Trainer:
     def _start_as_worker(self, rank: int) -> None:
         self.st.has_state = True
         self._build_state(rank)
-        self._join(membership.read_generation(self.ctx.store, 0, self.cfg.collective_timeout_s))
         self.ctx.set_phase("build", 0)
         try:
+            # a member lost while generation 0 connects supersedes it: recover like any other loss
+            self._join(membership.read_generation(self.ctx.store, 0, self.cfg.collective_timeout_s))
             try:
                 self._check_layout()
             except LayoutMismatch as e:
