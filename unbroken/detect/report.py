@@ -177,7 +177,7 @@ class _FaultWalk:
     def walk(self) -> "_FaultWalk":
         handlers = {"fault_injected": self.injections.append, "fault_detected": self._detected,
                     "fault_classified": self._classified, "recovered": self._recovered,
-                    "recovery_phase": self._phase}
+                    "recovery_phase": self._phase, "shadow_assigned": self._shadow}
         for ev in self.run.events:
             h = handlers.get(ev.kind)
             if h is not None:
@@ -203,7 +203,7 @@ class _FaultWalk:
         f = {"run": self.run.name, "class": str(ev.fields.get("fault", "unknown")), "cls": None,
              "rank": rank, "node": node, "proc": ev.fields.get("proc"), "time_s": ev.time - self.start,
              "detected_after_s": None if occurred is None else ev.time - occurred,
-             "action": None, "recovered_s": None, "false_positive": fp, "_t": ev.time}
+             "action": None, "recovered_s": None, "shadow": None, "false_positive": fp, "_t": ev.time}
         self.faults.append(f)
         if not fp:
             self.open.append(f)
@@ -225,6 +225,12 @@ class _FaultWalk:
     def _phase(self, ev: Event) -> None:
         if ev.fields.get("phase") == "redo":
             self._saw_redo = True
+
+    def _shadow(self, ev: Event) -> None:
+        """The open incidents' replacement: "cold" (not ready when assigned) wins over "warm"."""
+        kind = ev.fields.get("shadow") or ("cold" if ev.fields.get("cold") else "warm")
+        for f in self.open:
+            f["shadow"] = "cold" if "cold" in (kind, f["shadow"]) else "warm"
 
     def _recovered(self, ev: Event) -> None:
         for f in self.open:

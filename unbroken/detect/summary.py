@@ -48,8 +48,9 @@ def _faults(r: dict[str, Any]) -> Section:
     many = len(r["runs"]) > 1   # name the run only when there is more than one
     rows = [([f["run"]] if many else []) + [
         _f(f["time_s"], "", 2), f["class"], _f(f["rank"]), _f(f["node"]), _f(f["detected_after_s"], " s"),
-        _f(f["action"]), _f(f["recovered_s"], " s"), "FP" if f["false_positive"] else ""] for f in r["faults"]]
-    headers = ["t (s)", "class", "rank", "node", "detected after", "action", "recovered after", "FP"]
+        _f(f["action"]), _f(f.get("shadow")), _f(f["recovered_s"], " s"), "FP" if f["false_positive"] else ""]
+        for f in r["faults"]]
+    headers = ["t (s)", "class", "rank", "node", "detected after", "action", "shadow", "recovered after", "FP"]
     return "Faults", (["run"] if many else []) + headers, rows
 
 

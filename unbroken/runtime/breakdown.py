@@ -3,7 +3,8 @@
 kill: the `fault_injected` event (or the detection time when the fault was not ours);
 detect: supervisor's `fault_detected`; decide: generation published; regroup: new
 groups built; rebuild: state restored; redo: first step completed afterwards. Each record
-also carries the steps it lost (`detect.report.steps_lost_by_gen`).
+also carries the steps it lost (`detect.report.steps_lost_by_gen`) and whether its
+replacement was a warm shadow or had to start cold.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def recoveries(events: list[Event]) -> list[dict]:
             "gen": gen_no, "complete": True, "fault": det.fields.get("fault"), "rank": det.rank,
             "path": "tier2" if restored else rec[0].fields.get("path"), "resumed_at_step": resumed_step + 1,
             "steps_redone": rec[0].fields.get("steps_redone", 0) if rec else 0, "steps_lost": lost.get(gen_no),
+            "shadow": _shadow(events, gen_no),
             "detect_s": det.time - kill_t, "decide_s": g.time - det.time, "regroup_s": regroup - g.time,
             "rebuild_s": rebuild - regroup, "redo_s": done - rebuild, "recovery_s": done - kill_t,
         })
@@ -58,6 +60,14 @@ def steps_lost_total(events: list[Event]) -> int | None:
     if lost and lost[max(lost)] is None:
         return None
     return sum(n for n in lost.values() if n is not None)
+
+
+def _shadow(events: list[Event], gen: int) -> str | None:
+    """"cold" if a replacement of this generation was not ready when assigned (the recovery
+    waited for its start-up), "warm" if every one was; None when nobody was replaced."""
+    kinds = [e.fields.get("shadow") or ("cold" if e.fields.get("cold") else "warm")
+             for e in events if e.kind == "shadow_assigned" and e.fields.get("gen") == gen]
+    return None if not kinds else ("cold" if "cold" in kinds else "warm")
 
 
 def _end(events: list[Event], phase: str, gen: int) -> float | None:

@@ -152,10 +152,11 @@ def print_summary(s: dict, console: Console | None = None) -> None:
     recs = [r for r in s.get("recoveries", []) if r.get("complete")]
     if recs:
         rt = Table(title="recoveries (seconds)")
-        for col in ("gen", "fault", "rank", "path", "detect", "decide", "regroup", "rebuild", "redo", "kill→step done"):
+        for col in ("gen", "fault", "rank", "path", "shadow", "detect", "decide", "regroup", "rebuild", "redo",
+                    "kill→step done"):
             rt.add_column(col)
         for r in recs:
-            rt.add_row(str(r["gen"]), str(r["fault"]), str(r["rank"]), str(r["path"]),
+            rt.add_row(str(r["gen"]), str(r["fault"]), str(r["rank"]), str(r["path"]), str(r.get("shadow") or "-"),
                        *(f"{r[k]:.3f}" for k in ("detect_s", "decide_s", "regroup_s", "rebuild_s", "redo_s",
                                                  "recovery_s")))
         console.print(rt)
