@@ -102,6 +102,10 @@ def test_a_whole_node_lost_is_one_incident_and_its_ranks_are_replaced(tmp_path, 
             os.kill(pid, signal.SIGKILL)
     summary = json.loads(out)
     assert summary["ok"] and summary["ranks_agree"]
+    # parity groups are strided across nodes ({0,2}, {1,3}): the node's loss costs each group one
+    # member, so both shards are decoded from tier 1 in place and no step is lost
+    [rec] = summary["recoveries"]
+    assert rec["path"] == "tier1" and summary["steps_lost"] == 0, rec
     [lost] = _kinds(run_dir, "node_lost")
     assert lost["fields"]["node"] == 1 and lost["fields"]["ranks"] == [2, 3]
     detected = [e for e in _kinds(run_dir, "fault_detected") if e["fields"]["fault"] != "collective_error"]

@@ -112,3 +112,24 @@ def test_shapes_that_cannot_hold_the_patterns_are_refused(bad, match):
     args = dict(world_size=4, steps=12, parity_group=2, protect_every=4, checkpoint_every=2) | bad
     with pytest.raises(ValueError, match=match):
         ChaosShape(**args)
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=SEEDS, nnodes=st.sampled_from([2, 4]))
+def test_across_nodes_a_node_loss_never_takes_node_0_and_comes_alone_or_with_a_harmless_fault(seed, nnodes):
+    shape = ChaosShape(world_size=8, steps=12, parity_group=2, protect_every=4, checkpoint_every=2, nnodes=nnodes)
+    assert "node_loss" in shape.patterns
+    seen = set()
+    for s in schedules(seed, 2 * len(shape.patterns), shape):
+        seen.add(s.pattern)
+        if s.pattern != "node_loss":
+            continue
+        first, *rest = s.faults
+        assert first.kind in ("nodekill", "nodestop") and shape.node_of(first.rank) > 0
+        assert all(f.kind in ("nan", "linkdrop") and shape.node_of(f.rank) == 0 for f in rest)
+    assert seen == set(shape.patterns)
+
+
+def test_a_one_node_job_never_draws_a_node_loss():
+    shape = ChaosShape(world_size=4, steps=12, parity_group=2, protect_every=4, checkpoint_every=2)
+    assert all(s.pattern != "node_loss" for s in schedules(0, 50, shape))

@@ -41,6 +41,7 @@ class ChaosArgs:
     world_size: int = 4
     parity_group: int = 2
     timeout_s: float = 120.0
+    nnodes: int = 1  # > 1: every job is that many supervisors on loopback, and whole nodes are lost
 
     def __post_init__(self) -> None:
         if self.runs < 1:
@@ -52,13 +53,13 @@ class ChaosArgs:
     @property
     def shape(self) -> ChaosShape:
         return ChaosShape(world_size=self.world_size, steps=self.steps, parity_group=self.parity_group,
-                          protect_every=CONFIG["protect_every"], checkpoint_every=CHECKPOINT_EVERY)
+                          protect_every=CONFIG["protect_every"], checkpoint_every=CHECKPOINT_EVERY, nnodes=self.nnodes)
 
     def job_args(self, config: Path) -> list[str]:
         """`unbroken run` arguments shared by the reference, every schedule and its reproduce line."""
         return ["--world-size", str(self.world_size), "--steps", str(self.steps), *MODEL_ARGS,
                 "--parity-group", str(self.parity_group), "--checkpoint-every", str(CHECKPOINT_EVERY),
-                "--config", str(config)]
+                "--config", str(config), *(["--shadows", str(self.nnodes)] if self.nnodes > 1 else [])]
 
 
 @dataclass
@@ -74,31 +75,49 @@ def config_text() -> str:
     return "".join(f"{k} = {v}\n" for k, v in CONFIG.items())
 
 
-def run_job(run_dir: Path, args: list[str], *, timeout_s: float) -> JobResult:
-    """One `unbroken run` in its own process group; on timeout the whole group is killed.
-    Nothing of the job outlives this call."""
+def node_args(nnodes: int, node: int, port: int) -> list[str]:
+    return ["--nnodes", str(nnodes), "--node-rank", str(node), "--port", str(port)] if nnodes > 1 else []
+
+
+def run_job(run_dir: Path, args: list[str], *, timeout_s: float, nnodes: int = 1) -> JobResult:
+    """One `unbroken run` per node, each in its own process group (several nodes: supervisors on
+    loopback sharing the run dir); node 0's summary is the job's. On timeout every group is
+    killed. Nothing of the job outlives this call."""
     run_dir = run_dir.resolve()
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir), "--no-progress", "--json", *args]
+    port = _free_port() if nnodes > 1 else 0
+    base = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir), "--no-progress", "--json", *args]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    procs = [subprocess.Popen(base + node_args(nnodes, n, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for n in range(nnodes)]
+    proc = procs[0]
     try:
         out, err = proc.communicate(timeout=timeout_s)
         rc = proc.returncode
     except subprocess.TimeoutExpired:
         rc = None
-        _kill_group(proc.pid)
+        for p in procs:
+            _kill_group(p.pid)
         kill_leftovers(run_dir)  # then nobody holds the pipes open
         out, err = proc.communicate(timeout=REAP_S)
     finally:
         wall = time.monotonic() - t0
-        _kill_group(proc.pid)  # anything the job left in its group after its supervisor exited
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=REAP_S)
+        for p in procs:  # anything a job left in its group after its supervisor exited; a frozen node
+            _kill_group(p.pid)
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=REAP_S)
         kill_leftovers(run_dir)
     return JobResult(rc=rc, summary=_parse_summary(out), wall_s=wall, stderr_tail=err[-2000:],
                      fired=_fired(run_dir))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _kill_group(pgid: int) -> None:
@@ -183,23 +202,27 @@ def classify(res: JobResult, *, reference_sha: str, world_size: int) -> tuple[st
     return "passed", ""
 
 
-def reproduce(args: list[str], sched: Schedule) -> str:
-    return shlex.join(["unbroken", "run", *args, *(x for spec in sched.specs for x in ("--inject", spec))])
+def reproduce(args: list[str], sched: Schedule, nnodes: int = 1) -> str:
+    """The command line(s): one `unbroken run` per node (a free port in place of 29511)."""
+    injects = [x for spec in sched.specs for x in ("--inject", spec)]
+    lines = [shlex.join(["unbroken", "run", *args, *injects, *node_args(nnodes, n, 29511)]) for n in range(nnodes)]
+    return " & ".join(lines[1:] + lines[:1])  # joiners in the background, node 0 in front
 
 
 def run_schedule(sched: Schedule, root: Path, args: list[str], *, reference_sha: str, world_size: int,
-                 timeout_s: float) -> dict:
+                 timeout_s: float, nnodes: int = 1) -> dict:
     """Run one schedule; its record for `per_schedule`."""
     run_dir = root / f"{sched.index:03d}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    res = run_job(run_dir, [*args, *(x for spec in sched.specs for x in ("--inject", spec))], timeout_s=timeout_s)
+    res = run_job(run_dir, [*args, *(x for spec in sched.specs for x in ("--inject", spec))], timeout_s=timeout_s,
+                  nnodes=nnodes)
     outcome, reason = classify(res, reference_sha=reference_sha, world_size=world_size)
     s = res.summary or {}
     return {"index": sched.index, "pattern": sched.pattern, "specs": sched.specs, "outcome": outcome,
             "reason": reason, "wall_s": round(res.wall_s, 3), "steps_lost": s.get("steps_lost"),
             "recoveries": len(s.get("recoveries") or []), "unfired": [x for x in sched.specs if x not in res.fired],
-            "run_dir": str(run_dir.resolve()), "reproduce": reproduce(args, sched)}
+            "run_dir": str(run_dir.resolve()), "reproduce": reproduce(args, sched, nnodes)}
 
 
 def run_chaos(a: ChaosArgs, *, out: Path, work_dir: Path,
@@ -211,11 +234,11 @@ def run_chaos(a: ChaosArgs, *, out: Path, work_dir: Path,
     atomic_write_bytes(config, config_text().encode())
     args = a.job_args(config)
     if reference_sha is None:
-        reference_sha = _reference(work_dir / "reference", args, a.timeout_s)
+        reference_sha = _reference(work_dir / "reference", args, a.timeout_s, a.nnodes)
     per = []
     for sched in schedules(a.seed, a.runs, a.shape):
         rec = run_schedule(sched, work_dir, args, reference_sha=reference_sha, world_size=a.world_size,
-                           timeout_s=a.timeout_s)
+                           timeout_s=a.timeout_s, nnodes=a.nnodes)
         if rec["outcome"] == "passed":
             shutil.rmtree(rec.pop("run_dir"), ignore_errors=True)
         echo(_line(rec))
@@ -231,8 +254,8 @@ def run_chaos(a: ChaosArgs, *, out: Path, work_dir: Path,
     return record
 
 
-def _reference(run_dir: Path, args: list[str], timeout_s: float) -> str:
-    res = run_job(run_dir, args, timeout_s=timeout_s)
+def _reference(run_dir: Path, args: list[str], timeout_s: float, nnodes: int = 1) -> str:
+    res = run_job(run_dir, args, timeout_s=timeout_s, nnodes=nnodes)
     s = res.summary or {}
     if res.rc != 0 or not s.get("ok") or not s.get("weights_sha256"):
         raise ReferenceFailed(f"the failure-free reference run failed (exit {res.rc}, run dir {run_dir}): "
@@ -266,13 +289,15 @@ def chaos(
     world_size: int = typer.Option(4, "--world-size"),
     parity_group: int = typer.Option(2, "--parity-group"),
     timeout_s: float = typer.Option(120.0, "--timeout-s", help="wall-clock limit per job; past it: hung"),
+    nnodes: int = typer.Option(1, "--nnodes", help="supervisors per job (on loopback); > 1 adds whole-node losses"),
     out: Path = typer.Option(Path("bench/results/chaos.json"), "--out", help="the JSON record"),
     keep_runs: Optional[Path] = typer.Option(None, "--keep-runs", help="keep every run dir under DIR"),
 ) -> None:
-    """Random fault schedules (sigkill, sigstop, exception, nan, linkdrop), each compared bitwise with a failure-free run."""
+    """Random fault schedules (sigkill, sigstop, exception, nan, linkdrop; with --nnodes > 1 whole-node
+    losses), each compared bitwise with a failure-free run."""
     try:
         a = ChaosArgs(runs=runs, seed=seed, steps=steps, world_size=world_size, parity_group=parity_group,
-                      timeout_s=timeout_s)
+                      timeout_s=timeout_s, nnodes=nnodes)
     except ValueError as e:
         fail(str(e))
     work = keep_runs or Path(tempfile.mkdtemp(prefix="unbroken-chaos-"))

@@ -2,11 +2,14 @@
 
 Patterns: one fault; faults in adjacent steps (same rank or another); the same step on
 two ranks; a fault on a survivor during the recovery from a first fault; a fault in the
-shadow being started for a rank that just died. Kinds: sigkill, sigstop, exception (lethal:
-the process is lost and replaced), nan and linkdrop (the process lives on).
+shadow being started for a rank that just died; and, when the job spans several nodes, the
+loss of a whole node (nodekill: its supervisor and every process there SIGKILLed; nodestop:
+all of them frozen), never node 0 (the store's host). Kinds: sigkill, sigstop, exception
+(lethal: the process is lost and replaced), nan and linkdrop (the process lives on).
 
-Tier 1 rebuilds one lost member per parity group (groups are contiguous: rank //
-parity_group) per incident. Two lethal losses in one group in the same incident fall back
+Tier 1 rebuilds one lost member per parity group per incident (groups are consecutive
+ranks on one node, strided across nodes so that a node loss costs each group one member:
+`parallel.groups.ParityGroups`). Two lethal losses in one group in the same incident fall back
 to a tier-2 checkpoint and may lose steps, so the patterns whose two faults belong to one
 incident (same step, during recovery) put two lethal faults in different parity groups;
 nan and linkdrop may land anywhere. Fault steps lie in 2..steps-1, except a shadow's: its
@@ -17,12 +20,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from unbroken.runtime.faults import KINDS, PHASES, FaultSpec
+from unbroken.parallel.groups import ParityGroups
+from unbroken.runtime.faults import KINDS, NODE_KINDS, PHASES, FaultSpec
 
 CHAOS_KINDS = ("sigkill", "sigstop", "exception", "nan", "linkdrop")
 LETHAL = ("sigkill", "sigstop", "exception")
 PATTERNS = ("single", "adjacent_same_rank", "adjacent_other_rank", "same_step", "during_recovery",
             "shadow_startup")
+NODE_PATTERNS = ("node_loss",)  # added to the rotation when the job spans several nodes
 # Points inside a training step. parity and checkpoint only exist on some steps (see _phases).
 STEP_PHASES = ("forward", "backward", "allreduce", "reduced", "optimizer", "midchunk", "parity", "allgather",
                "checkpoint")
@@ -49,6 +54,7 @@ class ChaosShape:
     parity_group: int
     protect_every: int  # tier-1 parity steps: multiples of it (the `parity` phase exists only there)
     checkpoint_every: int  # tier-2 checkpoint steps: multiples of it (the `checkpoint` phase); 0 = off
+    nnodes: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 2:
@@ -59,12 +65,21 @@ class ChaosShape:
         if self.parity_group < 2 or self.world_size % group:
             raise ValueError(f"--parity-group must be >= 2 and divide --world-size {self.world_size}, "
                              f"got {self.parity_group}")
+        if self.nnodes < 1 or self.world_size % self.nnodes or self.world_size // self.nnodes < 1:
+            raise ValueError(f"--nnodes must divide --world-size {self.world_size}, got {self.nnodes}")
         if self.protect_every < 1 or self.checkpoint_every < 0:
             raise ValueError(f"protect_every must be >= 1 and checkpoint_every >= 0, got "
                              f"{self.protect_every} and {self.checkpoint_every}")
 
     def group_of(self, rank: int) -> int:
-        return rank // min(self.parity_group, self.world_size)
+        return ParityGroups(self.world_size, min(self.parity_group, self.world_size), self.nnodes).group_of(rank)
+
+    def node_of(self, rank: int) -> int:
+        return rank // (self.world_size // self.nnodes)
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        return PATTERNS + (NODE_PATTERNS if self.nnodes > 1 else ())
 
 
 @dataclass(frozen=True)
@@ -85,7 +100,7 @@ def schedules(seed: int, n: int, shape: ChaosShape) -> list[Schedule]:
 def schedule(seed: int, index: int, shape: ChaosShape) -> Schedule:
     """Schedule `index` of `seed`. Patterns take turns (so any 6 consecutive schedules hold
     each once); everything else is drawn from an RNG seeded by (seed, index) alone."""
-    pattern = PATTERNS[(seed + index) % len(PATTERNS)]
+    pattern = shape.patterns[(seed + index) % len(shape.patterns)]
     rng = random.Random(f"unbroken-chaos:{seed}:{index}")
     return Schedule(index, pattern, _DRAW[pattern](rng, shape))
 
@@ -124,6 +139,17 @@ def _shadow_startup(rng: random.Random, shape: ChaosShape) -> tuple[FaultSpec, .
             FaultSpec(kind=rng.choice(CHAOS_KINDS), rank=a, step=SHADOW_STEP, phase="shadow"))
 
 
+def _node_loss(rng: random.Random, shape: ChaosShape) -> tuple[FaultSpec, ...]:
+    # a rank on node >= 1 takes its node down; maybe a non-lethal fault on node 0 in the same step
+    step = _step(rng, shape)
+    rank = rng.choice([r for r in range(shape.world_size) if shape.node_of(r) > 0])
+    out = (_fault(rng, shape, rng.choice(NODE_KINDS), rank, step, phases=AFTER_FIRST),)
+    if rng.random() < 0.5:
+        mates = [r for r in range(shape.world_size) if shape.node_of(r) == 0]
+        out += (_fault(rng, shape, rng.choice(("nan", "linkdrop")), rng.choice(mates), step, phases=AFTER_FIRST),)
+    return out
+
+
 _DRAW = {
     "single": _single,
     "adjacent_same_rank": lambda rng, shape: _adjacent(rng, shape, same_rank=True),
@@ -131,8 +157,9 @@ _DRAW = {
     "same_step": _same_step,
     "during_recovery": _during_recovery,
     "shadow_startup": _shadow_startup,
+    "node_loss": _node_loss,
 }
-assert tuple(_DRAW) == PATTERNS
+assert tuple(_DRAW) == PATTERNS + NODE_PATTERNS
 
 
 def _partner(rng: random.Random, shape: ChaosShape, kind: str, rank: int) -> tuple[str, int]:

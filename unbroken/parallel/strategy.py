@@ -17,6 +17,7 @@ import torch.nn as nn
 from unbroken.comm.group import Comm
 from unbroken.parallel.adamw import AdamW
 from unbroken.parallel.flat import FlatModel
+from unbroken.parallel.groups import ParityGroups
 from unbroken.protect.chunks import ChunkedState
 from unbroken.protect.tier1 import PIPELINE, ParityLayout, Tier1
 from unbroken.protect.txn import StepScalars, TxnLog
@@ -26,7 +27,8 @@ Point = Callable[[str, int], None]  # fault-injection hook: point(phase, chunk)
 
 class OwnedState:
     def __init__(self, model: nn.Module, *, strategy: str, rank: int, world: int, group_size: int,
-                 chunk_elems: int, optim: AdamW, protect_every: int = 1, grad_slots: int | None = None) -> None:
+                 chunk_elems: int, optim: AdamW, protect_every: int = 1, grad_slots: int | None = None,
+                 nnodes: int = 1) -> None:
         self.strategy, self.rank, self.world, self.optim = strategy, rank, world, optim
         sharded = strategy == "zero1"
         self.k = group_size if (sharded and group_size >= 2) else 1
@@ -42,7 +44,8 @@ class OwnedState:
         self.state = ChunkedState([self.flat.params[self.lo:self.hi], self.m, self.v], self.flat.chunk_elems,
                                   trailer_words=trailer)
         self.layout = ParityLayout(self.k, self.state.n_chunks) if self.k >= 2 else None
-        self.member = rank % self.k
+        self.groups = ParityGroups(world, self.k, nnodes)  # who protects whom (spread over nodes)
+        self.member = self.groups.member_of(rank)
         self.txn = TxnLog(self.state.n_chunks, self.layout.n_windows if self.layout else 0)
         self.tier1, self.snap = None, None
         if self.layout:

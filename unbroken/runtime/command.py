@@ -12,7 +12,7 @@ from rich.table import Table
 
 from unbroken.cli_error import fail
 from unbroken.config import ConfigError, build_config
-from unbroken.runtime.faults import FaultSpec, chaos_schedule
+from unbroken.runtime.faults import NODE_KINDS, FaultSpec, chaos_schedule
 from unbroken.runtime.run import launch, new_run_dir
 from unbroken.runtime.crash import SoftwareFault
 from unbroken.runtime.supervisor import LaunchError, LaunchOptions
@@ -130,6 +130,7 @@ def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, in
             token=token, nnodes=nnodes or _env_int("NNODES") or 1,
             node_rank=node_rank if node_rank is not None else (_env_int("NODE_RANK") or 0),
             faults=tuple(faults))
+        _check_node_faults(faults, cfg.world_size, opts.nnodes)
         return launch(cfg, opts, progress=progress)
     except SoftwareFault as e:
         typer.secho(f"software fault (not retried): {e}", err=True, fg=typer.colors.RED)
@@ -139,6 +140,16 @@ def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, in
     except KeyboardInterrupt:
         typer.secho("interrupted: every process of the job was stopped", err=True)
         raise typer.Exit(130)
+
+
+def _check_node_faults(faults: list[FaultSpec], world: int, nnodes: int) -> None:
+    """nodekill/nodestop take down the rank's whole node: never node 0, which hosts the store."""
+    local = world // nnodes if world % nnodes == 0 else world
+    for f in faults:
+        if f.kind in NODE_KINDS and f.rank // local == 0:
+            raise ConfigError(f"fault {f} would take down node 0, which hosts the job's store; name a rank on "
+                              f"node 1..{nnodes - 1} (ranks {local}..{world - 1})" if nnodes > 1 else
+                              f"fault {f} takes down a whole node: it needs a job of several nodes (--nnodes)")
 
 
 def print_summary(s: dict, console: Console | None = None) -> None:

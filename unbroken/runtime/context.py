@@ -36,6 +36,7 @@ class ProcessContext:
     port: int
     events: EventLog
     faults: FaultInjector
+    nnodes: int = 1
     phase: dict = field(default_factory=lambda: {"step": 0, "phase": "init", "gen": 0, "rank": None})
 
     @staticmethod
@@ -51,11 +52,12 @@ class ProcessContext:
         role = os.environ.get("UNBROKEN_ROLE", "worker")
         rank = int(os.environ["RANK"]) if role == "worker" else None
         node = int(os.environ.get("NODE_RANK", "0"))
+        nnodes = int(os.environ.get("NNODES", "1"))
         proc = os.environ.get("UNBROKEN_PROC", f"n{node}-r{rank}")
         events = EventLog(run_dir / "events.jsonl", source=role, rank=rank, node=node)
         specs = [FaultSpec.parse(s) for s in json.loads(os.environ.get("UNBROKEN_FAULTS", "[]"))]
         faults = FaultInjector(specs, claim=lambda i: store.add(f"fault/{i}", 1) == 1)
-        return ProcessContext(proc=proc, role=role, rank=rank, node=node, run_dir=run_dir, config=config,
+        return ProcessContext(proc=proc, role=role, rank=rank, node=node, nnodes=nnodes, run_dir=run_dir, config=config,
                               store=store, host=host, port=port, events=events, faults=faults)
 
     def set_phase(self, phase: str, step: int | None = None) -> None:

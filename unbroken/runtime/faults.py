@@ -5,7 +5,11 @@ bitflip (silent corruption of this rank's tier-1 parity chunk `chunk`), slow (fr
 step on the rank spends `ms` extra milliseconds per step: a straggler), linkdrop (every
 gloo connection of this rank is shut down, the process lives on: a broken link), collerr
 (this rank alone sees its collective fail after its peers completed it: at phase `reduced`,
-the rank discards the averaged gradient it just received and raises CollectiveError).
+the rank discards the averaged gradient it just received and raises CollectiveError),
+nodekill (the rank's whole node vanishes: its supervisor is SIGKILLed, and with it, by
+PR_SET_PDEATHSIG, every worker and shadow there), nodestop (the whole node freezes: its
+supervisor and every process it started are SIGSTOPped). Both need a rank on node >= 1:
+node 0 hosts the store.
 Phases: forward, backward, allreduce, reduced (the gradient all-reduce just completed), optimizer (before chunk `chunk`), midchunk (inside
 chunk `chunk`, parameters updated but not yet the Adam moments), parity (delta of window
 `chunk`), allgather, checkpoint, recovery (a survivor, during a recovery), shadow (the
@@ -19,7 +23,9 @@ import random
 import signal
 from dataclasses import dataclass
 
-KINDS = ("sigkill", "sigstop", "exception", "nan", "bitflip", "slow", "linkdrop", "collerr")
+KINDS = ("sigkill", "sigstop", "exception", "nan", "bitflip", "slow", "linkdrop", "collerr", "nodekill",
+         "nodestop")
+NODE_KINDS = ("nodekill", "nodestop")  # faults of the rank's whole node, not of the rank
 PHASES = ("forward", "backward", "allreduce", "reduced", "optimizer", "midchunk", "parity", "allgather",
           "checkpoint", "recovery", "shadow", "build")
 
@@ -113,3 +119,38 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif spec.kind == "exception":
             raise InjectedFault(f"injected exception at {spec}")
+        elif spec.kind == "nodekill":  # the supervisor's children die with it (PR_SET_PDEATHSIG)
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif spec.kind == "nodestop":
+            _freeze_node()
+
+
+def _freeze_node() -> None:
+    """SIGSTOP this rank's supervisor first (so it cannot react), then every process it
+    started (workers, shadows), this one last."""
+    sup = os.getppid()
+    os.kill(sup, signal.SIGSTOP)
+    for pid in _children(sup):
+        if pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _children(parent: int) -> list[int]:
+    """Direct children of `parent` (Linux /proc; the supervisor's are all direct)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[1]) == parent:  # field 4: ppid (after "comm")
+            out.append(int(name))
+    return out

@@ -202,11 +202,11 @@ def _log_source(status: list[dict], first: int, last: int) -> int | None:
 
 def _rebuild_sharded(tr: RecoveryInputs, status: list[dict], new_ranks: list[int], target: int, src: int,
                      redo: bool) -> str:
-    owned, k = tr.owned, tr.owned.k
+    owned = tr.owned
     tr.st.steps_replayed = 0
     lost_by_group: dict[int, list[int]] = {}
     for r in new_ranks:
-        lost_by_group.setdefault(r // k, []).append(r)
+        lost_by_group.setdefault(owned.groups.group_of(r), []).append(r)
     can = all(len(v) == 1 for v in lost_by_group.values())
     if target == 0:
         # Nothing was ever updated: everyone holds the initial parameters; moments are zero.
@@ -224,7 +224,7 @@ def _rebuild_sharded(tr: RecoveryInputs, status: list[dict], new_ranks: list[int
     tr.st.steps_replayed = target - oldest if new_ranks else 0  # steps the lost shard is replayed
     if point is not None and can and redo and log_src is not None:
         return _rebuild_overlapped(tr, status, lost_by_group, target, point, log_src)
-    mine_lost = lost_by_group.get(tr.rank // k, [])
+    mine_lost = lost_by_group.get(owned.groups.group_of(tr.rank), [])
     ok, buf, pv = log_src is not None, None, None
     if can and mine_lost and ok:
         try:
@@ -241,7 +241,7 @@ def _rebuild_sharded(tr: RecoveryInputs, status: list[dict], new_ranks: list[int
     transfers = _start_log_transfers(tr, status, new_ranks, oldest + 1, c_max, log_src)
     lost = mine_lost[0] if mine_lost else None
     if lost is not None:
-        tr.group.reduce(buf, dst=lost % k, op=dist.ReduceOp.BXOR, what=f"tier-1 decode of rank {lost}")
+        tr.group.reduce(buf, dst=owned.groups.member_of(lost), op=dist.ReduceOp.BXOR, what=f"tier-1 decode of rank {lost}")
     for p in transfers:
         tr.comm.finish(p)
     if not _install_and_vote(tr, buf, pv, lost, rows_at=point):
@@ -309,17 +309,17 @@ def _rebuild_overlapped(tr: RecoveryInputs, status: list[dict], lost_by_group: d
     `finish_deferred_decode` just before the step's gradient all-reduce. Until then the new
     member holds no state.
     """
-    owned, k = tr.owned, tr.owned.k
+    owned = tr.owned
     src = min(s["rank"] for s in status if not s["new"] and s["committed"] == target)
     tr.comm.broadcast(owned.flat.params, src=src, what="parameter hand-off")
     new_ranks = sorted(r for v in lost_by_group.values() for r in v)
     d = DeferredDecode(target=target, point=point, status=status, log_src=log_src)
     d.transfers = _start_log_transfers(tr, status, new_ranks, point + 1, target, log_src)
-    mine_lost = lost_by_group.get(tr.rank // k, [])
+    mine_lost = lost_by_group.get(owned.groups.group_of(tr.rank), [])
     if mine_lost:
         d.lost = mine_lost[0]
         d.pv, d.buf = _decode_input(tr, status, d.lost, rows_at=point)
-        d.pending = tr.group.reduce_start(d.buf, dst=d.lost % k, op=dist.ReduceOp.BXOR,
+        d.pending = tr.group.reduce_start(d.buf, dst=owned.groups.member_of(d.lost), op=dist.ReduceOp.BXOR,
                                           what=f"tier-1 decode of rank {d.lost}")
         if tr.rank == d.lost:
             d.expected = owned.flat.params[owned.lo:owned.hi].clone()
@@ -333,14 +333,14 @@ def _decode_input(tr: RecoveryInputs, status: list[dict], lost: int, *, rows_at:
     member's chunks, plus slot k-1 for its parity rows (at version `rows_at`) when given. The
     lost member's own buffer stays zero (the reduce's destination). Raises UnrecoverableChunk."""
     owned, k = tr.owned, tr.owned.k
-    first = (tr.rank // k) * k
-    pv = [status[first + s]["parity_ver"] for s in range(k)]
+    groups = owned.groups
+    pv = [status[r]["parity_ver"] for r in groups.ranks(groups.group_of(tr.rank))]
     rows = rows_at is not None
     buf = torch.zeros((owned.layout.n_windows, k if rows else k - 1, *owned.state.chunk_shape), dtype=torch.int32)
     if tr.rank != lost:
-        owned.tier1.decode_contribution(lost % k, pv, out=buf[:, :k - 1])
+        owned.tier1.decode_contribution(groups.member_of(lost), pv, out=buf[:, :k - 1])
         if rows:
-            owned.tier1.row_contribution(lost % k, rows_at, buf[:, k - 1])
+            owned.tier1.row_contribution(groups.member_of(lost), rows_at, buf[:, k - 1])
     return pv, buf
 
 

@@ -109,7 +109,7 @@ class Trainer:
                                 group_size=cfg.effective_parity_group if cfg.tier1 else 1,
                                 chunk_elems=max(16, cfg.chunk_kb * 1024 // 12), optim=self.optim,
                                 protect_every=self.tuner.initial_k if cfg.protect_every == "auto"
-                                else int(cfg.protect_every), grad_slots=slots)
+                                else int(cfg.protect_every), grad_slots=slots, nnodes=self.ctx.nnodes)
         self.buckets = GradBuckets(self.owned.flat, bucket_elems=max(16, self.cfg.bucket_kb * 1024 // 4))
         self.local_grads = torch.empty_like(self.owned.flat.grads)
         if self.ctx.role == "worker" or self.st.has_state is not None:
@@ -205,8 +205,9 @@ class Trainer:
         if k < 2 or k == self.world_size:
             self.group = self.comm
         else:
-            self.group = Comm(membership.group_store(pg_store, gen.gen, f"parity{self.rank // k}"),
-                              rank=self.rank % k, world=k, gen=gen.gen,
+            groups = self.owned.groups
+            self.group = Comm(membership.group_store(pg_store, gen.gen, f"parity{groups.group_of(self.rank)}"),
+                              rank=groups.member_of(self.rank), world=k, gen=gen.gen,
                               timeout_s=cfg.collective_timeout_s, interrupted=stale)
 
     # --- the loop ------------------------------------------------------------------------
