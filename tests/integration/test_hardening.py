@@ -132,3 +132,13 @@ def test_back_to_back_failures_grow_an_auto_pool_and_cold_takeovers_are_named(tm
     takeovers = [e["fields"]["shadow"] for e in _kinds(tmp_path / "r", "shadow_assigned")]
     assert len(takeovers) == 3 and set(takeovers) <= {"warm", "cold"}
     assert "cold" in takeovers  # the pool of one was drained before it grew
+
+
+def test_every_rank_lost_at_once_restores_tier2_or_stops_saying_why(tmp_path, reference):
+    kill_all = [x for r in range(4) for x in ("--inject", f"sigkill:rank={r},step=5,phase=optimizer")]
+    got = run_job(tmp_path / "a", *SMALL, "--checkpoint-every", "2", "--shadows", "2", *kill_all)
+    assert got["ok"] and got["weights_sha256"] == reference["zero1"]["weights_sha256"]
+    restored = {e["fields"]["step"] for e in _kinds(tmp_path / "a", "tier2_restore")}
+    assert restored == {4} and got["steps_lost"] == 0  # every rank restored step 4; step 5 never committed
+    p = run_cli(tmp_path / "b", *SMALL, "--checkpoint-every", "0", "--shadows", "2", *kill_all, timeout=180)
+    assert p.returncode == 1 and "cannot be restored" in p.stderr and "checkpoint" in p.stderr, p.stderr[-2000:]

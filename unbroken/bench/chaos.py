@@ -88,8 +88,12 @@ def run_job(run_dir: Path, args: list[str], *, timeout_s: float, nnodes: int = 1
     port = _free_port() if nnodes > 1 else 0
     base = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir), "--no-progress", "--json", *args]
     t0 = time.monotonic()
-    procs = [subprocess.Popen(base + node_args(nnodes, n, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True) for n in range(nnodes)]
+    procs = []
+    for n in range(nnodes):
+        procs.append(subprocess.Popen(base + node_args(nnodes, n, port), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+        if n == 0 and nnodes > 1:
+            _wait_for_node0(run_dir, procs[0])  # node 0 creates the run dir; a joiner must not first
     proc = procs[0]
     try:
         out, err = proc.communicate(timeout=timeout_s)
@@ -110,6 +114,13 @@ def run_job(run_dir: Path, args: list[str], *, timeout_s: float, nnodes: int = 1
         kill_leftovers(run_dir)
     return JobResult(rc=rc, summary=_parse_summary(out), wall_s=wall, stderr_tail=err[-2000:],
                      fired=_fired(run_dir))
+
+
+def _wait_for_node0(run_dir: Path, node0: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Until node 0 has started its run (its events file exists), it exits, or timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and node0.poll() is None and not (run_dir / "events.jsonl").exists():
+        time.sleep(0.02)
 
 
 def _free_port() -> int:

@@ -314,11 +314,15 @@ class Detector:
             return self.config.min_deadline_s, f"floor (p99 step time {p99:.4f} s)"
         return derived, f"{self.config.deadline_factor:g} x p99 step time {p99:.4f} s"
 
-    def check(self, now: float, states: Mapping[str, str | None] | None = None) -> list[Finding]:
+    def check(self, now: float, states: Mapping[str, str | None] | None = None, *,
+              hold_hangs: bool = False) -> list[Finding]:
         """Findings since the last call. `states` maps proc -> kernel state letter
-        (`signals.read_proc_state`) where the supervisor can see the process."""
+        (`signals.read_proc_state`) where the supervisor can see the process. `hold_hangs`:
+        judge no hang or stall now (another node has gone quiet: waiting on it is not a hang
+        here); the clocks keep running, so a real one is found once the hold ends."""
         out, self._pending = self._pending, []
-        out += self._hang_findings(now, states or {})
+        if not hold_hangs:
+            out += self._hang_findings(now, states or {})
         out += self._straggler_findings(now)
         return out
 

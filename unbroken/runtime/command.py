@@ -133,7 +133,7 @@ def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, in
         _check_node_faults(faults, cfg.world_size, opts.nnodes)
         return launch(cfg, opts, progress=progress)
     except SoftwareFault as e:
-        typer.secho(f"software fault (not retried): {e}", err=True, fg=typer.colors.RED)
+        typer.secho(f"stopped, not retried: {e}", err=True, fg=typer.colors.RED)
         raise typer.Exit(1)
     except (ConfigError, ValueError, LaunchError) as e:
         fail(str(e))

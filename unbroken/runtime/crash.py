@@ -89,8 +89,7 @@ class CrashJudge:
         if f is None:
             return
         crash = self._get(f"crash/{f['proc']}") or {}
-        self.events.emit("software_fault", proc=f["proc"], step=crash.get("step"), error=f["message"],
-                         fingerprint=crash.get("fingerprint"), occurrences=1)
+        self.events.emit("job_stopped", proc=f["proc"], reason=f["message"], step=crash.get("step"))
         raise SoftwareFault(f"{f['message']}\n{crash.get('traceback', '')}".rstrip())
 
     def judge(self, proc: str) -> None:

@@ -23,13 +23,17 @@ import torch.distributed as dist
 from unbroken.comm.group import CollectiveError, Pending
 from unbroken.protect.tier1 import CorruptParity
 from unbroken.protect.txn import StepScalars, UnrecoverableChunk
-from unbroken.runtime import membership
+from unbroken.runtime import crash, membership
 from unbroken.runtime.state import RecoveryInputs
 
 
 
 class RecoveryFailed(RuntimeError):
-    """Neither tier 1 nor tier 2 can restore the job's state."""
+    """This process cannot take part in the recovery (e.g. it is no longer a member)."""
+
+
+class Unrecoverable(RecoveryFailed):
+    """Neither tier 1 nor tier 2 can restore the job's state: the job stops (exit 1)."""
 
 
 def recover(tr: RecoveryInputs, *, new_member: bool) -> None:
@@ -55,6 +59,9 @@ def recover(tr: RecoveryInputs, *, new_member: bool) -> None:
         except CollectiveError as e:
             ctx.set_phase("recovery")
             tr.report(tr.st.step_count + 1, e)
+        except Unrecoverable as e:  # every member agreed on it (same status): one tells the leader
+            crash.declare_fatal(ctx, f"the job's state cannot be restored: {e}", leader=tr.rank == min(tr.gen.members))
+            raise
 
 
 def reporter(tr: RecoveryInputs) -> bool:
@@ -90,8 +97,10 @@ def _rebuild(tr: RecoveryInputs, new_member: bool) -> None:
     status = comm.allgather_object(_status(tr, new_member), what="recovery status")
     survivors = [s for s in status if not s["new"]]
     new_ranks = [s["rank"] for s in status if s["new"]]
-    if not survivors:
-        raise RecoveryFailed("every rank of the job was lost at once; restart from a tier-2 checkpoint")
+    if not survivors:  # every rank lost at once (a whole job's nodes): only tier 2 holds the state
+        _restore_tier2(tr, reason="every rank of the job was lost at once")
+        _phase(tr, "rebuild", t0)
+        return
     if new_member:  # the survivors' protection interval (it may have been chosen by "auto")
         owned.protect_every, tr.tuner.done = survivors[0]["protect_every"], survivors[0]["tuned"]
     c_max = max(s["committed"] for s in survivors)
@@ -421,7 +430,7 @@ def _restore_tier2(tr: RecoveryInputs, *, reason: str) -> str:
     tr.comm.allreduce(agreed, op=dist.ReduceOp.MIN, what="tier-2 step agreement")
     step = None if int(agreed) < 0 else int(agreed)
     if step is None:
-        raise RecoveryFailed(f"{reason}, and no valid tier-2 checkpoint exists; "
+        raise Unrecoverable(f"{reason}, and no valid tier-2 checkpoint exists; "
                              f"enable checkpoint_every (now {cfg.checkpoint_every}) to survive this")
     tr.ctx.events.emit("tier2_restore", step=step, reason=reason)
     tensors, _meta = load_checkpoint(directory, step, rank=tr.rank if sharded else 0, world_size=world,

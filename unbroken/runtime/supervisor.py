@@ -32,7 +32,8 @@ from unbroken.runtime.watch import Watch
 
 _FAULT_TICK_S = 0.05  # how often the leader reads the fault log when nothing exited here
 _LINK_GRACE_S = 0.3  # a crashed member's exit shows within ~0.1 s; errors outliving this mean a link
-_KILL_ON = ("hang", "stall", "straggler", "health")  # faults whose process is still alive: kill it first
+_KILL_ON = ("hang", "stall", "straggler", "health")
+_QUIET_BEATS = 3  # a node that has not renewed its lease for this many heartbeats holds hang detection  # faults whose process is still alive: kill it first
 
 
 class LaunchError(RuntimeError):
@@ -88,6 +89,7 @@ class Supervisor:
         self.leases: lease.NodeLeases | None = None  # the leader's, once every node joined
         self.pool = ShadowPoolSizer(cfg.max_shadows) if cfg.shadows == "auto" else None
         self._warm: set[str] = set()  # shadows seen ready (their warm-up measured)
+        self._quiet = False  # the leader's view: some node's lease is late
         self.killed: set[str] = set()
         self.shadow_seq = 0
         self.verdicts: dict[int, bool] = {}
@@ -208,9 +210,9 @@ class Supervisor:
         """Run the detectors; record each finding and its classification, then act."""
         if self.status in ("stopping", "excluded"):
             return
-        for f, d in self.watch.poll(self.store, list(self.table.children.values()), self._rank_of):
-            if f.fault == "stall" and self.leases is not None and self.leases.late(3 * self.cfg.heartbeat_s):
-                continue  # a node has gone quiet: its lease, not a stall here, will name the fault
+        # while a node has gone quiet its lease decides: waiting on it is no hang or stall here
+        for f, d in self.watch.poll(self.store, list(self.table.children.values()), self._rank_of,
+                                    hold_hangs=self._node_quiet()):
             self.events.emit("fault_detected", rank=f.rank, **f.event_fields())
             self.events.emit("fault_classified", rank=d.rank, **d.event_fields())
             if d.exclude:
@@ -483,11 +485,23 @@ class Supervisor:
         return False
 
     def _check_leases(self) -> None:
-        """A node whose lease expired is lost: all its ranks are replaced as one incident."""
+        """A node whose lease expired is lost: all its ranks are replaced as one incident. While
+        some node is late, `lease/quiet` tells every supervisor to hold its hang detection."""
         if self.leases is None:
             return
         for node, age in self.leases.observe(self.store):
             self._lose_node(node, age)
+        quiet = self.leases.late(_QUIET_BEATS * self.cfg.heartbeat_s)
+        if quiet != self._quiet:
+            self._quiet = quiet
+            self.store.set("lease/quiet", "1" if quiet else "0")
+
+    def _node_quiet(self) -> bool:
+        if self.opts.nnodes == 1:
+            return False
+        if self.leader:
+            return self._quiet
+        return self.store.check(["lease/quiet"]) and self.store.get("lease/quiet") == b"1"
 
     def _lose_node(self, node: int, age_s: float) -> None:
         from unbroken.detect import Finding, classify

@@ -115,7 +115,8 @@ class Watch:
     def recovered(self) -> None:
         self.detector.reset(time.time())
 
-    def poll(self, store: dist.Store, children: list[Child], rank_of) -> list[tuple[Finding, Decision]]:
+    def poll(self, store: dist.Store, children: list[Child], rank_of, *,
+             hold_hangs: bool = False) -> list[tuple[Finding, Decision]]:
         now = time.time()
         states = {}
         for c in children:
@@ -130,7 +131,7 @@ class Watch:
                                                 time=hb["t"], step_s=hb.get("step_s"), wait_s=hb.get("wait_s")))
         self._host(now)
         out = []
-        for f in self.detector.check(now, states=states):
+        for f in self.detector.check(now, states=states, hold_hangs=hold_hangs):
             d = classify(f, self.offenders, can_exclude=self.nnodes > 1 and f.node != 0)
             out.append((f, d))
         return out
