@@ -26,5 +26,6 @@ def git_commit(repo: Path | None = None) -> dict:
     sha = git("rev-parse", "HEAD")
     if not sha:
         return {"commit": None, "dirty": None}
-    status = git("status", "--porcelain")
+    # results being written (bench/results/, a run's own config there) are not the code
+    status = git("status", "--porcelain", "--", ".", ":(exclude)bench/results")
     return {"commit": sha.strip(), "dirty": None if status is None else bool(status.strip())}
