@@ -52,7 +52,7 @@ def test_twenty_chaos_schedules_pass_bitwise(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(201 * PER_JOB_S)
 def test_two_hundred_chaos_schedules_pass_bitwise(tmp_path):
-    p = _chaos_cli(tmp_path, "--runs", "200", "--seed", "1", timeout=201 * PER_JOB_S - 20)
+    p = _chaos_cli(tmp_path, "--runs", "200", "--seed", "2026", timeout=201 * PER_JOB_S - 20)  # bench/results/chaos.json's seed
     _assert_all_passed(tmp_path, p, 200)
 
 
@@ -97,3 +97,14 @@ def test_a_failed_reference_stops_chaos_with_exit_1(tmp_path):
     p = _chaos_cli(tmp_path, "--runs", "1", "--timeout-s", "1", timeout=60)
     assert p.returncode == 1 and "reference run failed" in p.stderr
     assert not (tmp_path / "runs" / "000").exists()  # no schedule ran
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(29 * PER_JOB_S)
+def test_two_node_chaos_with_whole_node_losses_passes_bitwise(tmp_path):
+    p = _chaos_cli(tmp_path, "--runs", "28", "--seed", "3", "--nnodes", "2", timeout=29 * PER_JOB_S - 20)
+    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-6000:]}\n{p.stderr[-2000:]}"
+    rec = json.loads((tmp_path / "chaos.json").read_text())
+    assert (rec["passed"], rec["divergent"], rec["hung"], rec["steps_lost"]) == (28, 0, 0, 0)
+    node = [r for r in rec["per_schedule"] if r["pattern"] == "node_loss"]
+    assert len(node) == 4 and all(not r["unfired"] for r in node)  # every node loss really happened
