@@ -32,14 +32,12 @@ from unbroken.runtime.watch import Watch
 
 _FAULT_TICK_S = 0.05  # how often the leader reads the fault log when nothing exited here
 _LINK_GRACE_S = 0.3  # a crashed member's exit shows within ~0.1 s; errors outliving this mean a link
-_KILL_ON = ("hang", "stall", "straggler", "health")
-_QUIET_BEATS = 3  # a node that has not renewed its lease for this many heartbeats holds hang detection  # faults whose process is still alive: kill it first
+_KILL_ON = ("hang", "stall", "straggler", "health")  # faults whose process is still alive: kill it first
+_QUIET_BEATS = 3  # a node that has not renewed its lease for this many heartbeats holds hang detection
 
 
 class LaunchError(RuntimeError):
     """The job cannot start as asked (port in use, join refused, ...)."""
-
-
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -264,9 +262,11 @@ class Supervisor:
         dead = {}
         for f in self.fault_log.take():  # a record whose key lands late is read on a later tick
             if f["fault"] == "collective_error":
-                if f["gen"] == self.gen.gen:
+                # only a current member's report counts (a replaced process may still be failing)
+                if f["gen"] == self.gen.gen and self.gen.members.get(f["rank"]) == f["proc"]:
                     if self._collerr is None or self._collerr["gen"] != f["gen"]:
-                        self._collerr = {**f, "seen": now, "seen_mono": time.monotonic(), "reports": 0}
+                        leases = self.leases.read(self.store) if self.leases is not None else {}
+                        self._collerr = {**f, "seen": now, "leases": leases, "reports": 0}
                     self._collerr["reports"] += 1
                 continue
             self.crashes.judge(f["proc"])
@@ -291,8 +291,8 @@ class Supervisor:
             return
         if self.gen.cause == "link" and self._last_step <= self._link_regroup_step:
             return
-        if self.leases is not None and not self.leases.renewed_since(first["seen_mono"]):
-            return  # a node has not shown it is alive since the error: its lease decides (node loss)
+        if self.leases is not None and not self.leases.renewed_after(self.store, first["leases"]):
+            return  # a node has not renewed since the error was seen: its lease decides (node loss)
         from unbroken.detect import Finding, classify
 
         f = Finding(fault="stall", proc="group", rank=None, node=None, time=now, evidence={
@@ -489,6 +489,9 @@ class Supervisor:
         some node is late, `lease/quiet` tells every supervisor to hold its hang detection."""
         if self.leases is None:
             return
+        for node in range(1, self.opts.nnodes):  # excluded by policy: it leaves; its lease is moot
+            if node not in self.leases.lost and self.store.check([f"excluded/{node}"]):
+                self.leases.forget(node)
         for node, age in self.leases.observe(self.store):
             self._lose_node(node, age)
         quiet = self.leases.late(_QUIET_BEATS * self.cfg.heartbeat_s)
@@ -529,9 +532,11 @@ class Supervisor:
         info = membership.get(self.store, "progress") or {}
         if info.get("step", 0) > self._last_step:
             self._last_step = info["step"]
-            if self.status.startswith("recovering"):
-                self.status = "running"
-                self._retry_done()
+        # a step completed *in this generation* ends the incident (after a tier-2 rollback its
+        # number is below the newest ever seen; a late report from the old one does not count)
+        if self.status.startswith("recovering") and info.get("gen") == self.gen.gen:
+            self.status = "running"
+            self._retry_done()
         self.on_progress({**info, "status": self.status})
 
     def _drain(self) -> None:
