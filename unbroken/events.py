@@ -27,7 +27,7 @@ KINDS: dict[str, str] = {
     "fault_injected": "fault, phase, step",
     "process_killed": "pid, proc, why",
     "generation": "gen, members, replaced, cause",
-    "shadow_assigned": "proc, rank, gen, cold",
+    "shadow_assigned": "proc, rank, gen, cold, shadow (warm|cold: was it ready when assigned)",
     "recovery_phase": "phase (detect|decide|regroup|rebuild|redo), start, end, step",
     "recovered": "step, steps_lost, steps_redone, recovery_s, breakdown, path (tier1|replica|tier2|local|initial)",
     "numerics": "step, what, action",

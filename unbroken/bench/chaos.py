@@ -90,8 +90,13 @@ def run_job(run_dir: Path, args: list[str], *, timeout_s: float, nnodes: int = 1
     t0 = time.monotonic()
     procs = []
     for n in range(nnodes):
-        procs.append(subprocess.Popen(base + node_args(nnodes, n, port), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+        # a joiner's output goes to a file: an unread pipe that fills would block its supervisor
+        out_to = subprocess.PIPE if n == 0 else open(run_dir.parent / f"{run_dir.name}.node{n}.log", "w")
+        procs.append(subprocess.Popen(base + node_args(nnodes, n, port), stdout=out_to,
+                                      stderr=subprocess.PIPE if n == 0 else subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+        if n > 0:
+            out_to.close()
         if n == 0 and nnodes > 1:
             _wait_for_node0(run_dir, procs[0])  # node 0 creates the run dir; a joiner must not first
     proc = procs[0]
@@ -103,14 +108,20 @@ def run_job(run_dir: Path, args: list[str], *, timeout_s: float, nnodes: int = 1
         for p in procs:
             _kill_group(p.pid)
         kill_leftovers(run_dir)  # then nobody holds the pipes open
-        out, err = proc.communicate(timeout=REAP_S)
+        try:
+            out, err = proc.communicate(timeout=REAP_S)
+        except subprocess.TimeoutExpired:
+            out, err = "", "(node 0's output pipe still held open after its group was killed)"
     finally:
         wall = time.monotonic() - t0
         for p in procs:  # anything a job left in its group after its supervisor exited; a frozen node
             _kill_group(p.pid)
             if p.poll() is None:
                 p.kill()
-            p.communicate(timeout=REAP_S)
+            try:
+                p.communicate(timeout=REAP_S)
+            except subprocess.TimeoutExpired:
+                pass  # reported by kill_leftovers below if anything of the job survives
         kill_leftovers(run_dir)
     return JobResult(rc=rc, summary=_parse_summary(out), wall_s=wall, stderr_tail=err[-2000:],
                      fired=_fired(run_dir))
@@ -216,8 +227,12 @@ def classify(res: JobResult, *, reference_sha: str, world_size: int) -> tuple[st
 def reproduce(args: list[str], sched: Schedule, nnodes: int = 1) -> str:
     """The command line(s): one `unbroken run` per node (a free port in place of 29511)."""
     injects = [x for spec in sched.specs for x in ("--inject", spec)]
-    lines = [shlex.join(["unbroken", "run", *args, *injects, *node_args(nnodes, n, 29511)]) for n in range(nnodes)]
-    return " & ".join(lines[1:] + lines[:1])  # joiners in the background, node 0 in front
+    if nnodes == 1:
+        return shlex.join(["unbroken", "run", *args, *injects])
+    # one shared run dir; node 0 first (in the background), joiners a moment later
+    lines = [shlex.join(["unbroken", "run", "--run-dir", "runs/chaos-repro", *args, *injects,
+                         *node_args(nnodes, n, 29511)]) for n in range(nnodes)]
+    return f"{lines[0]} & sleep 2; " + " & ".join(lines[1:]) + "; wait"
 
 
 def run_schedule(sched: Schedule, root: Path, args: list[str], *, reference_sha: str, world_size: int,

@@ -1,8 +1,10 @@
 """A rank's uncaught exception, recorded where the leader can judge it.
 
-A crash of the user's code is retried like any other process loss, once. (Exceptions of
-unbroken's own classes — a collective that failed, a recovery that could not proceed —
-are infrastructure faults and never judged this way.) If the same
+A crash of the user's code is retried like any other process loss, once. (An exception
+of unbroken's own classes, or raised in unbroken's own code — a collective that failed, a
+recovery that could not proceed, an internal check — is an infrastructure fault and never
+judged this way.) Occurrences are counted per generation: the same exception on several
+ranks in one step is one occurrence; the same exception again after a recovery is two. If the same
 exception (type, message, raising line) comes back at the same step, it is a bug in the
 script, not bad luck: retrying it only burns the budget and hides the traceback. The
 process that raised writes `crash/{proc}` (step, error, fingerprint, traceback) to the
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -37,9 +41,29 @@ def fingerprint(exc: BaseException, step: int | None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../unbroken
+_LIBRARIES = tuple({os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+
+
+def raised_by_script(exc: BaseException) -> bool:
+    """Is this the script's exception? Not if its class is unbroken's, nor if the innermost
+    frame of code that is either unbroken's or the script's (libraries and the standard
+    library skipped: torch raising for the script's bad call is the script's) is unbroken's."""
+    if type(exc).__module__.startswith("unbroken."):
+        return False
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(_PACKAGE + os.sep):
+            return False
+        if not path.startswith(_LIBRARIES) and not frame.filename.startswith("<"):
+            return True
+    return True
+
+
 def describe(exc: BaseException) -> dict[str, Any]:
     step = _step() if _step is not None else None
-    return {"step": step, "phase": _ctx.phase.get("phase") if _ctx is not None else None,
+    return {"step": step, "gen": _ctx.phase.get("gen") if _ctx is not None else None,
+            "phase": _ctx.phase.get("phase") if _ctx is not None else None,
             "error": f"{type(exc).__name__}: {str(exc)[:500]}", "fingerprint": fingerprint(exc, step),
             "traceback": "".join(traceback.format_exception(exc))[-6000:]}
 
@@ -48,9 +72,9 @@ def record(exc: BaseException) -> None:
     """Called by the process entry point with the exception that ends the process."""
     if _ctx is None:
         return  # not (yet) an unbroken process: the exit status alone reports it
-    if type(exc).__module__.startswith("unbroken."):
-        return  # the runtime's own verdict (a collective that failed, a recovery that could not
-        # proceed): an infrastructure fault, never the script's bug, however often it repeats
+    if not raised_by_script(exc):
+        return  # the runtime's own verdict or internal check: an infrastructure fault, never the
+        # script's bug, however often it repeats
     try:
         _ctx.store.set(f"crash/{_ctx.proc}", json.dumps(describe(exc)))
     except Exception:  # noqa: BLE001 - the store is gone: the job is over anyway
@@ -78,7 +102,7 @@ class CrashJudge:
 
     def __init__(self, store, events) -> None:
         self.store, self.events = store, events
-        self.counts: dict[str, int] = {}  # fingerprint -> occurrences
+        self.counts: dict[str, set] = {}  # fingerprint -> generations it occurred in
 
     def _get(self, key: str) -> dict | None:
         return json.loads(self.store.get(key)) if self.store.check([key]) else None
@@ -100,11 +124,12 @@ class CrashJudge:
             return
         self.store.delete_key(f"crash/{proc}")
         fp = crash["fingerprint"]
-        self.counts[fp] = self.counts.get(fp, 0) + 1
-        if self.counts[fp] < 2:
+        gens = self.counts.setdefault(fp, set())
+        gens.add(crash.get("gen"))
+        if len(gens) < 2:
             return
         self.events.emit("software_fault", proc=proc, step=crash["step"], error=crash["error"], fingerprint=fp,
-                         occurrences=self.counts[fp])
+                         occurrences=len(gens))
         raise SoftwareFault(f"{proc} raised the same exception at step {crash['step']} again "
                             f"({crash['error']}): a bug in the training script, not retried\n"
                             f"{crash['traceback']}".rstrip())

@@ -119,6 +119,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif spec.kind == "exception":
             raise InjectedFault(f"injected exception at {spec}")
+        elif spec.kind in NODE_KINDS and os.environ.get("NODE_RANK", "0") == "0":
+            return  # the rank now lives on node 0 (a shadow there took it over): never the store's host
         elif spec.kind == "nodekill":  # the supervisor's children die with it (PR_SET_PDEATHSIG)
             os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -7,7 +7,7 @@ its lease once per loop tick (`renew`: one atomic counter add in the store). The
 notes, on its own monotonic clock, when each node's counter last moved (no cross-host
 clock comparison); a node whose counter has not moved for `lease_s` is lost: the leader
 replaces all its ranks at once (one node-loss incident). A link regroup needs proof that
-every node renewed after the collective error (`renewed_since`): a dead host must not be
+every node renewed after the collective error (`renewed_after`): a dead host must not be
 regrouped as though only its link had broken.
 """
 from __future__ import annotations
@@ -45,9 +45,16 @@ class NodeLeases:
                 out.append((node, now - self._moved[node]))
         return out
 
-    def renewed_since(self, t: float) -> bool:
-        """Has every live node renewed at or after `t` (this leader's monotonic clock)?"""
-        return all(self._moved[n] >= t for n in self._value if n not in self.lost)
+    def read(self, store: dist.Store) -> dict[int, int]:
+        """Every live node's counter as the store holds it now."""
+        return {n: store.add(f"lease/{n}", 0) for n in self._value if n not in self.lost}
+
+    def renewed_after(self, store: dist.Store, before: dict[int, int]) -> bool:
+        """Has every live node renewed since `before` (a `read` taken when something happened)?
+        Compared as counter values read from the store, not as times the leader happened to
+        observe them: a node that renewed just before dying does not pass."""
+        now = self.read(store)
+        return all(now[n] > before.get(n, -1) for n in now)
 
     def late(self, seconds: float) -> bool:
         """Has some live node not renewed for more than `seconds`?"""

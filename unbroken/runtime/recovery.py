@@ -43,10 +43,12 @@ def recover(tr: RecoveryInputs, *, new_member: bool) -> None:
     while True:  # a failure during recovery (or a newer generation) moves everyone on
         try:
             t0 = time.time()
-            tr.join(membership.wait_newer_generation(ctx.store, tr.gen.gen if tr.gen else -1,
-                                                      tr.cfg.collective_timeout_s, tr.watch))
-            if tr.gen.members.get(tr.rank) != ctx.proc:
-                raise RecoveryFailed(f"{ctx.proc} is no longer rank {tr.rank} in generation {tr.gen.gen}")
+            gen = membership.wait_newer_generation(ctx.store, tr.gen.gen if tr.gen else -1,
+                                                   tr.cfg.collective_timeout_s, tr.watch)
+            if gen.members.get(tr.rank) != ctx.proc:  # replaced (e.g. its node was declared lost):
+                # never connect to a generation as a rank someone else now holds
+                raise RecoveryFailed(f"{ctx.proc} is no longer rank {tr.rank} in generation {gen.gen}")
+            tr.join(gen)
             _phase(tr, "regroup", t0)
             if tr.st.has_state:
                 tr.point("recovery", tr.st.step_count + 1)
@@ -59,9 +61,6 @@ def recover(tr: RecoveryInputs, *, new_member: bool) -> None:
         except CollectiveError as e:
             ctx.set_phase("recovery")
             tr.report(tr.st.step_count + 1, e)
-        except Unrecoverable as e:  # every member agreed on it (same status): one tells the leader
-            crash.declare_fatal(ctx, f"the job's state cannot be restored: {e}", leader=tr.rank == min(tr.gen.members))
-            raise
 
 
 def reporter(tr: RecoveryInputs) -> bool:
@@ -430,8 +429,11 @@ def _restore_tier2(tr: RecoveryInputs, *, reason: str) -> str:
     tr.comm.allreduce(agreed, op=dist.ReduceOp.MIN, what="tier-2 step agreement")
     step = None if int(agreed) < 0 else int(agreed)
     if step is None:
-        raise Unrecoverable(f"{reason}, and no valid tier-2 checkpoint exists; "
-                             f"enable checkpoint_every (now {cfg.checkpoint_every}) to survive this")
+        msg = (f"{reason}, and no valid tier-2 checkpoint exists; "
+               f"enable checkpoint_every (now {cfg.checkpoint_every}) to survive this")
+        # every member agreed on it (the same MIN): one tells the leader, all stop
+        crash.declare_fatal(tr.ctx, f"the job's state cannot be restored: {msg}", leader=tr.rank == min(tr.gen.members))
+        raise Unrecoverable(msg)
     tr.ctx.events.emit("tier2_restore", step=step, reason=reason)
     tensors, _meta = load_checkpoint(directory, step, rank=tr.rank if sharded else 0, world_size=world,
                                      run_id=tr.ctx.run_dir.name)

@@ -32,14 +32,13 @@ from unbroken.runtime.watch import Watch
 
 _FAULT_TICK_S = 0.05  # how often the leader reads the fault log when nothing exited here
 _LINK_GRACE_S = 0.3  # a crashed member's exit shows within ~0.1 s; errors outliving this mean a link
-_KILL_ON = ("hang", "stall", "straggler", "health")
-_QUIET_BEATS = 3  # a node that has not renewed its lease for this many heartbeats holds hang detection  # faults whose process is still alive: kill it first
+_LINK_REGROUPS = 2  # per incident: a second link may break during the first regroup's recovery
+_KILL_ON = ("hang", "stall", "straggler", "health")  # faults whose process is still alive: kill it first
+_QUIET_BEATS = 3  # a node that has not renewed its lease for this many heartbeats holds hang detection
 
 
 class LaunchError(RuntimeError):
     """The job cannot start as asked (port in use, join refused, ...)."""
-
-
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +97,7 @@ class Supervisor:
         self.watch = Watch(cfg, node=self.node, nnodes=opts.nnodes, checkpoint_dir=self.run_dir, events=self.events)
         self._collerr: dict | None = None  # first failed-collective report of the current generation
         self._last_step = 0  # the newest step rank 0 reported done
-        self._link_regroup_step = -1  # _last_step when we last regrouped for a broken link
+        self._link_regroups = 0  # link regroups in the incident in progress (reset when a step completes)
         self.chain = None  # the retry chain of the recovery in progress (leader)
         self.attempt = None
 
@@ -264,9 +263,11 @@ class Supervisor:
         dead = {}
         for f in self.fault_log.take():  # a record whose key lands late is read on a later tick
             if f["fault"] == "collective_error":
-                if f["gen"] == self.gen.gen:
+                # only a current member's report counts (a replaced process may still be failing)
+                if f["gen"] == self.gen.gen and self.gen.members.get(f["rank"]) == f["proc"]:
                     if self._collerr is None or self._collerr["gen"] != f["gen"]:
-                        self._collerr = {**f, "seen": now, "seen_mono": time.monotonic(), "reports": 0}
+                        leases = self.leases.read(self.store) if self.leases is not None else {}
+                        self._collerr = {**f, "seen": now, "leases": leases, "reports": 0}
                     self._collerr["reports"] += 1
                 continue
             self.crashes.judge(f["proc"])
@@ -283,16 +284,17 @@ class Supervisor:
         """Members' collectives failed but no process died (its exit or a detector would have
         moved the generation on within the grace period): a link broke. Every process and
         its state is intact, so regroup the *same* members in a new generation: new
-        connections, no replacement, no decode. Once per incident: if the regrouped generation
-        fails the same way before any step completes, the detectors (stall, hang) pick a
-        process to replace instead."""
+        connections, no replacement, no decode. At most _LINK_REGROUPS times per incident (a
+        second link may break during the first regroup's recovery, where the no-progress
+        deadline is long); if the link keeps failing before any step completes, the
+        detectors (stall, hang) pick a process to replace instead."""
         first = self._collerr
         if first is None or first["gen"] != self.gen.gen or now - first["seen"] < _LINK_GRACE_S:
             return
-        if self.gen.cause == "link" and self._last_step <= self._link_regroup_step:
-            return
-        if self.leases is not None and not self.leases.renewed_since(first["seen_mono"]):
-            return  # a node has not shown it is alive since the error: its lease decides (node loss)
+        if self._link_regroups >= _LINK_REGROUPS:
+            return  # the link keeps breaking before any step completes: the detectors pick a process
+        if self.leases is not None and not self.leases.renewed_after(self.store, first["leases"]):
+            return  # a node has not renewed since the error was seen: its lease decides (node loss)
         from unbroken.detect import Finding, classify
 
         f = Finding(fault="stall", proc="group", rank=None, node=None, time=now, evidence={
@@ -301,7 +303,7 @@ class Supervisor:
         d = classify(f, self.watch.offenders)
         self.events.emit("fault_detected", **f.event_fields())
         self.events.emit("fault_classified", **d.event_fields())
-        self._link_regroup_step = self._last_step
+        self._link_regroups += 1
         self._next_generation({}, link={"fault": "stall", "time": now, "occurred": first["time"]})
 
     def _next_generation(self, dead: dict[int, dict], link: dict | None = None) -> None:
@@ -489,6 +491,9 @@ class Supervisor:
         some node is late, `lease/quiet` tells every supervisor to hold its hang detection."""
         if self.leases is None:
             return
+        for node in range(1, self.opts.nnodes):  # excluded by policy: it leaves; its lease is moot
+            if node not in self.leases.lost and self.store.check([f"excluded/{node}"]):
+                self.leases.forget(node)
         for node, age in self.leases.observe(self.store):
             self._lose_node(node, age)
         quiet = self.leases.late(_QUIET_BEATS * self.cfg.heartbeat_s)
@@ -529,9 +534,12 @@ class Supervisor:
         info = membership.get(self.store, "progress") or {}
         if info.get("step", 0) > self._last_step:
             self._last_step = info["step"]
-            if self.status.startswith("recovering"):
-                self.status = "running"
-                self._retry_done()
+        # a step completed *in this generation* ends the incident (after a tier-2 rollback its
+        # number is below the newest ever seen; a late report from the old one does not count)
+        if self.status.startswith("recovering") and info.get("gen") == self.gen.gen:
+            self.status = "running"
+            self._link_regroups = 0
+            self._retry_done()
         self.on_progress({**info, "status": self.status})
 
     def _drain(self) -> None:

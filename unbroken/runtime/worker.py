@@ -345,8 +345,8 @@ class Trainer:
                 self.ctx.events.emit("recovery_phase", phase="redo", start=self.st.redo_since, end=time.time(), step=t)
             self.st.redo_since = None
         if self.rank == 0:
-            membership.put(self.ctx.store, "progress",
-                           {"step": t, "loss": loss, "step_s": step_s, "tokens_per_s": tokens / max(step_s, 1e-9)})
+            membership.put(self.ctx.store, "progress", {"step": t, "gen": self.gen.gen, "loss": loss, "step_s": step_s,
+                                                        "tokens_per_s": tokens / max(step_s, 1e-9)})
         self._maybe_checkpoint(t)
 
     def _maybe_choose_interval(self, t: int) -> None:
