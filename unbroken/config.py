@@ -48,6 +48,9 @@ class RunConfig:
 
     world_size: int = 4
     steps: int = 60
+    # True when steps came from --steps or the config file: a script's trainer.steps(n) must then
+    # agree; False: the script's trainer.steps(n) decides (and the summary records what ran)
+    steps_given: bool = False
     seed: int = 0
     batch_size: int = 8
     lr: float = 3e-3
@@ -195,5 +198,6 @@ def build_config(file: str | Path | None = None, **overrides: Any) -> RunConfig:
         elif k.startswith("model_"):
             overrides.pop(k)
     base.update({k: v for k, v in overrides.items() if v is not None})
+    base.setdefault("steps_given", "steps" in base)
     base["model"] = ModelConfig(**_known(ModelConfig, model, "model."))
     return RunConfig.from_dict(base)

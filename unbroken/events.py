@@ -45,6 +45,8 @@ KINDS: dict[str, str] = {
     "tier2_restore": "step, reason",
     "node_lost": "node, lease_age_s, ranks (a node's lease expired: its supervisor and processes are gone or frozen)",
     "software_fault": "proc, step, error, fingerprint, occurrences (the same exception at the same step again: not retried)",
+    "steps_planned": "steps, source (config: --steps or the config file; script: trainer.steps(n))",
+    "nondeterministic_input": "step, ranks, first, again, message (a step computed again gave a different loss on these ranks)",
     "job_stopped": "proc, reason, step (a worker declared that the job cannot go on: a gradient that stays non-finite, state no tier can restore)",
     "shadow_pool": "node, size, reason (the per-node standby pool was resized)",
     "nonfinite": "step, tensor, attempts, action (skip|stop: non-finite gradients persisted past the retry bound)",

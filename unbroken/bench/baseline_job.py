@@ -42,7 +42,7 @@ from unbroken.config import RunConfig  # noqa: E402
 from unbroken.fsutil import atomic_write_bytes  # noqa: E402
 from unbroken.models import VOCAB_SIZE, Corpus, batch_for  # noqa: E402
 from unbroken.models.gpt import build_model  # noqa: E402
-from unbroken.parallel.adamw import AdamW as Schedule  # noqa: E402  (lr_at only: the same schedule)
+from unbroken.jobs.recipe import WarmupCosine as Schedule  # noqa: E402  (lr_at only: the same schedule)
 
 LOG_NAME = "baseline.jsonl"
 OPTIMIZERS = ("adamw", "zero")  # torch.optim.AdamW; ZeroRedundancyOptimizer(optimizer_class=AdamW)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import unbroken
+from unbroken.jobs.recipe import default_training
 from unbroken.models import VOCAB_SIZE, Corpus, batch_for
 from unbroken.models.gpt import build_model
 
@@ -9,7 +10,8 @@ from unbroken.models.gpt import build_model
 def main() -> None:
     cfg = unbroken.current_config()
     model = build_model(cfg.model, VOCAB_SIZE, seed=cfg.seed)
-    trainer = unbroken.Trainer(model)  # a shadow waits here until it is given a rank
+    optimizer, scheduler, clip = default_training(model, cfg)
+    trainer = unbroken.Trainer(model, optimizer, scheduler, grad_clip=clip)  # a shadow waits here for a rank
     corpus = Corpus.embedded()
     for step in trainer.steps():
         x, y = batch_for(corpus, seed=cfg.seed, step=step, rank=trainer.rank, world_size=trainer.world_size,

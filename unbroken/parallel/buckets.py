@@ -2,7 +2,7 @@
 
 Parameters are grouped, in reverse registration order (roughly the order backward produces
 their gradients), into buckets of about `bucket_elems` contiguous elements of the flat
-gradient; the first bucket also covers the padding and the loss slot at the end. A
+gradient; the first bucket also covers the padding and the slots past the parameters. A
 post-accumulate-grad hook copies each gradient into its slice (and into the kept local
 copy); once a bucket is complete *and every bucket before it has been issued*, its
 all-reduce is issued. So every rank issues the same collectives in the same order, the
@@ -74,7 +74,7 @@ class GradBuckets:
         """Arm the hooks for one backward: gradients land in `grads` (and `local`); the padding
         and the loss are set now, the spare slots must be already."""
         grads[self.flat.n:self.flat.n_pad].zero_()
-        grads[-1] = loss
+        grads[self.flat.loss] = loss
         self._round = _Round(comm, grads, local, self.n_buckets, self.sizes, poison, what)
 
     def finish(self) -> None:

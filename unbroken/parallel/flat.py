@@ -1,10 +1,13 @@
-"""One flat float32 buffer for all parameters (and one for gradients), sharded by rank.
+"""One flat float32 buffer for the trained parameters (and a ring of gradient buffers), sharded by rank.
 
-The model's parameters become views into `params`, so updating a shard of the flat
-buffer updates the model. Gradients are copied into `grads` after backward (autograd
-may replace a .grad tensor, so we never rely on aliasing it); `grads[-1]` carries the
-local loss, `grads[aux]` a few runtime measurements and `grads[vote]` this rank's
-non-finite retry vote, so that one all-reduce also averages them.
+The trained parameters (those the optimizer updates and that require grad, in the
+model's registration order) become views into `params`, so updating a shard of the flat
+buffer updates the model. Gradients are copied into `grads` after backward (autograd may
+replace a .grad tensor, so we never rely on aliasing it). Past the parameters, one
+all-reduce also carries (averaged) a few runtime measurements (`aux`), this rank's
+non-finite retry vote (`vote`) and the local loss (`loss`); then (summed, so exact,
+because every rank but one writes zeros) each rank's own loss in its slot (`rank_loss`,
+the per-step input fingerprint) and rank 0's model buffers, encoded (`buffer_words`).
 """
 from __future__ import annotations
 
@@ -30,14 +33,12 @@ def plan_chunks(n: int, world: int, chunk_elems: int, multiple: int) -> tuple[in
 
 
 class FlatModel:
-    def __init__(self, model: nn.Module, *, world: int, chunk_elems: int, multiple: int,
-                 grad_slots: int = 1) -> None:
-        self.model = model
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    def __init__(self, named: list[tuple[str, nn.Parameter]], *, world: int, chunk_elems: int, multiple: int,
+                 grad_slots: int = 1, ranks: int = 1, buffer_words: int = 0) -> None:
         self.plist = [p for _, p in named]
         self.names = [name for name, _ in named]
         if not self.plist:
-            raise ValueError("the model has no trainable parameters")
+            raise ValueError("the model has no trainable parameters (none requires grad and is in the optimizer)")
         for p in self.plist:
             if p.dtype != torch.float32:
                 raise ValueError(f"unbroken trains float32 parameters; got {p.dtype} for a tensor of shape {tuple(p.shape)}")
@@ -49,8 +50,13 @@ class FlatModel:
         # A ring of gradient buffers, one per step of the protection interval: the averaged
         # gradient of step s stays in slot s % grad_slots until step s + grad_slots, so a lost
         # shard can be replayed from the last parity point without copying any gradient.
-        # layout: [parameters (n_pad) | AUX_SLOTS spare values averaged with them | local loss]
-        self._ring = [torch.zeros(self.n_pad + AUX_SLOTS + 1) for _ in range(grad_slots)]
+        # layout: [parameters (n_pad) | AUX_SLOTS | local loss || rank losses (ranks) | buffer words]
+        # (averaged up to ||, summed after it)
+        self.loss = self.n_pad + AUX_SLOTS
+        self.n_avg = self.loss + 1
+        self.rank_loss = slice(self.n_avg, self.n_avg + ranks)
+        self.buffers = slice(self.n_avg + ranks, self.n_avg + ranks + buffer_words)
+        self._ring = [torch.zeros(self.buffers.stop) for _ in range(grad_slots)]
         self.aux = slice(self.n_pad, self.n_pad + AUX_SLOTS - 1)
         self.vote = self.n_pad + AUX_SLOTS - 1
         self.grads = self._ring[0]
@@ -89,7 +95,7 @@ class FlatModel:
                 self.grads[off:off + k].copy_(p.grad.reshape(-1))
             off += k
         self.grads[self.n:self.n_pad].zero_()
-        self.grads[-1] = loss
+        self.grads[self.loss] = loss
 
     def first_nonfinite(self, grads: torch.Tensor) -> str | None:
         """The name of the first parameter whose gradient in `grads` holds NaN/Inf."""

@@ -1,6 +1,7 @@
 """The optimizer state a rank owns and the chunked, transactional update of it.
 
-`zero1`: rank r owns shard r of the flat parameters and its Adam moments, updates it
+`zero1`: rank r owns shard r of the flat parameters and its optimizer state (the user's
+optimizer's per-element tensors, e.g. Adam's exp_avg and exp_avg_sq), updates it
 chunk by chunk, then all ranks all-gather the parameters. Every `protect_every`-th step
 (a parity step) also sends each window's parity deltas to their holders (one all-to-all);
 in between, the ring of averaged gradients and the step log let a lost shard be decoded
@@ -9,14 +10,16 @@ is needed because any survivor is a copy.
 """
 from __future__ import annotations
 
+import bisect
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from unbroken.comm.group import Comm
-from unbroken.parallel.adamw import AdamW
+from unbroken.parallel.buffers import ModelBuffers
 from unbroken.parallel.flat import FlatModel
+from unbroken.parallel.optim import ChunkOptimizer
 from unbroken.parallel.groups import ParityGroups
 from unbroken.protect.chunks import ChunkedState
 from unbroken.protect.tier1 import PIPELINE, ParityLayout, Tier1
@@ -25,35 +28,55 @@ from unbroken.protect.txn import StepScalars, TxnLog
 Point = Callable[[str, int], None]  # fault-injection hook: point(phase, chunk)
 
 
+Run = tuple[int, int, int]  # (start, end, param group) over a rank's shard
+
+
 class OwnedState:
-    def __init__(self, model: nn.Module, *, strategy: str, rank: int, world: int, group_size: int,
-                 chunk_elems: int, optim: AdamW, protect_every: int = 1, grad_slots: int | None = None,
-                 nnodes: int = 1) -> None:
-        self.strategy, self.rank, self.world, self.optim = strategy, rank, world, optim
+    def __init__(self, named: list[tuple[str, nn.Parameter]], group_of: list[int], optim: ChunkOptimizer,
+                 buffers: ModelBuffers, *, strategy: str, rank: int, world: int, group_size: int,
+                 chunk_elems: int, protect_every: int = 1, grad_slots: int | None = None, nnodes: int = 1) -> None:
+        self.strategy, self.rank, self.world, self.optim, self.buffers = strategy, rank, world, optim, buffers
         sharded = strategy == "zero1"
         self.k = group_size if (sharded and group_size >= 2) else 1
         # parity every K steps; the gradient ring keeps the K averaged gradients a replay needs
         self.protect_every = protect_every if self.k >= 2 else 1
-        self.flat = FlatModel(model, world=world if sharded else 1, chunk_elems=chunk_elems,
+        self.flat = FlatModel(named, world=world if sharded else 1, chunk_elems=chunk_elems,
                               multiple=max(1, self.k - 1),
-                              grad_slots=max(self.protect_every, grad_slots or 1) if self.k >= 2 else 1)
+                              grad_slots=max(self.protect_every, grad_slots or 1) if self.k >= 2 else 1,
+                              ranks=world, buffer_words=buffers.words)
         self.lo, self.hi = self.flat.shard_range(rank if sharded else 0)
         n = self.hi - self.lo
-        self.m, self.v = torch.zeros(n), torch.zeros(n)
+        self.opt_state = {name: torch.zeros(n) for name in optim.state_names}
+        self._runs = _group_runs(self.flat.plist, group_of, self.lo, self.hi)
+        self.reset_state()
         trailer = self.k if self.k >= 2 else 0
-        self.state = ChunkedState([self.flat.params[self.lo:self.hi], self.m, self.v], self.flat.chunk_elems,
-                                  trailer_words=trailer)
+        self.state = ChunkedState([self.flat.params[self.lo:self.hi], *self.opt_state.values()],
+                                  self.flat.chunk_elems, trailer_words=trailer)
+        e = self.state.chunk_elems
+        # each chunk in two halves: fault phase `midchunk` fires between them
+        self._chunk_runs = [(_runs_in(self._runs, c * e, c * e + e // 2), _runs_in(self._runs, c * e + e // 2, c * e + e))
+                            for c in range(self.state.n_chunks)]
         self.layout = ParityLayout(self.k, self.state.n_chunks) if self.k >= 2 else None
         self.groups = ParityGroups(world, self.k, nnodes)  # who protects whom (spread over nodes)
         self.member = self.groups.member_of(rank)
         self.txn = TxnLog(self.state.n_chunks, self.layout.n_windows if self.layout else 0)
         self.tier1, self.snap = None, None
         if self.layout:
-            self.snap = ChunkedState([torch.zeros(n) for _ in range(3)], self.flat.chunk_elems, trailer_words=trailer)
+            self.snap = ChunkedState([torch.zeros(n) for _ in self.state.tensors], self.flat.chunk_elems,
+                                     trailer_words=trailer)
             self.tier1 = Tier1(self.state, self.layout, self.member, self.txn, self.snap)
         self.next_parity = self.protect_every  # the next step whose update brings parity up to date
         self.log_from = 1  # the first step whose averaged gradient our ring is known to hold
         self._shard_copy = torch.zeros(n) if sharded else None
+
+    def reset_state(self) -> None:
+        """The optimizer state of a fresh optimizer (zeros; Adagrad's initial accumulator)."""
+        for name, t in self.opt_state.items():
+            t.zero_()
+            for a, b, g in self._runs:
+                value = self.optim.initial_value(name, g)
+                if value:
+                    t[a:b].fill_(value)
 
     @property
     def sharded(self) -> bool:
@@ -79,12 +102,23 @@ class OwnedState:
     # --- one chunk ---------------------------------------------------------------------
     def apply_chunk(self, c: int, s: StepScalars, point: Point | None = None) -> None:
         """Apply step s to chunk c with step s's averaged gradient (from the ring)."""
-        e = self.state.chunk_elems
-        a, b = c * e, (c + 1) * e
-        p = self.flat.params[self.lo + a:self.lo + b]
-        g = self.flat.grads_of(s.step)[self.lo + a:self.lo + b]
-        self.optim.apply(p, g, self.m[a:b], self.v[a:b], s, point=(lambda: point("midchunk", c)) if point else None)
+        first, second = self._chunk_runs[c]
+        self._apply_runs(first, s)
+        if point is not None:
+            point("midchunk", c)
+        self._apply_runs(second, s)
         self.txn.commit_chunk(c, s.step)
+
+    def _apply_runs(self, runs: list[Run], s: StepScalars) -> None:
+        if s.skip:
+            return
+        grads, lo = self.flat.grads_of(s.step), self.lo
+        for a, b, g in runs:
+            grad = grads[lo + a:lo + b]
+            if s.clip_coef != 1.0:
+                grad = grad * s.clip_coef  # as clip_grad_norm_; the ring keeps the unclipped gradient
+            self.optim.apply(self.flat.params[lo + a:lo + b], grad, {k: t[a:b] for k, t in self.opt_state.items()},
+                             s.groups[g], s.step)
 
     # --- the step's update ---------------------------------------------------------------
     def update(self, s: StepScalars, group: Comm | None, point: Point, *, parity: bool) -> None:
@@ -143,15 +177,52 @@ class OwnedState:
 
     # --- persistence -------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"params": self.flat.params[self.lo:self.hi], "m": self.m, "v": self.v}
+        """What a checkpoint (and a replica hand-off) holds: the parameter shard, its optimizer
+        state and the committed model buffers."""
+        return {"params": self.flat.params[self.lo:self.hi], **self.opt_state, "buffers": self.buffers.committed}
 
     def load(self, tensors: dict[str, torch.Tensor], step: int) -> None:
-        for name, t in self.tensors().items():
+        mine = self.tensors()
+        if set(tensors) != set(mine):
+            raise ValueError(f"checkpoint holds {sorted(tensors)}, this job needs {sorted(mine)}: "
+                             "was it written with another optimizer or model?")
+        for name, t in mine.items():
             src = tensors[name]
             if src.shape != t.shape or src.dtype != t.dtype:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)} {src.dtype}, "
                                  f"this job needs {tuple(t.shape)} {t.dtype}: was it written by another config?")
             t.copy_(src)
+        self.buffers.restore()
         self.txn.chunk_ver[:] = step
         self.txn.history.clear()
         self.log_from = step + 1
+
+
+def _group_runs(plist: list[nn.Parameter], group_of: list[int], lo: int, hi: int) -> list[Run]:
+    """Maximal runs of shard elements [lo, hi) whose parameters share a param group (shard-relative);
+    the padding past the last parameter belongs to no run (it is never updated)."""
+    runs: list[Run] = []
+    off = 0
+    for p, g in zip(plist, group_of):
+        a, b = max(off, lo), min(off + p.numel(), hi)
+        off += p.numel()
+        if a >= b:
+            continue
+        if runs and runs[-1][1] == a - lo and runs[-1][2] == g:
+            runs[-1] = (runs[-1][0], b - lo, g)
+        else:
+            runs.append((a - lo, b - lo, g))
+    return runs
+
+
+def _runs_in(runs: list[Run], a: int, b: int) -> list[Run]:
+    """The parts of `runs` inside [a, b)."""
+    out = []
+    i = max(0, bisect.bisect_right([r[0] for r in runs], a) - 1)
+    for start, end, g in runs[i:]:
+        if start >= b:
+            break
+        x, y = max(start, a), min(end, b)
+        if x < y:
+            out.append((x, y, g))
+    return out

@@ -22,19 +22,24 @@ class UnrecoverableChunk(RuntimeError):
 
 @dataclass(frozen=True)
 class StepScalars:
-    """Global values of one optimizer step, fixed (and recorded) before any chunk changes."""
+    """Global values of one optimizer step, fixed (and recorded) before any chunk changes: the
+    clip coefficient, whether the step is skipped, and every param group's hyperparameters."""
 
     step: int
-    lr: float
-    clip_coef: float
+    clip_coef: float = 1.0
     skip: bool = False  # a step skipped for a non-finite gradient: every chunk keeps its bytes
+    groups: tuple = ()  # per param group: {"lr": ..., ...} as the optimizer's groups held them
+
+    @property
+    def lr(self) -> float:
+        return float(self.groups[0]["lr"]) if self.groups else 0.0
 
     def to_list(self) -> list:
-        return [self.step, self.lr, self.clip_coef, self.skip]
+        return [self.step, self.clip_coef, self.skip, [dict(g) for g in self.groups]]
 
     @staticmethod
     def from_list(x: list) -> "StepScalars":
-        return StepScalars(step=int(x[0]), lr=float(x[1]), clip_coef=float(x[2]), skip=bool(x[3]) if len(x) > 3 else False)
+        return StepScalars(step=int(x[0]), clip_coef=float(x[1]), skip=bool(x[2]), groups=tuple(dict(g) for g in x[3]))
 
 
 class TxnLog:

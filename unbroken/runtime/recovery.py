@@ -78,9 +78,12 @@ def _phase(tr: RecoveryInputs, name: str, start: float) -> None:
 def _status(tr: RecoveryInputs, new_member: bool) -> dict:
     """What this member tells the others at the start of a recovery."""
     owned = tr.owned
+    scalars = tr.st.scalars if tr.st.grads_step is not None else None
     mine = {"rank": tr.rank, "new": new_member, "committed": tr.st.step_count, "grads_step": tr.st.grads_step,
             "local_step": tr.st.local_step, "parity_ver": None, "snap_ver": None, "next_parity": None,
-            "log_from": None, "history": []}
+            "log_from": None, "history": [],
+            # the scalars computed with the averaged gradient (hyperparameters as the holder's groups had them)
+            "scalars": scalars.to_list() if scalars is not None and scalars.step == tr.st.grads_step else None}
     if not new_member:
         mine.update(parity_ver=owned.txn.parity_ver.tolist(), snap_ver=owned.txn.snap_ver,
                     next_parity=owned.next_parity, log_from=owned.log_from, protect_every=owned.protect_every,
@@ -109,9 +112,8 @@ def _rebuild(tr: RecoveryInputs, new_member: bool) -> None:
         grads = owned.flat.use_grads_of(target)
         comm.broadcast(grads, src=min(holders), what="gradient hand-off")
         tr.st.grads_step = target
-        tr.st.last_loss = float(grads[-1])
-        tr.st.scalars = tr.optim.scalars(target, float(torch.linalg.vector_norm(grads[:owned.flat.n_pad])),
-                                         tr.st.last_loss)  # as the holders computed them
+        tr.st.last_loss = float(grads[owned.flat.loss])
+        tr.st.scalars = StepScalars.from_list(status[min(holders)]["scalars"])  # as the holders computed them
         owned.txn.record(tr.st.scalars)
     src = _state_source(survivors, target, handed_off=bool(holders))
     if src is None:
@@ -122,6 +124,8 @@ def _rebuild(tr: RecoveryInputs, new_member: bool) -> None:
         path = _rebuild_unprotected_shards(tr, new_ranks, target)
     else:
         path = _rebuild_replicated(tr, new_member, target, src)
+    if path != "tier2":
+        _sync_buffers(tr, target, src, handed_off=bool(holders))
     _phase(tr, "rebuild", t0)
     if path == "tier2":
         return
@@ -159,6 +163,19 @@ def _state_source(survivors: list[dict], target: int, *, handed_off: bool) -> in
     return min(at) if at else min(behind) if behind else None
 
 
+def _sync_buffers(tr: RecoveryInputs, target: int, src: int, *, handed_off: bool) -> None:
+    """Model buffers at `target`: rank 0's of step target travelled in its gradient all-reduce
+    (`handed_off`: every member holds that gradient now); else the committed ones of `src`."""
+    owned = tr.owned
+    if not owned.buffers.words:
+        return
+    if handed_off:
+        owned.buffers.commit(owned.flat.grads_of(target)[owned.flat.buffers])
+    else:
+        tr.comm.broadcast(owned.buffers.committed, src=src, what="model buffer hand-off")
+        owned.buffers.restore()
+
+
 def _rebuild_replicated(tr: RecoveryInputs, new_member: bool, target: int, src: int) -> str:
     """Every rank owns all of the state (ddp, or one rank): `src`, brought to `target` by its
     own replay, broadcasts it; a survivor a step behind without the gradient is overwritten."""
@@ -166,8 +183,9 @@ def _rebuild_replicated(tr: RecoveryInputs, new_member: bool, target: int, src: 
     tr.st.steps_replayed = 0
     if not new_member and tr.st.grads_step == target and target > 0:
         owned.replay_to(target)
-    for name, t in (("parameters", owned.flat.params), ("adam m", owned.m), ("adam v", owned.v)):
-        tr.comm.broadcast(t, src=src, what=f"replica hand-off of {name}")
+    for name, t in owned.tensors().items():
+        if name != "buffers":  # those follow in _sync_buffers
+            tr.comm.broadcast(t, src=src, what=f"replica hand-off of {name}")
     owned.txn.chunk_ver[:] = target
     return "replica"
 
@@ -220,8 +238,7 @@ def _rebuild_sharded(tr: RecoveryInputs, status: list[dict], new_ranks: list[int
         # Nothing was ever updated: everyone holds the initial parameters; moments are zero.
         tr.comm.broadcast(owned.flat.params, src=src, what="initial parameter hand-off")
         if tr.rank in new_ranks:
-            owned.m.zero_()
-            owned.v.zero_()
+            owned.reset_state()
             owned.txn.chunk_ver[:] = 0
         owned.rebuild_parity(tr.group, 0)
         return "initial"

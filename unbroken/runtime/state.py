@@ -34,7 +34,6 @@ class RecoveryInputs:
     cfg: Any                  # config.RunConfig
     st: TrainState
     owned: Any                # parallel.strategy.OwnedState
-    optim: Any                # parallel.adamw.AdamW (scalars of a handed-off gradient)
     tuner: Any                # runtime.autok.IntervalTuner
     ckpt: Any                 # protect.tier2.CheckpointWriter or None
     watch: Any                # membership.GenerationWatch

@@ -1,10 +1,12 @@
 """`Trainer`: the training-loop side of unbroken, the API a user script calls.
 
-    trainer = unbroken.Trainer(model)           # a shadow blocks here until it gets a rank
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)     # the user's optimizer (and scheduler)
+    trainer = unbroken.Trainer(model, opt)      # a shadow blocks here until it gets a rank
+    loader = trainer.loader(dataset, batch_size=32)
     for step in trainer.steps():                # step numbers continue across recoveries
-        x, y = my_batch(step, trainer.rank, trainer.world_size)
-        trainer.step(lambda: model.loss(x, y))  # forward only: backward, all-reduce and the
-    trainer.finish()                            # optimizer are unbroken's, and redone on failure
+        x, y = loader.batch(step)
+        trainer.step(lambda: loss_fn(model(x), y))  # forward only: backward, all-reduce and the
+    trainer.finish()                            # optimizer step are unbroken's, redone on failure
 
 On a collective error the Trainer does not exit: it waits for the supervisor's next
 generation, joins it, brings its state to the agreed version and continues.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import time
 from typing import Callable
 
@@ -22,25 +25,29 @@ import torch.nn as nn
 from unbroken.comm.group import CollectiveError, Comm, GenerationChanged
 from unbroken.detect.detectors import numerics_check
 from unbroken.fsutil import atomic_write_bytes
-from unbroken.parallel.adamw import AdamW
 from unbroken.parallel.buckets import GradBuckets
+from unbroken.parallel.buffers import ModelBuffers
+from unbroken.parallel.optim import ChunkOptimizer
+from unbroken.parallel.schedule import ScheduleClock
 from unbroken.parallel.strategy import OwnedState
 from unbroken.config import ConfigError
+from unbroken.protect.txn import StepScalars
 from unbroken.protect.interval import memory_budget_bytes, ring_slots
 from unbroken.runtime.autok import IntervalTuner
-from unbroken.runtime import crash, membership
+from unbroken.runtime import adopt, crash, membership
+from unbroken.runtime.determinism import BATCH, FORWARD, InputFingerprints, seed_everything
 from unbroken.runtime.context import ProcessContext
 from unbroken.runtime.recovery import RolledBack, finish_deferred_decode, recover, reporter
 from unbroken.runtime.state import RecoveryInputs, TrainState
 from unbroken.runtime.faults import FaultInjector
 
 
-def gradient_ring_slots(cfg, model: nn.Module) -> int:
+def gradient_ring_slots(cfg, n_params: int) -> int:
     """Gradient buffers the ring needs (K, or the most "auto" may use); ConfigError naming the
     largest K that fits when the ring would not fit in memory."""
     if not cfg.tier1 or cfg.strategy != "zero1" or cfg.effective_parity_group < 2:
         return 1
-    grad_bytes = 4 * (sum(p.numel() for p in model.parameters() if p.requires_grad) + 4)
+    grad_bytes = 4 * (n_params + 4)
     try:
         return ring_slots(cfg.protect_every, grad_bytes, memory_budget_bytes(cfg.world_size + cfg.shadow_pool_max))
     except ValueError as e:
@@ -61,7 +68,16 @@ class NonFiniteGradient(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, model: nn.Module) -> None:
+    """Train `model` with the user's `optimizer` (and `scheduler`), in place of DDP + optimizer.step().
+
+    grad_clip: clip the global gradient norm to this (as clip_grad_norm_), None = no clipping.
+    accumulation_steps: micro-batches per step; the closure is then called as closure(i),
+    i = 0..n-1, and each micro-batch's loss is divided by n before backward (do not divide it
+    yourself); the step's loss is their mean.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler=None, *,
+                 grad_clip: float | None = None, accumulation_steps: int = 1) -> None:
         self.ctx = ctx = ProcessContext.from_env()
         self.st = TrainState()  # where training is: the record recovery reads and moves
         # an uncaught exception is recorded for the leader, with the step it happened in
@@ -70,8 +86,9 @@ class Trainer:
         torch.set_num_threads(cfg.threads)  # same threads everywhere: bitwise-reproducible kernels
         self.model = model
         self.world_size = cfg.world_size
-        self.optim = AdamW(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                           warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
+        self._adopt(model, optimizer, scheduler, grad_clip, accumulation_steps)
+        self.fingerprints = InputFingerprints(keep=max(1024, cfg.checkpoint_every * (cfg.checkpoint_keep + 1)))
+        self._planned: int | None = None
         self.local_grads: torch.Tensor | None = None  # allocated with the state (_build_state)
         self.comm: Comm | None = None
         self.group: Comm | None = None
@@ -92,6 +109,28 @@ class Trainer:
             self._serve_as_shadow()
         else:
             self._start_as_worker(ctx.rank)
+        self.clock.move_to(self.st.step_count + 1)  # a process that joins later: the schedule where it is
+
+    def _adopt(self, model, optimizer, scheduler, grad_clip, accumulation_steps) -> None:
+        """Take the user's objects, or stop the job with a one-line error naming the argument (exit 2)."""
+        try:
+            adopt.check_options(grad_clip, accumulation_steps)
+            self.named, self.group_of = adopt.trained_parameters(model, optimizer)
+            self.optim = ChunkOptimizer(optimizer)
+            if self.optim.has_state():
+                raise adopt.AdoptionError(
+                    "the optimizer already holds state (was optimizer.load_state_dict called?): unbroken restores "
+                    "optimizer state from its own checkpoints; pass a freshly built optimizer")
+            self.clock = ScheduleClock(self.optim, scheduler)
+        except ValueError as e:
+            self._refuse(str(e))
+        self.grad_clip, self.accumulation_steps = grad_clip, accumulation_steps
+        self.model_buffers = ModelBuffers(model)
+
+    def _refuse(self, msg: str) -> None:
+        """A user mistake no retry can fix: the supervisor stops the job with `msg` (exit 2)."""
+        self.ctx.store.set("abort", msg)
+        raise ConfigError(msg)
 
     # --- start-up ----------------------------------------------------------------------
     def _build_state(self, rank: int) -> None:
@@ -100,14 +139,15 @@ class Trainer:
             self.buckets.close()
         cfg = self.cfg
         try:
-            slots = gradient_ring_slots(cfg, self.model)
+            slots = gradient_ring_slots(cfg, sum(p.numel() for _, p in self.named))
         except ConfigError as e:
-            self.ctx.store.set("abort", str(e))  # not recoverable: the supervisor stops the job (exit 2)
-            raise
+            self._refuse(str(e))  # not recoverable: the supervisor stops the job (exit 2)
         self.tuner = IntervalTuner(mtbf_s=cfg.expected_mtbf_s, max_k=slots)
-        self.owned = OwnedState(self.model, strategy=cfg.strategy, rank=rank, world=self.world_size,
+        n_tensors = 1 + len(self.optim.state_names)  # the parameter shard and its optimizer state
+        self.owned = OwnedState(self.named, self.group_of, self.optim, self.model_buffers, strategy=cfg.strategy,
+                                rank=rank, world=self.world_size,
                                 group_size=cfg.effective_parity_group if cfg.tier1 else 1,
-                                chunk_elems=max(16, cfg.chunk_kb * 1024 // 12), optim=self.optim,
+                                chunk_elems=max(16, cfg.chunk_kb * 1024 // (4 * n_tensors)),
                                 protect_every=self.tuner.initial_k if cfg.protect_every == "auto"
                                 else int(cfg.protect_every), grad_slots=slots, nnodes=self.ctx.nnodes)
         self.buckets = GradBuckets(self.owned.flat, bucket_elems=max(16, self.cfg.bucket_kb * 1024 // 4))
@@ -130,6 +170,9 @@ class Trainer:
                 self.ctx.store.set("abort", str(e))  # not recoverable: the supervisor stops the job
                 raise
             self.comm.broadcast(self.owned.flat.params, src=0, what="initial parameter sync")
+            if self.model_buffers.words:  # as DDP at construction: rank 0's buffers everywhere
+                self.comm.broadcast(self.model_buffers.committed, src=0, what="initial buffer sync")
+                self.model_buffers.restore()
             self._point("build")
             if self.owned.tier1 is not None:
                 secs = self.owned.rebuild_parity(self.group, 0)
@@ -147,7 +190,9 @@ class Trainer:
         """Every rank must shard and chunk the same way; say which rank differs and how."""
         flat = self.owned.flat
         mine = {"params": flat.n, "dtype": "float32", "chunk_elems": flat.chunk_elems,
-                "chunks": self.owned.state.n_chunks, "world": self.world_size, "strategy": self.cfg.strategy}
+                "chunks": self.owned.state.n_chunks, "world": self.world_size, "strategy": self.cfg.strategy,
+                "optimizer": self.optim.name, "state": list(self.optim.state_names), "groups": self.optim.n_groups,
+                "buffer_bytes": self.model_buffers.nbytes, "accumulation_steps": self.accumulation_steps}
         everyone = self.comm.allgather_object(mine, what="layout check")
         for r, other in enumerate(everyone):
             if other != mine:
@@ -178,8 +223,7 @@ class Trainer:
 
     def _recovery_inputs(self) -> RecoveryInputs:
         """What recovery needs, explicitly: it never sees the Trainer itself."""
-        return RecoveryInputs(ctx=self.ctx, cfg=self.cfg, st=self.st, owned=self.owned, optim=self.optim,
-                              tuner=self.tuner, ckpt=self.ckpt, watch=self.watch, rank=self.rank,
+        return RecoveryInputs(ctx=self.ctx, cfg=self.cfg, st=self.st, owned=self.owned, tuner=self.tuner, ckpt=self.ckpt, watch=self.watch, rank=self.rank,
                               world_size=self.world_size, join=self._join,
                               groups=lambda: (self.comm, self.group, self.gen), point=self._point,
                               report=self._report_collective_error)
@@ -212,13 +256,44 @@ class Trainer:
 
     # --- the loop ------------------------------------------------------------------------
     def steps(self, total: int | None = None):
-        """Yield the next step number until `total` (default: config.steps) steps are done."""
-        total = total or self.cfg.steps
+        """Yield the next step number until the job's step count is done: `--steps` (or the config
+        file's `steps`); `total` when the run did not set one. A `total` that disagrees with
+        `--steps` stops the job (exit 2). Before yielding step t, Python's, NumPy's and torch's
+        global generators are seeded from (seed, t, rank): batches drawn from them replay."""
+        total = self._plan(total)
         while self.st.step_count < total:
-            yield self.st.step_count + 1
+            t = self.st.step_count + 1
+            seed_everything(self.cfg.seed, t, self.rank, BATCH)
+            yield t
 
-    def step(self, closure: Callable[[], torch.Tensor]) -> float | None:
-        """Run step `step_count + 1`: closure() returns the loss; returns the mean loss.
+    def _plan(self, total) -> int:
+        cfg = self.cfg
+        if total is None:
+            total = cfg.steps
+        elif isinstance(total, bool) or not isinstance(total, int) or total < 1:
+            self._refuse(f"trainer.steps({total!r}): the step count must be an integer >= 1")
+        elif cfg.steps_given and total != cfg.steps:
+            self._refuse(f"trainer.steps({total}) disagrees with --steps {cfg.steps}: call trainer.steps() "
+                         "without an argument (it takes --steps) or pass the same number")
+        if self._planned != total and self.rank == 0 and self.ctx.role == "worker":
+            self.ctx.events.emit("steps_planned", steps=total, source="config" if total == cfg.steps else "script")
+        self._planned = total
+        return total
+
+    def loader(self, dataset, *, batch_size: int, shuffle: bool = True, drop_last: bool = False, **kwargs):
+        """This rank's batches of `dataset` by step number, in DataLoader + DistributedSampler order
+        (seeded by --seed): `batch = loader.batch(step)`; `len(loader)` batches per epoch."""
+        from unbroken.data import StepLoader
+
+        try:
+            return StepLoader(dataset, batch_size=batch_size, rank=self.rank, world_size=self.world_size,
+                              seed=kwargs.pop("seed", self.cfg.seed), shuffle=shuffle, drop_last=drop_last, **kwargs)
+        except (TypeError, ValueError) as e:
+            self._refuse(f"trainer.loader: {e}")
+
+    def step(self, closure: Callable[..., torch.Tensor]) -> float | None:
+        """Run step `step_count + 1`: closure() (closure(i) for micro-batch i with accumulation_steps
+        > 1) returns the loss; returns the loss averaged over ranks (and micro-batches).
 
         Returns None if a recovery rolled the job back further (the loop's next step
         number tells where it resumes).
@@ -278,12 +353,13 @@ class Trainer:
         else:
             self.buckets.issue_all(self.comm, grads, what=f"gradient all-reduce step {t}")
         self._point("reduced", t)
-        flat.grads.div_(self.world_size)
-        norm, loss = float(torch.linalg.vector_norm(flat.grads[:flat.n_pad])), float(flat.grads[-1])
+        flat.grads[:flat.n_avg].div_(self.world_size)
+        norm, loss = float(torch.linalg.vector_norm(flat.grads[:flat.n_pad])), float(flat.grads[flat.loss])
+        self._check_inputs(t)
         self._check_numerics(t, loss, norm)
         self._maybe_choose_interval(t)
-        self.st.grads_step = t
-        self.st.scalars = self.optim.scalars(t, norm, loss)  # skip=True when a non-finite step is skipped
+        self.st.scalars = self._scalars(t, norm, loss)
+        self.st.grads_step = t  # with its scalars: a recovery hands both to a new member
         ctx.set_phase("optimizer")
         t2 = time.perf_counter()
         parity = self.owned.parity_due(t)
@@ -292,39 +368,90 @@ class Trainer:
         self._point("allgather", t)
         t3 = time.perf_counter()
         self.owned.commit(self.comm, parity_step=t if parity else None)
+        self.model_buffers.commit(flat.grads[flat.buffers])  # rank 0's, as DDP's broadcast gives them
         t4 = time.perf_counter()
         # where the step's time went: compute, gradient all-reduce, update (+parity), all-gather
         self._phase_s = {"compute": t1 - t0, "allreduce": t2 - t1, "update": t3 - t2, "allgather": t4 - t3}
         self._parity_step = parity
-        self._finish_step(t, float(flat.grads[-1]))
+        self._finish_step(t, float(flat.grads[flat.loss]))
 
-    def _compute_local_gradient(self, t: int, closure: Callable[[], torch.Tensor], *, overlap: bool) -> None:
+    def _compute_local_gradient(self, t: int, closure: Callable[..., torch.Tensor], *, overlap: bool) -> None:
         """Forward and backward of step t into flat.grads, and a copy kept for a redo. With
-        `overlap`, the gradient buckets' all-reduces are issued while backward runs."""
+        `overlap`, the gradient buckets' all-reduces are issued while the last backward runs."""
         ctx, flat = self.ctx, self.owned.flat
         ctx.set_phase("forward", t)
         self._point("forward", t)
         if self._slow_s:
             time.sleep(self._slow_s)
         flat.zero_grad()
-        loss = closure()
+        self.model_buffers.restore()  # a redone forward starts from the committed buffers
+        n = self.accumulation_steps
+        values = []
+        for i in range(n):
+            seed_everything(self.cfg.seed, t, self.rank, FORWARD + i)  # dropout masks replay
+            loss = self._call(closure, i)
+            values.append(float(loss.detach()))
+            if i < n - 1:
+                (loss / n).backward()
         ctx.set_phase("backward")
         self._point("backward", t)
-        value = float(loss.detach())
+        value = values[0] if n == 1 else sum(values) / n
+        last = loss if n == 1 else loss / n
         self.tuner.fill(flat.grads[flat.aux])
         flat.grads[flat.vote] = self._nonfinite_vote(t)
+        self._fill_tail(flat.grads, value)
         if overlap:
             self.buckets.begin(self.comm, flat.grads, self.local_grads, value, poison=self._nan_pending,
                                what=f"gradient all-reduce step {t}")
-            loss.backward()
+            last.backward()
         else:
-            loss.backward()
+            last.backward()
             flat.collect_grads(value)
             if self._nan_pending:
                 flat.grads[0] = float("nan")
             self.local_grads.copy_(flat.grads)
         self._nan_pending = False
         self.st.local_step = t
+
+    def _call(self, closure, i: int) -> torch.Tensor:
+        loss = closure() if self.accumulation_steps == 1 else closure(i)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            self._refuse(f"trainer.step(closure): the closure must return the loss as a scalar tensor that "
+                         f"requires grad (got {type(loss).__name__}"
+                         f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}); "
+                         "return the loss before calling .item() or .backward()")
+        return loss
+
+    def _fill_tail(self, grads: torch.Tensor, value: float) -> None:
+        """The summed part of the all-reduce: this rank's loss in its slot, rank 0's buffers."""
+        flat = self.owned.flat
+        grads[flat.rank_loss] = 0.0
+        grads[flat.rank_loss.start + self.rank] = value
+        if self.rank == 0:
+            self.model_buffers.encode(grads[flat.buffers])
+        else:
+            grads[flat.buffers] = 0.0
+
+    def _check_inputs(self, t: int) -> None:
+        """A step computed again must have had the same inputs on every rank (determinism.py)."""
+        flat = self.owned.flat
+        changed = self.fingerprints.observe(t, flat.grads[flat.rank_loss])
+        if changed:
+            before = self.fingerprints.value(t)
+            self.ctx.events.emit("nondeterministic_input", step=t, ranks=changed,
+                                 first=[float(before[r]) for r in changed],
+                                 again=[float(flat.grads[flat.rank_loss.start + r]) for r in changed],
+                                 message=f"step {t} was computed again with different inputs on rank(s) {changed}: "
+                                         "the script reads data unbroken cannot replay (a stateful iterator?); "
+                                         "draw batches with trainer.loader or from the step number")
+
+    def _scalars(self, t: int, norm: float, loss: float) -> StepScalars:
+        """Step t's global scalars: the clip coefficient from the averaged gradient's norm and every
+        group's hyperparameters; skip=True when a non-finite step is to be skipped."""
+        groups = tuple(self.clock.hyper_for(t))
+        if not (math.isfinite(norm) and math.isfinite(loss)):
+            return StepScalars(step=t, clip_coef=0.0, skip=True, groups=groups)
+        return StepScalars(step=t, clip_coef=adopt.clip_coefficient(self.grad_clip, norm), groups=groups)
 
     def _finish_step(self, t: int, loss: float) -> None:
         self.st.step_count, self.st.last_loss = t, loss
@@ -344,6 +471,7 @@ class Trainer:
             if reporter(self._recovery_inputs()):
                 self.ctx.events.emit("recovery_phase", phase="redo", start=self.st.redo_since, end=time.time(), step=t)
             self.st.redo_since = None
+        self.clock.move_to(t + 1)  # as scheduler.step() after optimizer.step(): the groups show step t+1's values
         if self.rank == 0:
             membership.put(self.ctx.store, "progress", {"step": t, "gen": self.gen.gen, "loss": loss, "step_s": step_s,
                                                         "tokens_per_s": tokens / max(step_s, 1e-9)})
