@@ -1,6 +1,7 @@
 """The job end to end through the CLI: completion, determinism, bad input, tokens, two nodes, signals."""
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import SMALL, _procs_of, run_cli, run_job
+from .conftest import SMALL, _procs_of, events, run_cli, run_job
 
 pytestmark = pytest.mark.timeout(300)
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "train_unbroken.py")
@@ -50,6 +51,39 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, needle):
     assert p.returncode == 2
     assert needle in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "r" / "events.jsonl").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,needle", [
+    (["--steps", "5", "--inject", "sigkill:rank=0,step=99"], "can never fire: the run has 5 steps"),
+    (["--inject", "sigkill:rank=0,step=2,phase=backward,chunk=1"], "can never fire: phase backward has no chunks"),
+    (["--inject", "sigkill:rank=0,step=3,phase=shadow"], "can never fire: phase shadow runs"),
+    (["--checkpoint-every", "0", "--inject", "sigkill:rank=0,step=0,phase=checkpoint"], "checkpoints are off"),
+])
+def test_a_fault_that_can_never_fire_is_refused_in_one_line(tmp_path, args, needle):
+    p = run_cli(tmp_path / "r", *args)
+    assert p.returncode == 2 and needle in p.stderr, p.stderr
+    assert p.stderr.startswith("error: fault ") and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+    assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+@pytest.mark.timeout(240)
+def test_faults_that_could_fire_but_did_not_are_named(tmp_path):
+    # no failure: no shadow is ever assigned and no recovery runs, so neither fault fires; the slow one does
+    unfired = ["sigkill:rank=1,step=1,phase=shadow,chunk=0", "exception:rank=2,step=3,phase=recovery,chunk=0"]
+    run_dir = tmp_path / "r"
+    args = [*SMALL, "--inject", "slow:rank=0,step=2,phase=forward,ms=1"]
+    for spec in unfired:
+        args += ["--inject", spec]
+    s = run_job(run_dir, *args)
+    assert s["ok"] and s["faults_not_fired"] == unfired
+    fired = [e for e in events(run_dir) if e["kind"] == "fault_injected"]
+    assert [(e["rank"], e["fields"]["fault"], e["fields"]["step"]) for e in fired] == [(0, "slow", 2)]
+    p = subprocess.run([sys.executable, "-m", "unbroken.cli", "report", str(run_dir), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["not_fired"] == 2
+    assert f"| injected but not fired | 2 ({', '.join(unfired)}) |" in (run_dir / "report.md").read_text()
 
 
 def test_a_gradient_log_that_cannot_fit_names_the_largest_k(tmp_path):
@@ -122,7 +156,6 @@ def test_two_nodes_train_together_and_recover_a_rank_on_node_1(tmp_path):
             node0.kill()
     assert node0.returncode == 0, err[-2000:]
     assert p1.returncode == 0, p1.stderr[-2000:]
-    import json
     summary = json.loads(out)
     assert summary["ranks_agree"] and summary["ok"]
     [rec] = summary["recoveries"]
@@ -158,7 +191,6 @@ def test_a_persistent_straggler_on_node_1_gets_the_node_excluded(tmp_path):
     assert node0.returncode == 0, err[-2000:]
     assert node1.returncode == 0, err1[-2000:]
     assert _procs_of(run_dir.resolve()) == []
-    import json
     summary = json.loads(out)
     assert summary["ok"]
     evs = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]

@@ -5,8 +5,10 @@ recovery time split, ETTR and per-node offenders (all documented in docs/detect.
 """
 from __future__ import annotations
 
+import json
 import math
 import statistics
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -25,6 +27,8 @@ class RunLog:
 
     name: str
     events: list[Event]
+    # injected specs that never fired (summary.json's faults_not_fired); None: not known
+    not_fired: tuple[str, ...] | None = None
 
 
 def find_event_files(path: Path) -> list[Path]:
@@ -52,9 +56,23 @@ def load_runs(paths: Iterable[Path]) -> list[RunLog]:
         for f in find_event_files(Path(path)):
             name = f.parent.name if f.name == "events.jsonl" else f.stem
             parts = _split_runs(read_events(f))
-            for i, part in enumerate(parts):
-                runs.append(RunLog(name if len(parts) == 1 else f"{name}#{i}", part))
+            unfired = _not_fired_of(f.parent / "summary.json") if f.name == "events.jsonl" else None
+            for i, part in enumerate(parts):  # the summary is the last run's: the one that wrote it
+                runs.append(RunLog(name if len(parts) == 1 else f"{name}#{i}", part,
+                                   unfired if i == len(parts) - 1 else None))
     return runs
+
+
+def _not_fired_of(summary: Path) -> tuple[str, ...] | None:
+    """summary.json's faults_not_fired; None when there is no summary or it predates the field."""
+    if not summary.is_file():
+        return None
+    try:
+        got = json.loads(summary.read_text()).get("faults_not_fired")
+    except (OSError, ValueError, AttributeError) as e:
+        warnings.warn(f"{summary}: unreadable summary, its faults_not_fired is not counted ({e})", stacklevel=2)
+        return None
+    return tuple(map(str, got)) if isinstance(got, list) else None
 
 
 def _split_runs(events: list[Event]) -> list[list[Event]]:
@@ -257,7 +275,7 @@ def _analyze_run(run: RunLog, window_s: float) -> dict[str, Any]:
         steps = max(done, default=0)
     return {"run": run.name, "wall_s": wall, "productive_s": productive,
             "ettr": productive / wall if wall > 0 else None, "steps": steps,
-            "faults": walk.faults, "missed": len(walk.injections), "split": split,
+            "faults": walk.faults, "missed": len(walk.injections), "split": split, "not_fired": run.not_fired,
             "steps_redone": walk.steps_redone,
             "steps_lost": sum(n for n in steps_lost_by_gen(run.events).values() if n is not None),
             "excluded": sorted({n for e in run.events if e.kind == "node_excluded" and (n := _node(e)) is not None}),
@@ -335,6 +353,10 @@ def analyze(runs: list[RunLog], *, match_window_s: float = MATCH_WINDOW_S) -> di
         "offenders": offenders(faults, excluded), "excluded_nodes": sorted(excluded),
         "stragglers": [s for p in per for s in p["stragglers"]],
     }
+    known = [p for p in per if p["not_fired"] is not None]
+    if known:  # only runs whose summary.json lists them know which injected specs never fired
+        report["faults_not_fired"] = [{"run": p["run"], "fault": f} for p in known for f in p["not_fired"]]
+        report["not_fired"] = len(report["faults_not_fired"])
     return _rounded(report)
 
 

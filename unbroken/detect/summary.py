@@ -34,6 +34,7 @@ def _overview(r: dict[str, Any]) -> Section:
         ["faults (real)", str(sum(r["faults_by_class"].values()))],
         ["false positives", f"{r['false_positives']} ({_f(fp_day, '/day', 2)})"],
         ["injected but missed", str(r["missed"])],
+        *([["injected but not fired", _not_fired(r)]] if "not_fired" in r else []),
         ["detection latency mean / median / max",
          f"{_f(lat['mean'], ' s')} / {_f(lat['median'], ' s')} / {_f(lat['max'], ' s')} (n={lat['count']})"],
         ["time to detect / diagnose / recover",
@@ -42,6 +43,13 @@ def _overview(r: dict[str, Any]) -> Section:
         ["excluded nodes", ", ".join(map(str, r["excluded_nodes"])) or "none"],
     ]
     return "Overview", ["measure", "value"], rows
+
+
+def _not_fired(r: dict[str, Any]) -> str:
+    """The count, then the specs (named with their run when there are several runs)."""
+    many = len(r["runs"]) > 1
+    specs = [f"{x['run']}: {x['fault']}" if many else x["fault"] for x in r["faults_not_fired"]]
+    return f"{r['not_fired']} ({', '.join(specs)})" if specs else "0"
 
 
 def _faults(r: dict[str, Any]) -> Section:

@@ -38,6 +38,9 @@ class _Kind:
 
 def _sgd(p, g, state, h, step):
     buf = state.get("momentum_buffer")
+    if buf is None and h["momentum"] != 0:
+        raise UnsupportedOptimizer("SGD momentum became non-zero during training: build the optimizer with the "
+                                   "momentum it will use (a scheduler may change it, but not from 0)")
     bufs = [None if (step == 1 or buf is None) else buf]  # torch's first step: buffer = gradient
     sgd.sgd([p], [g], bufs, foreach=False, fused=False, weight_decay=h["weight_decay"], momentum=h["momentum"],
             lr=h["lr"], dampening=h["dampening"], nesterov=h["nesterov"], maximize=h["maximize"])

@@ -8,11 +8,12 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from unbroken.cli_error import fail
-from unbroken.config import ConfigError, build_config
-from unbroken.runtime.faults import NODE_KINDS, FaultSpec, chaos_schedule
+from unbroken.config import ConfigError, RunConfig, build_config
+from unbroken.runtime.faults import NODE_KINDS, FaultSpec, chaos_schedule, check_reachable
 from unbroken.runtime.run import launch, new_run_dir
 from unbroken.runtime.crash import SoftwareFault
 from unbroken.runtime.supervisor import LaunchError, LaunchOptions
@@ -114,14 +115,12 @@ def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, in
         faults = [FaultSpec.parse(s) for s in (inject or [])]
         if chaos:
             faults += chaos_schedule(chaos, world=cfg.world_size, steps=cfg.steps)
-        for f in faults:
-            if f.rank >= cfg.world_size:
-                raise ConfigError(f"fault {f} names rank {f.rank} but the world has {cfg.world_size} ranks")
         if script and script[0].endswith(".py") and not Path(script[0]).is_file():
             raise ConfigError(f"training script {script[0]} not found")
         job = (BUILTIN_JOB,)
         if script:
             job = (str(Path(script[0]).resolve()) if script[0].endswith(".py") else script[0], *script[1:])
+        _check_faults_reachable(faults, cfg, builtin=job[0] == BUILTIN_JOB)
         opts = LaunchOptions(
             script=job,
             run_dir=(run_dir or new_run_dir()).resolve(),
@@ -142,6 +141,15 @@ def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, in
         raise typer.Exit(130)
 
 
+def _check_faults_reachable(faults: list[FaultSpec], cfg: RunConfig, *, builtin: bool) -> None:
+    """Refuse specs that can never fire. The step count is known up front when it was given
+    (--steps or the config file) or the job is the built-in one (it runs exactly cfg.steps);
+    otherwise the script decides it."""
+    tier1 = cfg.tier1 and cfg.strategy == "zero1" and cfg.effective_parity_group >= 2  # as worker.py builds it
+    check_reachable(faults, world_size=cfg.world_size, steps=cfg.steps if cfg.steps_given or builtin else None,
+                    tier1=tier1, checkpoint_every=cfg.checkpoint_every)
+
+
 def _check_node_faults(faults: list[FaultSpec], world: int, nnodes: int) -> None:
     """nodekill/nodestop take down the rank's whole node: never node 0, which hosts the store."""
     local = world // nnodes if world % nnodes == 0 else world
@@ -160,6 +168,10 @@ def print_summary(s: dict, console: Console | None = None) -> None:
         v = s.get(key)
         t.add_row(key, f"{v:.3f}" if isinstance(v, float) else str(v))
     console.print(t)
+    unfired = s.get("faults_not_fired") or []
+    if unfired:
+        console.print(f"[bold yellow]warning:[/] {len(unfired)} injected fault(s) never fired: "
+                      f"{escape(', '.join(map(str, unfired)))} (no fault_injected event in events.jsonl)")
     recs = [r for r in s.get("recoveries", []) if r.get("complete")]
     if recs:
         rt = Table(title="recoveries (seconds)")

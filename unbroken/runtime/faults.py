@@ -15,6 +15,11 @@ chunk `chunk`, parameters updated but not yet the Adam moments), parity (delta o
 `chunk`), allgather, checkpoint, recovery (a survivor, during a recovery), shadow (the
 shadow chosen for `rank`, right after assignment; its step is always 1: it has no state yet), build (initial parity build).
 Each spec fires at most once per job: the store's atomic counter decides who fires.
+
+`check_reachable` refuses at start a spec that can never fire (worker.py's `_point` call
+sites: which phases pass a chunk, which step each phase runs at); `unreachable_chunks` does
+the same once the state layout is known; `faults_not_fired` names, after the run, the specs
+that could have fired but did not (no `fault_injected` event accounts for them).
 """
 from __future__ import annotations
 
@@ -22,12 +27,15 @@ import os
 import random
 import signal
 from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
 
 KINDS = ("sigkill", "sigstop", "exception", "nan", "bitflip", "slow", "linkdrop", "collerr", "nodekill",
          "nodestop")
 NODE_KINDS = ("nodekill", "nodestop")  # faults of the rank's whole node, not of the rank
 PHASES = ("forward", "backward", "allreduce", "reduced", "optimizer", "midchunk", "parity", "allgather",
           "checkpoint", "recovery", "shadow", "build")
+CHUNK_PHASES = ("optimizer", "midchunk", "parity")  # the points that pass a chunk (parity: a window) index
+STEP_ONE_PHASES = ("build", "shadow")  # point(phase) at step_count + 1 of a process with no step done yet
 
 
 class InjectedFault(RuntimeError):
@@ -95,6 +103,106 @@ def chaos_schedule(text: str, *, world: int, steps: int) -> list[FaultSpec]:
                                    phase=rng.choice(["forward", "backward", "allreduce", "optimizer", "allgather"])))
             last = step
     return specs
+
+
+def check_reachable(specs: Iterable[FaultSpec], *, world_size: int, steps: int | None, tier1: bool = True,
+                    checkpoint_every: int | None = None) -> None:
+    """Refuse a spec that can never fire: ValueError naming it, why, and the fix.
+
+    steps: the run's step count when known up front (None: the script decides); tier1: the
+    run keeps tier-1 parity; checkpoint_every: tier-2's period (0 = off; None: unknown).
+    """
+    for s in specs:
+        why = _never_here(s, world_size, tier1, checkpoint_every) or _never_then(s, steps)
+        if why:
+            raise ValueError(f"fault {s} can never fire: {why}")
+
+
+def _never_here(s: FaultSpec, world_size: int, tier1: bool, checkpoint_every: int | None) -> str | None:
+    """Why no rank, chunk or point of this run matches `s` (None: some may)."""
+    if s.rank >= world_size:
+        return f"it names rank {s.rank} but the world has {world_size} ranks; use rank=0..{world_size - 1}"
+    if s.chunk and s.phase not in CHUNK_PHASES:  # every other point passes chunk 0 (bitflip included)
+        fix = (f"use phase=parity,chunk={s.chunk} to corrupt parity window {s.chunk}" if s.kind == "bitflip"
+               else f"drop chunk={s.chunk}, or use phase=optimizer or midchunk")
+        return f"phase {s.phase} has no chunks (only {', '.join(CHUNK_PHASES)} do); {fix}"
+    if not tier1 and (s.phase == "parity" or s.kind == "bitflip"):
+        return ("this run keeps no tier-1 parity to update or corrupt; use --strategy zero1 with "
+                "--parity-group 2 or more, or another phase/kind")
+    if s.phase == "checkpoint" and checkpoint_every is not None:
+        if checkpoint_every <= 0:
+            return "tier-2 checkpoints are off (--checkpoint-every 0); set --checkpoint-every K or pick another phase"
+        if s.step % checkpoint_every:
+            return (f"checkpoints are written every {checkpoint_every} steps; use a step that is a multiple of "
+                    f"{checkpoint_every}")
+    return None
+
+
+def _never_then(s: FaultSpec, steps: int | None) -> str | None:
+    """Why no step of this run matches `s` (None: one may)."""
+    if s.step == 0 and s.phase != "checkpoint":
+        return "steps start at 1 (only phase checkpoint has a step 0: the initial checkpoint); use step=1 or later"
+    if s.phase in STEP_ONE_PHASES and s.step != 1:
+        when = "once, before the first step" if s.phase == "build" else "as it takes over, before it has any state"
+        return f"phase {s.phase} runs {when}: its step is always 1; use step=1"
+    limit = None if steps is None else steps + 1 if s.phase == "recovery" else steps  # recovering after step N: N+1
+    if limit is not None and s.step > limit:
+        return f"the run has {steps} steps; use step={1 if s.phase != 'checkpoint' else 0}..{limit} or raise --steps"
+    return None
+
+
+def unreachable_chunks(specs: Iterable[FaultSpec], *, n_chunks: int, n_windows: int) -> list[str]:
+    """One message per spec whose chunk index is past the last chunk of this run's layout.
+
+    optimizer/midchunk: chunk >= n_chunks (chunks per rank); parity, and bitflip at any other
+    phase: chunk >= n_windows (parity windows per rank) when the run keeps parity (n_windows > 0).
+    """
+    out = []
+    for s in specs:
+        if s.phase in ("optimizer", "midchunk"):
+            limit, what = n_chunks, "chunks"
+        elif (s.phase == "parity" or s.kind == "bitflip") and n_windows > 0:
+            limit, what = n_windows, "parity windows"
+        else:
+            continue
+        if s.chunk >= limit:
+            out.append(f"fault {s} can never fire: chunk {s.chunk} is past the last of the {limit} {what} each "
+                       f"rank has; use chunk=0..{limit - 1}")
+    return out
+
+
+def faults_not_fired(specs: Iterable[FaultSpec], events: Iterable[Mapping[str, Any]]) -> list[FaultSpec]:
+    """The specs that no `fault_injected` event shows firing, in order; each event accounts for one.
+
+    events: events.jsonl records as dicts ({"kind", "rank", "node", "fields": {fault, phase, step,
+    chunk}}). A node fault's event from node 0 is no firing: `FaultInjector.fire` skips it there
+    (a shadow on node 0 holds the rank now) and its claim is spent. An event without a rank or
+    chunk (an older log) matches any, after the exact matches are taken.
+    """
+    pending = list(specs)
+    fired = [e for e in events if e.get("kind") == "fault_injected" and not _skipped_on_node_0(e)]
+    for exact in (True, False):
+        for e in list(fired):
+            i = next((i for i, s in enumerate(pending) if _fired_as(s, e, exact=exact)), None)
+            if i is not None:
+                del pending[i]
+                fired.remove(e)
+    return pending
+
+
+def _skipped_on_node_0(e: Mapping[str, Any]) -> bool:
+    return (e.get("fields") or {}).get("fault") in NODE_KINDS and e.get("node") == 0
+
+
+def _fired_as(s: FaultSpec, e: Mapping[str, Any], *, exact: bool) -> bool:
+    f = e.get("fields") or {}
+    rank = e.get("rank") if e.get("rank") is not None else f.get("rank")
+    chunk = f.get("chunk")
+    if (f.get("fault"), f.get("phase"), f.get("step")) != (s.kind, s.phase, s.step):
+        return False
+    if exact:
+        return rank == s.rank and chunk == s.chunk
+    return rank in (None, s.rank) and chunk in (None, s.chunk)
 
 
 class FaultInjector:

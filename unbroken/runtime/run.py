@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -16,6 +17,7 @@ from unbroken.config import RunConfig
 from unbroken.events import read_events
 from unbroken.fsutil import atomic_write_json
 from unbroken.runtime.breakdown import recoveries, steps_lost_total
+from unbroken.runtime.faults import FaultSpec, faults_not_fired
 from unbroken.runtime.supervisor import LaunchOptions, Supervisor, install_signal_handlers
 
 
@@ -63,7 +65,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, *, console: Console | None = Non
         sup.run()
     if opts.node_rank != 0:
         return {"node": opts.node_rank, "wall_s": time.time() - t0}
-    summary = summarize(cfg, opts.run_dir, wall_s=time.time() - t0)
+    summary = summarize(cfg, opts.run_dir, wall_s=time.time() - t0, faults=opts.faults)
     atomic_write_json(opts.run_dir / "summary.json", summary)
     return summary
 
@@ -77,8 +79,11 @@ def _remove_unstarted(run_dir: Path) -> None:
         run_dir.rmdir()
 
 
-def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float) -> dict:
+def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float, faults: Sequence[FaultSpec] = ()) -> dict:
+    """The run's summary.json from its events; `faults`: the specs injected (--inject, --chaos)."""
     events = read_events(run_dir)
+    injected = [{"kind": e.kind, "rank": e.rank, "node": e.node, "fields": e.fields}
+                for e in events if e.kind == "fault_injected"]
     done = [e for e in events if e.kind == "worker_done"]
     shas = {e.rank: e.fields["weights_sha256"] for e in done}
     steps = [e for e in events if e.kind == "step" and e.rank == 0]
@@ -99,6 +104,8 @@ def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float) -> dict:
         "wall_s": wall_s,
         "recoveries": recs,
         "faults": sum(1 for e in events if e.kind == "fault_detected"),
+        # injected specs no fault_injected event accounts for: they could have fired but did not
+        "faults_not_fired": [str(f) for f in faults_not_fired(faults, injected)],
         "steps_lost": steps_lost_total(events),  # measured from the events (runtime/breakdown.py)
         # the script decides how many steps it runs (trainer.steps(n)); ok = every rank finished, in agreement
         "ok": len(shas) == cfg.world_size and len(set(shas.values())) == 1 and last is not None,
