@@ -168,8 +168,16 @@ def test_an_attached_scheduler_must_be_handed_over_and_not_stepped_by_the_script
         ScheduleClock(ChunkOptimizer(opt), None)
     clock = ScheduleClock(ChunkOptimizer(opt), sched)
     assert clock.hyper_for(3)[0]["lr"] == pytest.approx(0.025)
-    sched.step()
-    with pytest.raises(ScheduleError, match="remove the call"):
+    done, refused = [0], []
+    clock.started_at(0, lambda: done[0], refused.append)
+    done[0] = 1
+    sched.step()  # the script's call after step 1: a no-op, on cadence
+    assert clock.hyper_for(3)[0]["lr"] == pytest.approx(0.025) and not refused
+    done[0] = 5
+    sched.step()  # its second call after 5 steps: a per-epoch loop told unbroken "step"
+    assert refused and "scheduler_step='epoch'" in refused[0]
+    type(sched).step(sched)  # stepped behind unbroken's back
+    with pytest.raises(ScheduleError, match="leave it alone"):
         clock.hyper_for(9)
 
 

@@ -35,7 +35,7 @@ def test_layout_rejects_bad_sizes():
 
 def test_txn_versions_come_from_current_or_snapshot():
     log = TxnLog(n_chunks=3, n_parity=1)
-    log.begin(StepScalars(step=1, lr=0.1, clip_coef=1.0))
+    log.begin(StepScalars(step=1, clip_coef=1.0))
     log.commit_chunk(0, 1)
     assert log.source(0, 1) == "current" and log.source(0, 0) == "snapshot"
     assert log.source(1, 0) == "current"  # not yet updated: current and snapshot agree
@@ -43,7 +43,7 @@ def test_txn_versions_come_from_current_or_snapshot():
         log.source(0, 2)
     log.commit_chunk(1, 1)
     log.commit_chunk(2, 1)
-    log.begin(StepScalars(step=2, lr=0.1, clip_coef=0.5))
+    log.begin(StepScalars(step=2, clip_coef=0.5))
     log.commit_chunk(0, 2)
     with pytest.raises(UnrecoverableChunk):
         log.source(0, 1)  # neither current (2) nor the snapshot (0)
@@ -116,7 +116,7 @@ def test_parity_build_delta_and_decode_bitwise(k, windows, lost, seed):
     # one step changes every chunk; only window 0's deltas are staged and absorbed (a parity
     # step cut short after window 0), so rows of window 1+ still hold the snapshot's version
     for j, m in enumerate(members):
-        m.txn.begin(StepScalars(step=1, lr=0.1, clip_coef=1.0))
+        m.txn.begin(StepScalars(step=1, clip_coef=1.0))
         for c in range(n_chunks):
             for t in m.tensors:
                 t[c * elems:(c + 1) * elems] += 1.0 + c

@@ -3,10 +3,12 @@
 Without a scheduler, step t uses what the optimizer's param groups hold when the step
 runs (a script that sets `group["lr"] = get_lr(step)` in its loop, as nanoGPT does, works
 unchanged: the value is a function of the step). With one, unbroken steps it once per
-step instead of the script, so the schedule is a function of the step number too: a
-process that joins at step t advances a fresh scheduler to t, and a rollback rewinds it
-(the values of recent steps are cached; older ones are recomputed from the scheduler's
-initial state). A scheduler whose next value depends on something else
+step (or once per `every` steps: per epoch) instead of the script, so the schedule is a
+function of the step number too: a process that joins at step t advances a fresh
+scheduler to t, and a rollback rewinds it (the values of recent steps are cached; older
+ones are recomputed from the scheduler's initial state). The script's own
+`scheduler.step()` calls become no-ops, checked against that cadence where the process
+saw every step. A scheduler whose next value depends on something else
 (`ReduceLROnPlateau` reads a metric) is refused.
 """
 from __future__ import annotations
@@ -44,16 +46,45 @@ def check_scheduler(optimizer: torch.optim.Optimizer, scheduler) -> None:
 
 
 class ScheduleClock:
-    def __init__(self, chunk_opt: ChunkOptimizer, scheduler=None) -> None:
+    def __init__(self, chunk_opt: ChunkOptimizer, scheduler=None, every: int = 1) -> None:
         check_scheduler(chunk_opt.optimizer, scheduler)
         self.opt, self.scheduler = chunk_opt, scheduler
-        self._at = 1  # the step whose hyperparameters the groups hold now
+        self.every = every  # steps per scheduler.step()
+        self._done = 0  # scheduler.step() calls made so far
         self._cache: dict[int, list[dict]] = {}
         if scheduler is not None:
             self._initial_sched = copy.deepcopy(scheduler.state_dict())
             self._initial_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
                                     for g in chunk_opt.optimizer.param_groups]
             self._epoch = scheduler.last_epoch
+            self._step = scheduler.step  # ours; the script's calls go to `script_step`
+            scheduler.step = self.script_step
+            self._script_calls, self._script_from = 0, None
+
+    def set_every(self, every: int, at_step: int) -> None:
+        """A new cadence (per epoch once the epoch length is known); groups moved to `at_step`."""
+        if every != self.every:
+            self.every = every
+            self._cache.clear()
+            self.move_to(at_step)
+
+    def script_step(self, *args, **kwargs) -> None:
+        """The script's scheduler.step(): a no-op (unbroken steps the scheduler), checked: in a
+        process that has seen every step since 0, its k-th call must come after k * every steps."""
+        self._script_calls += 1
+        if self._script_from is None or self._script_from[0] != 0:
+            return  # joined later: its loop may pass epochs already done
+        done, refuse = self._script_from[1](), self._script_from[2]
+        if done != self._script_calls * self.every:
+            refuse(f"the script called scheduler.step() for the {self._script_calls}. time after {done} steps, but "
+                   f"unbroken steps it every {self.every} step(s): pass scheduler_step='epoch' (or the number of "
+                   "steps per scheduler step) to unbroken.Trainer")
+
+    def started_at(self, step: int, steps_done, refuse) -> None:
+        """The process trains from `step` on (0: it has seen every step); `steps_done()` counts the
+        committed steps, `refuse(message)` stops the job."""
+        if self.scheduler is not None and self._script_from is None:
+            self._script_from = (step, steps_done, refuse)
 
     def hyper_for(self, step: int) -> list[dict]:
         """Every param group's hyperparameters for `step`."""
@@ -73,19 +104,20 @@ class ScheduleClock:
         if sched is None:
             return
         if sched.last_epoch != self._epoch:
-            raise ScheduleError("scheduler.step() was called by the script: unbroken steps the scheduler passed "
-                                "to Trainer once per step; remove the call from the loop")
-        if step < self._at:
+            raise ScheduleError("the scheduler was stepped outside unbroken (not through scheduler.step()); "
+                                "unbroken steps the scheduler passed to Trainer: leave it alone")
+        target = (step - 1) // self.every
+        if target < self._done:
             self._rewind()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": we never call the latter
-            while self._at < step:
-                sched.step()
-                self._at += 1
+            while self._done < target:
+                self._step()
+                self._done += 1
         self._epoch = sched.last_epoch
 
     def _rewind(self) -> None:
         for group, saved in zip(self.opt.optimizer.param_groups, self._initial_groups):
             group.update(copy.deepcopy(saved))
         self.scheduler.load_state_dict(copy.deepcopy(self._initial_sched))
-        self._at = 1
+        self._done = 0

@@ -26,6 +26,17 @@ from typing import Any
 
 _ctx = None  # the ProcessContext of this process, once unbroken.Trainer has started
 _step = None  # () -> the step the process is executing (its last committed step + 1)
+_at_clean_exit = []  # run when the script returns normally (Trainer.finish, if the script did not call it)
+
+
+def at_clean_exit(fn) -> None:
+    _at_clean_exit.append(fn)
+
+
+def clean_exit() -> None:
+    """Called by the process entry point when the script returned without an exception."""
+    while _at_clean_exit:
+        _at_clean_exit.pop()()
 
 
 def register(ctx, step) -> None:

@@ -14,6 +14,16 @@ import traceback
 from unbroken.runtime import crash
 
 
+def _seed_process() -> None:
+    """Every process of the job starts with the same global generators (from --seed): a dataset
+    or model the script builds from them at start is the same in a shadow as in the rank it
+    replaces. (Per-step seeding takes over in the loop: runtime/determinism.py.)"""
+    from unbroken import current_config
+    from unbroken.runtime.determinism import seed_everything
+
+    seed_everything(current_config().seed, 0, 0, 0)
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: python -m unbroken.runtime.launch SCRIPT [ARGS...]")
@@ -21,10 +31,12 @@ def main() -> None:
     sys.argv = [script, *args]
     code = 0
     try:
+        _seed_process()
         if script.endswith(".py"):
             runpy.run_path(script, run_name="__main__")
         else:
             runpy.run_module(script, run_name="__main__", alter_sys=True)
+        crash.clean_exit()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException as e:  # noqa: BLE001 - reported through the exit status, the log and the store

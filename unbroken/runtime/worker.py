@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import os
 import time
 from typing import Callable
 
@@ -67,6 +68,11 @@ class NonFiniteGradient(RuntimeError):
     policy is `stop`: the message names the step and the first non-finite tensor."""
 
 
+def _update_is_unbrokens(*args, **kwargs) -> None:
+    """What optimizer.step() does once the optimizer is a Trainer's: nothing (trainer.step updated)."""
+    return None
+
+
 class Trainer:
     """Train `model` with the user's `optimizer` (and `scheduler`), in place of DDP + optimizer.step().
 
@@ -74,10 +80,15 @@ class Trainer:
     accumulation_steps: micro-batches per step; the closure is then called as closure(i),
     i = 0..n-1, and each micro-batch's loss is divided by n before backward (do not divide it
     yourself); the step's loss is their mean.
+    scheduler_step: the scheduler is stepped after every step ("step"), every epoch of
+    trainer.loader(...) ("epoch"), or every N steps.
+    From here on the optimizer's step() and the scheduler's step() are no-ops (the update and
+    the schedule are unbroken's), so a loop that still calls them means the same thing.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler=None, *,
-                 grad_clip: float | None = None, accumulation_steps: int = 1) -> None:
+                 grad_clip: float | None = None, accumulation_steps: int = 1,
+                 scheduler_step: str | int = "step") -> None:
         self.ctx = ctx = ProcessContext.from_env()
         self.st = TrainState()  # where training is: the record recovery reads and moves
         # an uncaught exception is recorded for the leader, with the step it happened in
@@ -86,9 +97,11 @@ class Trainer:
         torch.set_num_threads(cfg.threads)  # same threads everywhere: bitwise-reproducible kernels
         self.model = model
         self.world_size = cfg.world_size
-        self._adopt(model, optimizer, scheduler, grad_clip, accumulation_steps)
+        self._adopt(model, optimizer, scheduler, grad_clip, accumulation_steps, scheduler_step)
         self.fingerprints = InputFingerprints(keep=max(1024, cfg.checkpoint_every * (cfg.checkpoint_keep + 1)))
         self._planned: int | None = None
+        self._finished = False
+        self._attempts = 0  # trainer.step() calls (a loader iteration checks that the loop trains)
         self.local_grads: torch.Tensor | None = None  # allocated with the state (_build_state)
         self.comm: Comm | None = None
         self.group: Comm | None = None
@@ -110,22 +123,42 @@ class Trainer:
         else:
             self._start_as_worker(ctx.rank)
         self.clock.move_to(self.st.step_count + 1)  # a process that joins later: the schedule where it is
+        self.clock.started_at(self.st.step_count, lambda: self.st.step_count, self._refuse)
+        self.rank_known()
+        crash.at_clean_exit(self._finish_at_exit)
 
-    def _adopt(self, model, optimizer, scheduler, grad_clip, accumulation_steps) -> None:
+    def _adopt(self, model, optimizer, scheduler, grad_clip, accumulation_steps, scheduler_step) -> None:
         """Take the user's objects, or stop the job with a one-line error naming the argument (exit 2)."""
         try:
             adopt.check_options(grad_clip, accumulation_steps)
+            if not (scheduler_step in ("step", "epoch") or (isinstance(scheduler_step, int)
+                                                             and not isinstance(scheduler_step, bool)
+                                                             and scheduler_step >= 1)):
+                raise adopt.AdoptionError(f"scheduler_step must be 'step', 'epoch' or an integer >= 1 (steps per "
+                                          f"scheduler step), got {scheduler_step!r}")
             self.named, self.group_of = adopt.trained_parameters(model, optimizer)
             self.optim = ChunkOptimizer(optimizer)
             if self.optim.has_state():
                 raise adopt.AdoptionError(
                     "the optimizer already holds state (was optimizer.load_state_dict called?): unbroken restores "
                     "optimizer state from its own checkpoints; pass a freshly built optimizer")
-            self.clock = ScheduleClock(self.optim, scheduler)
+            self.clock = ScheduleClock(self.optim, scheduler,
+                                       every=scheduler_step if isinstance(scheduler_step, int) else 1)
         except ValueError as e:
             self._refuse(str(e))
-        self.grad_clip, self.accumulation_steps = grad_clip, accumulation_steps
+        self.grad_clip, self.accumulation_steps, self.scheduler_step = grad_clip, accumulation_steps, scheduler_step
         self.model_buffers = ModelBuffers(model)
+        optimizer.step = _update_is_unbrokens  # the script's optimizer.step(): the update already happened
+
+    def rank_known(self) -> None:
+        """torchrun's variables for the script (a shadow learns its rank only now)."""
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size),
+                          LOCAL_RANK=str(self.rank % max(1, self.world_size // self.ctx.nnodes)))
+
+    def _finish_at_exit(self) -> None:
+        """The script returned without trainer.finish(): finish for it (final weights, done)."""
+        if not self._finished and self.st.has_state:
+            self.finish()
 
     def _refuse(self, msg: str) -> None:
         """A user mistake no retry can fix: the supervisor stops the job with `msg` (exit 2)."""
@@ -284,21 +317,38 @@ class Trainer:
         """This rank's batches of `dataset` by step number, in DataLoader + DistributedSampler order
         (seeded by --seed): `batch = loader.batch(step)`; `len(loader)` batches per epoch."""
         from unbroken.data import StepLoader
+        from unbroken.runtime.epochs import TrainerLoader
 
         try:
-            return StepLoader(dataset, batch_size=batch_size, rank=self.rank, world_size=self.world_size,
-                              seed=kwargs.pop("seed", self.cfg.seed), shuffle=shuffle, drop_last=drop_last, **kwargs)
+            steps = StepLoader(dataset, batch_size=batch_size, rank=self.rank, world_size=self.world_size,
+                               seed=kwargs.pop("seed", self.cfg.seed), shuffle=shuffle, drop_last=drop_last, **kwargs)
         except (TypeError, ValueError) as e:
             self._refuse(f"trainer.loader: {e}")
+        if self.scheduler_step == "epoch":
+            self.clock.set_every(len(steps), self.st.step_count + 1)
+        return TrainerLoader(steps, self)
+
+    def steps_until(self, end: int):
+        """Step numbers up to `end` (and the job's step count), seeded as steps() seeds them; for
+        a loader iterated like a DataLoader (runtime/epochs.py)."""
+        limit = min(end, self.cfg.steps) if self.cfg.steps_given else end
+        while self.st.step_count < limit:
+            t, before = self.st.step_count + 1, self._attempts
+            seed_everything(self.cfg.seed, t, self.rank, BATCH)
+            yield t
+            if self._attempts == before:
+                self._refuse(f"the loop took step {t}'s batch but did not call trainer.step(...) with it: every "
+                             "batch of trainer.loader(...) must be trained with trainer.step")
 
     def step(self, closure: Callable[..., torch.Tensor]) -> float | None:
         """Run step `step_count + 1`: closure() (closure(i) for micro-batch i with accumulation_steps
         > 1) returns the loss; returns the loss averaged over ranks (and micro-batches).
 
-        Returns None if a recovery rolled the job back further (the loop's next step
-        number tells where it resumes).
+        Returns NaN if a recovery rolled the job back further (the loop's next step number
+        tells where it resumes).
         """
         t = self.st.step_count + 1
+        self._attempts += 1
         while True:
             try:
                 self._attempt(t, closure)
@@ -312,10 +362,31 @@ class Trainer:
                 if self.st.step_count >= t:
                     return self.st.last_loss
                 if self.st.step_count < t - 1:
-                    return None
+                    return math.nan
             except RolledBack:
                 if self.st.step_count < t - 1:
-                    return None
+                    return math.nan
+
+    # --- DDP's surface: `model = unbroken.Trainer(model, ...)` where a script had DDP(model) --------
+    @property
+    def module(self) -> nn.Module:
+        return self.model
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "Trainer":
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "Trainer":
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True):
+        return self.model.parameters(recurse)
+
+    def state_dict(self, *args, **kwargs):
+        return self.model.state_dict(*args, **kwargs)
 
     def _report_collective_error(self, step: int, e: Exception) -> None:
         """Record it; tell the leader unless the generation already moved on (a peer died)."""
@@ -581,6 +652,7 @@ class Trainer:
 
     def finish(self) -> str:
         """Write the final weights (rank 0, atomically, with checksum); returns their sha256."""
+        self._finished = True
         self.ctx.set_phase("done", self.st.step_count)
         if self.ckpt is not None:
             self.ckpt.close(timeout=self.cfg.collective_timeout_s)
