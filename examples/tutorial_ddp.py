@@ -1,7 +1,7 @@
 """A DDP training script in the style of PyTorch's DDP tutorial series (multigpu_torchrun.py).
 
     torchrun --nproc-per-node 4 examples/tutorial_ddp.py --epochs 3      # plain PyTorch
-    unbroken run --world-size 4 examples/tutorial_unbroken.py --epochs 3  # the port (10 lines changed)
+    unbroken run --world-size 4 examples/tutorial_unbroken.py --epochs 3  # the port of this script
 
 Model, Dataset + DistributedSampler + DataLoader, SGD with momentum, a StepLR stepped per
 epoch, a snapshot for resuming (harmless under unbroken: a process that joins later gets the

@@ -24,6 +24,23 @@ def _seed_process() -> None:
     seed_everything(current_config().seed, 0, 0, 0)
 
 
+def _own_process_groups() -> None:
+    """The script's torch.distributed.init_process_group / destroy_process_group calls (a DDP
+    script's set-up and tear-down) do nothing: unbroken builds and rebuilds the job's groups
+    itself. A script that then uses the default group (DDP(model), dist.all_reduce) gets
+    torch's own "Default process group has not been initialized" error."""
+    import torch.distributed as dist
+
+    def init_process_group(*args, **kwargs) -> None:
+        return None
+
+    def destroy_process_group(*args, **kwargs) -> None:
+        return None
+
+    dist.init_process_group = init_process_group
+    dist.destroy_process_group = destroy_process_group
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: python -m unbroken.runtime.launch SCRIPT [ARGS...]")
@@ -32,6 +49,7 @@ def main() -> None:
     code = 0
     try:
         _seed_process()
+        _own_process_groups()
         if script.endswith(".py"):
             runpy.run_path(script, run_name="__main__")
         else:

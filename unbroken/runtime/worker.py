@@ -78,8 +78,8 @@ class Trainer:
 
     grad_clip: clip the global gradient norm to this (as clip_grad_norm_), None = no clipping.
     accumulation_steps: micro-batches per step; the closure is then called as closure(i),
-    i = 0..n-1, and each micro-batch's loss is divided by n before backward (do not divide it
-    yourself); the step's loss is their mean.
+    i = 0..n-1, and what it returns is backpropagated as it is (divide by n yourself, as in a
+    plain accumulation loop); the step's loss is the sum of what it returned.
     scheduler_step: the scheduler is stepped after every step ("step"), every epoch of
     trainer.loader(...) ("epoch"), or every N steps.
     From here on the optimizer's step() and the scheduler's step() are no-ops (the update and
@@ -463,11 +463,11 @@ class Trainer:
             loss = self._call(closure, i)
             values.append(float(loss.detach()))
             if i < n - 1:
-                (loss / n).backward()
+                loss.backward()
         ctx.set_phase("backward")
         self._point("backward", t)
-        value = values[0] if n == 1 else sum(values) / n
-        last = loss if n == 1 else loss / n
+        value = math.fsum(values) if n > 1 else values[0]
+        last = loss
         self.tuner.fill(flat.grads[flat.aux])
         flat.grads[flat.vote] = self._nonfinite_vote(t)
         self._fill_tail(flat.grads, value)
