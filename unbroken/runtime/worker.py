@@ -36,7 +36,8 @@ from unbroken.protect.txn import StepScalars
 from unbroken.protect.interval import memory_budget_bytes, ring_slots
 from unbroken.runtime.autok import IntervalTuner
 from unbroken.runtime import adopt, crash, membership
-from unbroken.runtime.determinism import BATCH, FORWARD, InputFingerprints, seed_everything
+from unbroken.runtime.determinism import FORWARD, InputFingerprints, seed_everything
+from unbroken.runtime.loop import LoopAPI
 from unbroken.runtime.context import ProcessContext
 from unbroken.runtime.recovery import RolledBack, finish_deferred_decode, recover, reporter
 from unbroken.runtime.state import RecoveryInputs, TrainState
@@ -73,7 +74,7 @@ def _update_is_unbrokens(*args, **kwargs) -> None:
     return None
 
 
-class Trainer:
+class Trainer(LoopAPI):
     """Train `model` with the user's `optimizer` (and `scheduler`), in place of DDP + optimizer.step().
 
     grad_clip: clip the global gradient norm to this (as clip_grad_norm_), None = no clipping.
@@ -288,58 +289,6 @@ class Trainer:
                               timeout_s=cfg.collective_timeout_s, interrupted=stale)
 
     # --- the loop ------------------------------------------------------------------------
-    def steps(self, total: int | None = None):
-        """Yield the next step number until the job's step count is done: `--steps` (or the config
-        file's `steps`); `total` when the run did not set one. A `total` that disagrees with
-        `--steps` stops the job (exit 2). Before yielding step t, Python's, NumPy's and torch's
-        global generators are seeded from (seed, t, rank): batches drawn from them replay."""
-        total = self._plan(total)
-        while self.st.step_count < total:
-            t = self.st.step_count + 1
-            seed_everything(self.cfg.seed, t, self.rank, BATCH)
-            yield t
-
-    def _plan(self, total) -> int:
-        cfg = self.cfg
-        if total is None:
-            total = cfg.steps
-        elif isinstance(total, bool) or not isinstance(total, int) or total < 1:
-            self._refuse(f"trainer.steps({total!r}): the step count must be an integer >= 1")
-        elif cfg.steps_given and total != cfg.steps:
-            self._refuse(f"trainer.steps({total}) disagrees with --steps {cfg.steps}: call trainer.steps() "
-                         "without an argument (it takes --steps) or pass the same number")
-        if self._planned != total and self.rank == 0 and self.ctx.role == "worker":
-            self.ctx.events.emit("steps_planned", steps=total, source="config" if total == cfg.steps else "script")
-        self._planned = total
-        return total
-
-    def loader(self, dataset, *, batch_size: int, shuffle: bool = True, drop_last: bool = False, **kwargs):
-        """This rank's batches of `dataset` by step number, in DataLoader + DistributedSampler order
-        (seeded by --seed): `batch = loader.batch(step)`; `len(loader)` batches per epoch."""
-        from unbroken.data import StepLoader
-        from unbroken.runtime.epochs import TrainerLoader
-
-        try:
-            steps = StepLoader(dataset, batch_size=batch_size, rank=self.rank, world_size=self.world_size,
-                               seed=kwargs.pop("seed", self.cfg.seed), shuffle=shuffle, drop_last=drop_last, **kwargs)
-        except (TypeError, ValueError) as e:
-            self._refuse(f"trainer.loader: {e}")
-        if self.scheduler_step == "epoch":
-            self.clock.set_every(len(steps), self.st.step_count + 1)
-        return TrainerLoader(steps, self)
-
-    def steps_until(self, end: int):
-        """Step numbers up to `end` (and the job's step count), seeded as steps() seeds them; for
-        a loader iterated like a DataLoader (runtime/epochs.py)."""
-        limit = min(end, self.cfg.steps) if self.cfg.steps_given else end
-        while self.st.step_count < limit:
-            t, before = self.st.step_count + 1, self._attempts
-            seed_everything(self.cfg.seed, t, self.rank, BATCH)
-            yield t
-            if self._attempts == before:
-                self._refuse(f"the loop took step {t}'s batch but did not call trainer.step(...) with it: every "
-                             "batch of trainer.loader(...) must be trained with trainer.step")
-
     def step(self, closure: Callable[..., torch.Tensor]) -> float | None:
         """Run step `step_count + 1`: closure() (closure(i) for micro-batch i with accumulation_steps
         > 1) returns the loss; returns the loss averaged over ranks (and micro-batches).
@@ -366,27 +315,6 @@ class Trainer:
             except RolledBack:
                 if self.st.step_count < t - 1:
                     return math.nan
-
-    # --- DDP's surface: `model = unbroken.Trainer(model, ...)` where a script had DDP(model) --------
-    @property
-    def module(self) -> nn.Module:
-        return self.model
-
-    def __call__(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
-
-    def train(self, mode: bool = True) -> "Trainer":
-        self.model.train(mode)
-        return self
-
-    def eval(self) -> "Trainer":
-        return self.train(False)
-
-    def parameters(self, recurse: bool = True):
-        return self.model.parameters(recurse)
-
-    def state_dict(self, *args, **kwargs):
-        return self.model.state_dict(*args, **kwargs)
 
     def _report_collective_error(self, step: int, e: Exception) -> None:
         """Record it; tell the leader unless the generation already moved on (a peer died)."""

@@ -1,6 +1,6 @@
 """A user's script with a bug at one step: `--bug nan` makes step 3's loss NaN on every
 attempt (the same batch always overflows); `--bug keyerror` raises KeyError at step 3 on
-rank 1 (a deterministic bug in the script). Otherwise it is examples/train_unbroken.py."""
+rank 1 (a deterministic bug in the script). Otherwise a plain unbroken script."""
 import argparse
 
 import torch
@@ -17,7 +17,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args()
     model = build_model(ModelConfig(n_layer=2, n_embd=64), VOCAB_SIZE, seed=0)
-    trainer = unbroken.Trainer(model)
+    trainer = unbroken.Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
     corpus = Corpus.embedded()
     lookup = {"ok": 1}
     for step in trainer.steps(args.steps):
