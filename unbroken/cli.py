@@ -9,6 +9,7 @@ import sys
 
 import typer
 
+from unbroken.bench.adoption import adoption
 from unbroken.bench.chaos import chaos
 from unbroken.bench.command import interval, overhead, protect, recovery, throughput
 from unbroken.bench.detect import detect as detect_bench
@@ -33,6 +34,7 @@ bench_app.command("recovery")(recovery)
 bench_app.command("detect")(detect_bench)
 bench_app.command("overhead")(overhead)
 bench_app.command("interval")(interval)
+bench_app.command("adoption")(adoption)
 
 
 def main() -> None:

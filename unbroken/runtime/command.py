@@ -168,6 +168,8 @@ def print_summary(s: dict, console: Console | None = None) -> None:
         v = s.get(key)
         t.add_row(key, f"{v:.3f}" if isinstance(v, float) else str(v))
     console.print(t)
+    for line in s.get("warnings") or []:
+        console.print(f"[bold yellow]warning:[/] {escape(line)}")
     unfired = s.get("faults_not_fired") or []
     if unfired:
         console.print(f"[bold yellow]warning:[/] {len(unfired)} injected fault(s) never fired: "

@@ -79,6 +79,17 @@ def _remove_unstarted(run_dir: Path) -> None:
         run_dir.rmdir()
 
 
+def input_warnings(events) -> list[str]:
+    """One line per step that was computed again with different inputs (runtime/determinism.py)."""
+    by_step: dict[int, set] = {}
+    for e in events:
+        if e.kind == "nondeterministic_input":
+            by_step.setdefault(int(e.fields["step"]), set()).update(e.fields.get("ranks", []))
+    return [f"nondeterministic input at step {s} on rank(s) {sorted(r)}: a redo saw other batches than the first "
+            "attempt (draw them with trainer.loader or from the step number); the weights may differ from a "
+            "failure-free run" for s, r in sorted(by_step.items())]
+
+
 def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float, faults: Sequence[FaultSpec] = ()) -> dict:
     """The run's summary.json from its events; `faults`: the specs injected (--inject, --chaos)."""
     events = read_events(run_dir)
@@ -106,6 +117,8 @@ def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float, faults: Sequence[
         "faults": sum(1 for e in events if e.kind == "fault_detected"),
         # injected specs no fault_injected event accounts for: they could have fired but did not
         "faults_not_fired": [str(f) for f in faults_not_fired(faults, injected)],
+        "steps_planned": next((e.fields["steps"] for e in reversed(events) if e.kind == "steps_planned"), None),
+        "warnings": input_warnings(events),
         "steps_lost": steps_lost_total(events),  # measured from the events (runtime/breakdown.py)
         # the script decides how many steps it runs (trainer.steps(n)); ok = every rank finished, in agreement
         "ok": len(shas) == cfg.world_size and len(set(shas.values())) == 1 and last is not None,
