@@ -12,14 +12,13 @@ still fails on any real difference (a wrong group lr or beta is ~1e-3 after one 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from unbroken.bench import adoption
-from unbroken.bench.adoption import run_launcher
+from unbroken.bench.adoption import run_torchrun
 
 from .conftest import events, run_cli, run_job
 
@@ -33,9 +32,8 @@ SLOW = ["sgd", "adam", "adagrad"]
 
 
 def _plain(tmp_path: Path, optimizer: str) -> tuple[list[float], dict]:
-    run_launcher([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", EQUIV,
-                  "--optimizer", optimizer, "--out", str(tmp_path / "plain.json"), "--weights",
-                  str(tmp_path / "plain.pt")], tmp_path / "plain.log", tmp_path)
+    run_torchrun(EQUIV, ["--optimizer", optimizer, "--out", str(tmp_path / "plain.json"), "--weights",
+                         str(tmp_path / "plain.pt")], tmp_path / "plain.log", tmp_path)
     return json.loads((tmp_path / "plain.json").read_text())["losses"], torch.load(tmp_path / "plain.pt")
 
 

@@ -99,6 +99,7 @@ def main():
                 losses.append(float(mean) / world)
         if rank == 0 and args.weights:
             torch.save(model.state_dict(), args.weights)
+        dist.barrier()  # gloo's destroy_process_group can hang while a peer is still writing
         dist.destroy_process_group()
     if rank == 0:
         with open(args.out, "w") as f:
