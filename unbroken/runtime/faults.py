@@ -11,7 +11,7 @@ PR_SET_PDEATHSIG, every worker and shadow there), nodestop (the whole node freez
 supervisor and every process it started are SIGSTOPped). Both need a rank on node >= 1:
 node 0 hosts the store.
 Phases: forward, backward, allreduce, reduced (the gradient all-reduce just completed), optimizer (before chunk `chunk`), midchunk (inside
-chunk `chunk`, parameters updated but not yet the Adam moments), parity (delta of window
+chunk `chunk`: its first half updated, parameters and optimizer state, the second not yet), parity (delta of window
 `chunk`), allgather, checkpoint, recovery (a survivor, during a recovery), shadow (the
 shadow chosen for `rank`, right after assignment; its step is always 1: it has no state yet), build (initial parity build).
 Each spec fires at most once per job: the store's atomic counter decides who fires.

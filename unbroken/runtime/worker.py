@@ -203,6 +203,8 @@ class Trainer(LoopAPI):
             except LayoutMismatch as e:
                 self.ctx.store.set("abort", str(e))  # not recoverable: the supervisor stops the job
                 raise
+            if self.rank == 0:
+                self._check_fault_chunks()
             self.comm.broadcast(self.owned.flat.params, src=0, what="initial parameter sync")
             if self.model_buffers.words:  # as DDP at construction: rank 0's buffers everywhere
                 self.comm.broadcast(self.model_buffers.committed, src=0, what="initial buffer sync")
@@ -219,6 +221,26 @@ class Trainer(LoopAPI):
             self.ctx.events.emit("collective_error", step=0, phase="build", error=str(e)[:300])
             recover(self._recovery_inputs(), new_member=False)
         self._maybe_checkpoint(0)
+        if self.rank == 0:
+            self._write_layout()
+
+    def _write_layout(self) -> None:
+        """layout.pt: how the flat shards map back onto the model's state_dict (unbroken export reads it):
+        trained parameter names and shapes in flat order, the shard size, the buffers' names,
+        dtypes and shapes (encoded in checkpoints' `buffers`), and everything else of the
+        state_dict as it was at start (frozen parameters, those the optimizer does not hold)."""
+        flat, trained = self.owned.flat, {id(p) for _, p in self.named}
+        buffers = dict(self.model.named_buffers())
+        layout = {"version": 1, "params": [(n, tuple(p.shape)) for n, p in self.named], "n": flat.n,
+                  "shard": flat.shard if self.owned.sharded else flat.n_pad, "sharded": self.owned.sharded,
+                  "world_size": self.world_size,
+                  "buffers": [(n, str(b.dtype).removeprefix("torch."), tuple(b.shape)) for n, b in buffers.items()],
+                  "state_dict_keys": list(self.model.state_dict().keys()),
+                  "fixed": {n: p.detach().clone() for n, p in self.model.named_parameters(remove_duplicate=False)
+                            if id(p) not in trained}}
+        buf = io.BytesIO()
+        torch.save(layout, buf)
+        atomic_write_bytes(self.ctx.run_dir / "layout.pt", buf.getvalue())
 
     def _check_layout(self) -> None:
         """Every rank must shard and chunk the same way; say which rank differs and how."""
@@ -233,6 +255,16 @@ class Trainer(LoopAPI):
                 diff = {k: (mine[k], other[k]) for k in mine if mine[k] != other.get(k)}
                 raise LayoutMismatch(f"rank {r} has a different state layout from rank {self.rank}: {diff} "
                                      "(mine, theirs); every rank must run the same model and config")
+
+    def _check_fault_chunks(self) -> None:
+        """A --inject spec whose chunk index is past this layout's last chunk could never fire."""
+        from unbroken.runtime.faults import unreachable_chunks
+
+        owned = self.owned
+        bad = unreachable_chunks(self.ctx.faults.specs, n_chunks=owned.state.n_chunks,
+                                 n_windows=owned.layout.n_windows if owned.layout else 0)
+        if bad:
+            self._refuse(bad[0])
 
     def _serve_as_shadow(self) -> None:
         from unbroken.runtime.shadow import wait_for_assignment
