@@ -5,9 +5,9 @@ The same script (scripts/byo_equiv.py) runs under torchrun with plain DDP and un
 1e-6, and under unbroken two kills leave the final weights bit for bit as without them.
 Why a tolerance at all: DDP divides each gradient by the world size before its bucketed
 sum, unbroken sums then divides, in other buckets; clip norms are computed over other
-groupings. Those change the last bits of a gradient (float32, ~6e-8 relative); over 16
-steps the weights we measured differ by at most ~1.2e-7. 1e-6 leaves room for that and
-still fails on any real difference (a wrong group lr or beta is ~1e-3 after one step).
+groupings. Those change the last bits of a gradient (float32, ~6e-8 relative), a few
+ulps of the weights over 16 steps; 1e-6 leaves room for that and still fails on any real
+difference (a wrong group lr or beta is ~1e-3 after one step).
 """
 from __future__ import annotations
 

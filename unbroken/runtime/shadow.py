@@ -1,7 +1,7 @@
 """The shadow's wait: built and connected, it blocks until the supervisor assigns it a rank.
 
 A shadow is the job's own script started ahead of time; it stops inside its first
-unbroken call (`Trainer(model)`), after the model and buffers exist, and waits here.
+unbroken call (`Trainer(model, optimizer)`), after the model and buffers exist, and waits here.
 """
 from __future__ import annotations
 
