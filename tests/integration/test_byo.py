@@ -91,3 +91,16 @@ def test_bad_use_is_a_one_line_error_exit_2(tmp_path, flag, needle):
     p = run_cli(tmp_path / "r", "--world-size", "2", *steps, str(SCRIPTS / "byo_bad.py"), flag, timeout=120)
     assert p.returncode == 2, p.stderr[-2000:]
     assert needle in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_global_rng_dropout_tied_bf16_accumulation_replay_bitwise_after_kills(tmp_path):
+    script = str(SCRIPTS / "byo_global_rng.py")
+    clean = run_job(tmp_path / "clean", "--world-size", "4", script)
+    killed = run_job(tmp_path / "killed", "--world-size", "4", "--inject", "sigkill:rank=0,step=4,phase=backward",
+                     "--inject", "sigkill:rank=2,step=9,phase=allgather", script)
+    assert clean["ok"] and clean["steps"] == 12 and len(killed["recoveries"]) == 2
+    assert killed["weights_sha256"] == clean["weights_sha256"]
+    a, b = torch.load(tmp_path / "clean" / "weights.pt"), torch.load(tmp_path / "killed" / "weights.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(a["emb.weight"], a["head.weight"])  # still tied
+    assert not killed["warnings"]
