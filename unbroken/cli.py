@@ -16,6 +16,7 @@ from unbroken.bench.detect import detect as detect_bench
 from unbroken.config import ConfigError
 from unbroken.detect.command import report
 from unbroken.runtime.command import demo, run
+from unbroken.runtime.export import export
 from unbroken.sim.command import simulate
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -23,6 +24,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(run)
 app.command("demo")(demo)
 app.command("report")(report)
+app.command("export")(export)
 app.command("simulate")(simulate)
 app.command("chaos")(chaos)
 

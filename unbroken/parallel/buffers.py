@@ -11,6 +11,8 @@ committed ones, so a redone forward never counts a batch twice.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -36,13 +38,9 @@ class ModelBuffers:
 
     def decode(self, words: torch.Tensor) -> None:
         """Set the live buffers from encoded `words`."""
-        raw = words.to(torch.int32).to(torch.int16).view(torch.uint8)
-        off = 0
         with torch.no_grad():
-            for b in self.buffers:
-                n = b.numel() * b.element_size()
-                b.copy_(raw[off:off + n].view(b.dtype).view(b.shape))
-                off += n
+            for b, v in zip(self.buffers, decode_words(words, [(b.dtype, b.shape) for b in self.buffers])):
+                b.copy_(v)
 
     def restore(self) -> None:
         """Live buffers back to the committed ones (before a forward)."""
@@ -54,3 +52,17 @@ class ModelBuffers:
         if self.words:
             self.committed.copy_(words)
             self.decode(self.committed)
+
+
+def decode_words(words: torch.Tensor, specs: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """The tensors `ModelBuffers.encode` packed into `words`, one per (dtype, shape) in `specs`
+    (the buffers in `model.named_buffers()` order): views into one fresh byte tensor, or copies
+    where a buffer's bytes start unaligned for its dtype (e.g. after an odd-length float16 one)."""
+    raw = words.to(torch.int32).to(torch.int16).view(torch.uint8)
+    out, off = [], 0
+    for dtype, shape in specs:
+        n = math.prod(shape) * dtype.itemsize
+        piece = raw[off:off + n]
+        out.append((piece if off % dtype.itemsize == 0 else piece.clone()).view(dtype).view(shape))
+        off += n
+    return out

@@ -55,3 +55,16 @@ def clip_coefficient(grad_clip: float | None, norm: float) -> float:
     if grad_clip is None:
         return 1.0
     return min(1.0, grad_clip / (norm + 1e-6))
+
+
+def aliases_of(model: torch.nn.Module) -> dict[str, str]:
+    """Tied weights: each name of a parameter or buffer that an earlier name already holds -> that
+    first name (the one `named_parameters()`/`named_buffers()` keep), e.g. nanoGPT's
+    {"lm_head.weight": "transformer.wte.weight"}. What layout.pt's `aliases` records."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        canon = first.setdefault(id(t), name)
+        if canon != name:
+            out[name] = canon
+    return out

@@ -236,6 +236,7 @@ class Trainer(LoopAPI):
                   "world_size": self.world_size,
                   "buffers": [(n, str(b.dtype).removeprefix("torch."), tuple(b.shape)) for n, b in buffers.items()],
                   "state_dict_keys": list(self.model.state_dict().keys()),
+                  "aliases": adopt.aliases_of(self.model),  # tied weights: key -> the name that holds the tensor
                   "fixed": {n: p.detach().clone() for n, p in self.model.named_parameters(remove_duplicate=False)
                             if id(p) not in trained}}
         buf = io.BytesIO()
