@@ -121,6 +121,7 @@ def measure(port: Port, root: Path) -> dict:
 def main(out: Path, work: Path) -> dict:
     from unbroken.bench.common import write_result
 
+    work = Path(work).resolve()  # the launchers run in it: paths handed to them must be absolute
     results = {p.name: measure(p, work / p.name) for p in PORTS}
     write_result("adoption", {"ports": results,
                               "plain": "torchrun --standalone --nproc-per-node 4, torch DDP over gloo",
