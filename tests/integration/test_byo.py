@@ -27,8 +27,8 @@ SCRIPTS = Path(__file__).parent / "scripts"
 EQUIV = str(SCRIPTS / "byo_equiv.py")
 TOL = 1e-6
 KILLS = ["--inject", "sigkill:rank=1,step=5,phase=backward", "--inject", "sigkill:rank=3,step=11,phase=midchunk"]
-FAST = ["sgd_nesterov", "adamw_amsgrad"]
-SLOW = ["sgd", "adam", "rmsprop_centered", "adagrad"]
+FAST = ["adamw_amsgrad"]
+SLOW = ["sgd", "sgd_nesterov", "adam", "rmsprop_centered", "adagrad"]
 
 
 def _plain(tmp_path: Path, optimizer: str) -> tuple[list[float], dict]:
@@ -79,11 +79,11 @@ def test_unreplayable_input_is_a_loud_event_not_a_silent_success(tmp_path):
 
 @pytest.mark.parametrize("flag,needle", [
     ("--no-optimizer", "pass the torch.optim optimizer"),
-    ("--foreign-optimizer", "not parameters of the model"),
+    pytest.param("--foreign-optimizer", "not parameters of the model", marks=pytest.mark.slow),
     ("--foreign-scheduler", "built for another optimizer"),
-    ("--accumulation-steps=0", "accumulation_steps must be an integer >= 1"),
+    pytest.param("--accumulation-steps=0", "accumulation_steps must be an integer >= 1", marks=pytest.mark.slow),
     ("--tiny-dataset", "fewer than one global batch"),
-    ("--lbfgs", "use one of SGD, Adam, AdamW, RMSprop, Adagrad"),
+    pytest.param("--lbfgs", "use one of SGD, Adam, AdamW, RMSprop, Adagrad", marks=pytest.mark.slow),
     ("--steps-disagree", "disagrees with --steps 3"),
 ])
 def test_bad_use_is_a_one_line_error_exit_2(tmp_path, flag, needle):
