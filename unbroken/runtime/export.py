@@ -26,7 +26,7 @@ import typer
 
 from unbroken.cli_error import fail
 from unbroken.parallel.buffers import decode_words
-from unbroken.protect._tier2_files import manifest_path, parse_dtype
+from unbroken.protect._tier2_files import fsync_dir, manifest_path, parse_dtype
 from unbroken.protect.tier2 import CheckpointError, latest_valid_step, list_steps, load_checkpoint
 
 FORMATS = ("pt", "dcp")
@@ -208,14 +208,6 @@ def assemble(layout: dict, flat: torch.Tensor, words: torch.Tensor, where: Path)
 
 
 # --- writing ---------------------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _save_pt(state_dict: dict, to: Path) -> None:
     if to.is_dir():
         raise ExportError(f"{to} is a directory: give a file path for --format pt, or use --format dcp")
@@ -229,7 +221,7 @@ def _save_pt(state_dict: dict, to: Path) -> None:
         os.replace(tmp, to)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(to.parent)
+    fsync_dir(to.parent)
 
 
 def _save_dcp(state_dict: dict, to: Path) -> None:
@@ -245,14 +237,14 @@ def _save_dcp(state_dict: dict, to: Path) -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(state_dict, checkpoint_id=tmp, no_dist=True)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if to.exists():
             os.rename(to, old)
         os.rename(tmp, to)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(to.parent)
+    fsync_dir(to.parent)
 
 
 def save(state_dict: dict, to: str | os.PathLike, fmt: str = "pt") -> Path:
