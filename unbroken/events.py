@@ -49,6 +49,8 @@ KINDS: dict[str, str] = {
     "nondeterministic_input": "step, ranks, first, again, message (a step computed again gave a different loss on these ranks)",
     "job_stopped": "proc, reason, step (a worker declared that the job cannot go on: a gradient that stays non-finite, state no tier can restore)",
     "shadow_pool": "node, size, reason (the per-node standby pool was resized)",
+    "node_joined": "node, attempt, failures (node 0 admitted a node that proved it knows the join token)",
+    "join_refused": "node, attempt, failures, retry_after_s, why (a join attempt with a wrong token; the next is delayed)",
     "nonfinite": "step, tensor, attempts, action (skip|stop: non-finite gradients persisted past the retry bound)",
 }
 

@@ -25,7 +25,7 @@ def _member(rank: int, port: int, objs: list, out: mp.Queue) -> None:
     try:
         store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
         comm = Comm(dist.PrefixStore("t/", store), rank=rank, world=2, gen=0, timeout_s=30)
-        got = [comm.allgather_object(o, what=f"object {i}") for i, o in enumerate(objs[rank])]
+        got = [comm.allgather_json(o, what=f"object {i}") for i, o in enumerate(objs[rank])]
         watch = membership.GenerationWatch(
             lambda: membership.connect_store("127.0.0.1", port, timeout_s=30), poll_s=0.5)
         comm.barrier()
@@ -38,7 +38,7 @@ def _member(rank: int, port: int, objs: list, out: mp.Queue) -> None:
         out.put((rank, repr(e), None, None))
 
 
-def test_allgather_object_small_and_larger_than_one_slot_and_generation_watch():
+def test_allgather_json_small_and_larger_than_one_slot_and_generation_watch():
     big = "x" * (40 << 10)  # larger than the 16 KiB first-round slot: a second round follows
     objs = [[{"r": 0}, big, [1, 2]], [{"r": 1}, "small", big]]
     ctx = mp.get_context("spawn")
@@ -57,3 +57,56 @@ def test_allgather_object_small_and_larger_than_one_slot_and_generation_watch():
         got, seen, latest = results[r]
         assert got == [[{"r": 0}, {"r": 1}], [big, "small"], [[1, 2], big]], got
         assert seen is True and latest == 1
+
+
+class _Payload:
+    """Unpickling this runs code: it creates the file named `path`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _pickle_sender(rank: int, port: int, marker: str, out: mp.Queue) -> None:
+    import pickle
+
+    import torch.distributed as dist
+
+    from unbroken.comm.group import BadControlMessage, Comm
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+        comm = Comm(dist.PrefixStore("t/", store), rank=rank, world=2, gen=0, timeout_s=30)
+        if rank == 1:  # a peer that sends a pickle where a control message goes
+            comm.allgather_bytes(pickle.dumps(_Payload(marker)), what="recovery status")
+            out.put((rank, "sent"))
+        else:
+            try:
+                comm.allgather_json({"rank": 0}, what="recovery status")
+                out.put((rank, "accepted"))
+            except BadControlMessage as e:
+                out.put((rank, f"refused: {e}"))
+        comm.barrier()
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        out.put((rank, repr(e)))
+
+
+def test_a_pickle_payload_in_a_control_message_is_refused_and_never_unpickled(tmp_path):
+    marker = tmp_path / "code-ran"
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_pickle_sender, args=(r, port, str(marker), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=90) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert results[1] == "sent"
+    assert results[0].startswith("refused: recovery status: rank 1 sent"), results[0]
+    assert not marker.exists()  # the payload was never unpickled

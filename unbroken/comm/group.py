@@ -8,6 +8,7 @@ The group object is never destroyed; `retired` keeps old ones referenced until e
 """
 from __future__ import annotations
 
+import json
 import os
 import queue
 import socket
@@ -25,6 +26,10 @@ class Pending:
 
     def __init__(self, what: str) -> None:
         self.what, self.done, self.error = what, threading.Event(), []
+
+
+class BadControlMessage(ValueError):
+    """A peer's control message is not what the protocol allows (e.g. pickle, not JSON)."""
 
 
 class CollectiveError(RuntimeError):
@@ -271,18 +276,21 @@ class Comm:
         outs = [out[i * n:(i + 1) * n] for i in range(self.world)]
         self._wait(self._issue(lambda: self.pg.allgather([outs], [mine]), what), what)
 
-    def allgather_object(self, obj: object, what: str = "allgather_object", cap: int = 16 << 10) -> list:
-        """Small metadata exchange, pickled. One all-gather of `cap`-byte slots; only when some
-        rank's object is bigger does a second round with slots of the largest size follow."""
-        import pickle
+    def allgather_json(self, obj: object, what: str = "allgather_json") -> list:
+        """Small metadata exchange as JSON — never pickle: a peer's bytes must not be able to
+        run code here. A peer's slot that is not a JSON document raises BadControlMessage."""
+        rows = self.allgather_bytes(json.dumps(obj, separators=(",", ":")).encode(), what)
+        return [_parse_json(raw, rank, what) for rank, raw in enumerate(rows)]
 
-        data = pickle.dumps(obj)
+    def allgather_bytes(self, data: bytes, what: str = "allgather_bytes", cap: int = 16 << 10) -> list[bytes]:
+        """Every rank's `data`. One all-gather of `cap`-byte slots; only when some rank's data
+        is bigger does a second round with slots of the largest size follow."""
         header = 8
 
         def slots(size: int, payload: bytes | None) -> torch.Tensor:
             buf = torch.zeros(header + size, dtype=torch.uint8)
             buf[:header] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-            if payload is not None:
+            if payload:
                 buf[header:header + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             out = torch.zeros((header + size) * self.world, dtype=torch.uint8)
             self.allgather_into(out, buf, what)
@@ -292,7 +300,15 @@ class Comm:
         sizes = [int(r[:header].view(torch.int64)) for r in rows]
         if max(sizes) > cap:
             rows = slots(max(sizes), data)
-        return [pickle.loads(r[header:header + n].numpy().tobytes()) for r, n in zip(rows, sizes)]
+        return [r[header:header + n].numpy().tobytes() for r, n in zip(rows, sizes)]
 
     def barrier(self, what: str = "barrier") -> None:
         self.allreduce(torch.zeros(1), what=what)
+
+
+def _parse_json(raw: bytes, rank: int, what: str) -> object:
+    try:
+        return json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise BadControlMessage(f"{what}: rank {rank} sent {len(raw)} bytes that are not a JSON document ({e}); "
+                              "every rank must run the same unbroken version") from None

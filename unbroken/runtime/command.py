@@ -14,13 +14,12 @@ from rich.table import Table
 from unbroken.cli_error import fail
 from unbroken.config import ConfigError, RunConfig, build_config
 from unbroken.runtime.faults import NODE_KINDS, FaultSpec, chaos_schedule, check_reachable
+from unbroken.runtime import auth
 from unbroken.runtime.run import launch, new_run_dir
 from unbroken.runtime.crash import SoftwareFault
 from unbroken.runtime.supervisor import LaunchError, LaunchOptions
 
 BUILTIN_JOB = "unbroken.jobs.tiny_gpt"
-
-
 
 
 def _env_int(name: str) -> int | None:
@@ -41,16 +40,6 @@ def _int_or_auto(flag: str, text: str | None, example: str) -> int | str | None:
         return int(text)
     except ValueError:
         fail(f"{flag} must be an integer or 'auto', got {text!r}; e.g. {flag} {example}")
-
-
-def _protect_every(text: str | None) -> int | str | None:
-    """--protect-every: an integer K >= 1 or 'auto' (validated again by the config)."""
-    if text is None or text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        fail(f"--protect-every must be an integer >= 1 or 'auto', got {text!r}; e.g. --protect-every 8")
 
 
 def run(
@@ -82,7 +71,9 @@ def run(
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="run directory (default: a new one under runs/)"),
     host: Optional[str] = typer.Option(None, "--host", help="store address (default MASTER_ADDR or 127.0.0.1)"),
     port: Optional[int] = typer.Option(None, "--port", help="store port (default MASTER_PORT or a free one)"),
-    token: Optional[str] = typer.Option(None, "--token", envvar="UNBROKEN_TOKEN", help="join token for multi-node"),
+    token: Optional[str] = typer.Option(None, "--token", help="join token for multi-node (visible in ps: prefer "
+                                                              "--token-file or UNBROKEN_TOKEN)"),
+    token_file: Optional[Path] = typer.Option(None, "--token-file", help="file holding the join token (mode 0600)"),
     nnodes: Optional[int] = typer.Option(None, "--nnodes", help="number of nodes (default NNODES or 1)"),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="this node's index (default NODE_RANK or 0)"),
     inject: Optional[List[str]] = typer.Option(None, "--inject", help="fault, e.g. sigkill:rank=2,step=30,phase=backward"),
@@ -91,14 +82,15 @@ def run(
     json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ) -> None:
     """Run a training job under unbroken (torchrun-compatible env vars are honoured)."""
-    summary = _launch(script=script, config=config, run_dir=run_dir, host=host, port=port, token=token,
+    summary = _launch(script=script, config=config, run_dir=run_dir, host=host, port=port,
+                      token=_join_token(token, token_file),
                       nnodes=nnodes, node_rank=node_rank, inject=inject, chaos=chaos, progress=not no_progress,
                       overrides=dict(world_size=world_size if world_size is not None else _env_int("WORLD_SIZE"),
                                      steps=steps, seed=seed, batch_size=batch_size, lr=lr, strategy=strategy,
                                      parity_group=parity_group, chunk_kb=chunk_kb, checkpoint_every=checkpoint_every,
                                      shadows=_int_or_auto("--shadows", shadows, "2"), retry_budget=retry_budget,
                                      max_recoveries_per_hour=max_recoveries_per_hour, on_nonfinite=on_nonfinite,
-                                     protect_every=_protect_every(protect_every),
+                                     protect_every=_int_or_auto("--protect-every", protect_every, "8"),
                                      model_n_layer=n_layer, model_n_embd=n_embd))
     if json_out:
         print(json.dumps(summary, indent=2, default=str))
@@ -106,6 +98,22 @@ def run(
         print_summary(summary)
     if "ok" in summary and not summary["ok"]:
         raise typer.Exit(1)
+
+
+def _join_token(flag: str | None, path: Path | None) -> str | None:
+    """--token-file, else --token (warned: any local user sees it in ps), else UNBROKEN_TOKEN."""
+    if path is not None and flag is not None:
+        fail("pass the join token one way: --token-file or --token, not both")
+    if path is not None:
+        try:
+            return auth.read_token_file(path)
+        except ValueError as e:
+            fail(str(e))
+    if flag is not None:
+        typer.secho("warning: --token is visible to every local user in ps; use --token-file or UNBROKEN_TOKEN",
+                    err=True, fg=typer.colors.YELLOW)
+        return flag
+    return os.environ.get("UNBROKEN_TOKEN") or None
 
 
 def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, inject, chaos, progress,

@@ -15,6 +15,7 @@ Each generation's gloo group lives under PrefixStore(f"gen{g}/").
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -38,6 +39,25 @@ class Generation:
     @property
     def world(self) -> int:
         return len(self.members)
+
+
+def listen_store(host: str, port: int, *, timeout_s: float) -> tuple[dist.TCPStore, socket.socket]:
+    """Host the job's store, listening on exactly `host` (TCPStore alone binds every interface).
+
+    We bind the socket ourselves and hand TCPStore its descriptor; the socket is returned so
+    the caller keeps it open as long as the store. OSError if the address is taken or not ours.
+    """
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(addr)
+        sock.listen(1024)
+        store = dist.TCPStore(host, sock.getsockname()[1], is_master=True, timeout=timedelta(seconds=timeout_s),
+                              wait_for_workers=False, use_libuv=True, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    return store, sock
 
 
 def connect_store(host: str, port: int, *, timeout_s: float) -> dist.TCPStore:

@@ -1,7 +1,8 @@
 """Processes a supervisor owns: start them, watch them, kill them, reap them.
 
 Children get PR_SET_PDEATHSIG=SIGKILL so that they die with their supervisor even if
-it is SIGKILLed; their output goes to RUN_DIR/logs/PROC.log.
+it is SIGKILLed; their output goes to RUN_DIR/logs/PROC.log. The join token is not
+in their environment (they never need it).
 """
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+_SECRETS = ("UNBROKEN_TOKEN",)  # the supervisor's secrets: never in a worker's environment
 
 
 def _die_with_parent() -> None:
@@ -48,7 +52,8 @@ class ProcessTable:
 
     def start(self, proc: str, role: str, env: dict[str, str]) -> Child:
         log = open(self.run_dir / "logs" / f"{proc}.log", "ab")
-        full_env = {**os.environ, **self.base_env, **env, "UNBROKEN_PROC": proc, "UNBROKEN_ROLE": role}
+        inherited = {k: v for k, v in os.environ.items() if k not in _SECRETS}
+        full_env = {**inherited, **self.base_env, **env, "UNBROKEN_PROC": proc, "UNBROKEN_ROLE": role}
         popen = subprocess.Popen([sys.executable, "-m", "unbroken.runtime.launch", *self.script],
                                  env=full_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  preexec_fn=_die_with_parent)

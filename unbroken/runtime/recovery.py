@@ -96,7 +96,7 @@ def _rebuild(tr: RecoveryInputs, new_member: bool) -> None:
     t0 = time.time()
     tr.st.parity_rebuilt = None
     owned, comm = tr.owned, tr.comm
-    status = comm.allgather_object(_status(tr, new_member), what="recovery status")
+    status = comm.allgather_json(_status(tr, new_member), what="recovery status")
     survivors = [s for s in status if not s["new"]]
     new_ranks = [s["rank"] for s in status if s["new"]]
     if not survivors:  # every rank lost at once (a whole job's nodes): only tier 2 holds the state

@@ -18,7 +18,7 @@ from unbroken.events import read_events
 from unbroken.fsutil import atomic_write_json
 from unbroken.runtime.breakdown import recoveries, steps_lost_total
 from unbroken.runtime.faults import FaultSpec, faults_not_fired
-from unbroken.runtime.supervisor import LaunchOptions, Supervisor, install_signal_handlers
+from unbroken.runtime.supervisor import LaunchOptions, Supervisor, install_signal_handlers, trust_warning
 
 
 def new_run_dir(root: Path = Path("runs")) -> Path:
@@ -44,6 +44,8 @@ def launch(cfg: RunConfig, opts: LaunchOptions, *, console: Console | None = Non
         prepare_run_dir(cfg, opts.run_dir)
     else:
         opts.run_dir.mkdir(parents=True, exist_ok=True)  # the supervisor writes node 0's config here
+    if warning := trust_warning(opts):
+        console.print(f"[bold yellow]warning:[/] {warning}")
     t0 = time.time()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
                   TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),

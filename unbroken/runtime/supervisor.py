@@ -37,6 +37,9 @@ _KILL_ON = ("hang", "stall", "straggler", "health")  # faults whose process is s
 _QUIET_BEATS = 3  # a node that has not renewed its lease for this many heartbeats holds hang detection
 
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 class LaunchError(RuntimeError):
     """The job cannot start as asked (port in use, join refused, ...)."""
 
@@ -55,11 +58,20 @@ class LaunchOptions:
     def __post_init__(self) -> None:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be within 0..nnodes-1, got node_rank={self.node_rank} nnodes={self.nnodes}")
-        loopback = self.host in ("127.0.0.1", "localhost", "::1")
-        if not loopback and not self.token:
-            raise ValueError(f"binding to {self.host} (not loopback) needs a join token: pass --token or set UNBROKEN_TOKEN")
+        if self.host not in _LOOPBACK and not self.token:
+            raise ValueError(f"binding to {self.host} (not loopback) needs a join token: pass --token-file or set UNBROKEN_TOKEN")
         if self.nnodes > 1 and self.node_rank > 0 and not self.port:
             raise ValueError("a joining node needs node 0's port: pass --port or MASTER_PORT")
+
+
+def trust_warning(opts: LaunchOptions) -> str | None:
+    """The store is TCPStore: neither authenticated nor encrypted. Said at the start of every
+    job that listens beyond loopback or spans nodes (README: trust boundary)."""
+    if opts.nnodes == 1 and opts.host in _LOOPBACK:
+        return None
+    return (f"the job's store at {opts.host} (TCPStore) is not authenticated or encrypted: anyone who can "
+            "reach it can disturb the job; run multi-node jobs only on a private network (the join token "
+            "admits nodes, it does not protect the store)")
 
 
 class Supervisor:
@@ -74,6 +86,8 @@ class Supervisor:
         self.run_dir = opts.run_dir
         self.events = EventLog(self.run_dir / "events.jsonl", source="supervisor", node=self.node)
         self.store = self._open_store()
+        if warning := trust_warning(opts):
+            self.events.emit("warning", message=warning)
         self._agree_on_config()
         cfg = self.cfg
         env = {"MASTER_ADDR": opts.host, "MASTER_PORT": str(self.port), "WORLD_SIZE": str(cfg.world_size),
@@ -91,7 +105,7 @@ class Supervisor:
         self._quiet = False  # the leader's view: some node's lease is late
         self.killed: set[str] = set()
         self.shadow_seq = 0
-        self.verdicts: dict[int, bool] = {}
+        self.joined: set[int] = set()  # nodes admitted (the leader's view)
         self.status = "starting"
         self.crashes = CrashJudge(self.store, self.events)  # software faults (runtime/crash.py)
         self.watch = Watch(cfg, node=self.node, nnodes=opts.nnodes, checkpoint_dir=self.run_dir, events=self.events)
@@ -106,8 +120,7 @@ class Supervisor:
         o = self.opts
         try:
             if self.leader:
-                store = dist.TCPStore(o.host, o.port, is_master=True, timeout=timedelta(seconds=30),
-                                      wait_for_workers=False, use_libuv=True)
+                store, self._listener = membership.listen_store(o.host, o.port, timeout_s=30)
             else:
                 store = membership.connect_store(o.host, o.port, timeout_s=30)
         except (RuntimeError, OSError) as e:
@@ -118,7 +131,6 @@ class Supervisor:
                               "and check --host/--port") from None
         self.port = store.port if self.leader else o.port
         if self.leader:
-            auth.publish_nonce(store)
             store.set("token_required", "1" if o.token else "0")
         else:
             self._join(store)
@@ -138,7 +150,7 @@ class Supervisor:
         atomic_write_json(self.run_dir / "config.json", theirs.to_dict())
 
     def _join(self, store: dist.Store) -> None:
-        store.wait(["auth/nonce"], timedelta(seconds=30))
+        store.wait(["token_required"], timedelta(seconds=30))
         if store.get("token_required").decode() == "1":
             try:
                 auth.request_join(store, token=self.opts.token or "", node=self.node, timeout_s=30)
@@ -420,7 +432,7 @@ class Supervisor:
             if not self.leader:
                 self.store.set(f"left/{self.node}", "1")
                 return
-            nodes = [n for n, ok in self.verdicts.items() if ok and not self._node_lost(n)]
+            nodes = [n for n in self.joined if not self._node_lost(n)]
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline and not all(self.store.check([f"left/{n}"]) for n in nodes):
                 time.sleep(0.02)
@@ -428,23 +440,20 @@ class Supervisor:
             pass
 
     def _wait_for_nodes(self) -> None:
+        """Admit every other node: by its token's proof (auth.JoinGate), or its word without one."""
         if self.opts.nnodes == 1:
             return
+        gate = auth.JoinGate(self.store, token=self.opts.token, nnodes=self.opts.nnodes,
+                             events=self.events) if self.opts.token else None
         deadline = time.monotonic() + 120
-        while len(self.verdicts) < self.opts.nnodes - 1 or not all(self.verdicts.values()):
-            if self.opts.token:
-                auth.verify_joins(self.store, token=self.opts.token, nnodes=self.opts.nnodes, verdicts=self.verdicts)
+        while len(self.joined) < self.opts.nnodes - 1:
+            if gate is not None:
+                gate.poll()
+                self.joined = set(gate.admitted)
             else:
-                for node in range(1, self.opts.nnodes):
-                    if self.store.check([f"joined/{node}"]):
-                        self.verdicts[node] = True
-            if any(v is False for v in self.verdicts.values()):
-                bad = [n for n, v in self.verdicts.items() if not v]
-                self.events.emit("warning", message=f"refused node(s) {bad}: wrong join token")
-                self.verdicts = {n: v for n, v in self.verdicts.items() if v}
-                self.store.delete_key(f"auth/join/{bad[0]}")
+                self.joined = {n for n in range(1, self.opts.nnodes) if self.store.check([f"joined/{n}"])}
             if time.monotonic() > deadline:
-                raise LaunchError(f"only {len(self.verdicts) + 1} of {self.opts.nnodes} nodes joined within 120s")
+                raise LaunchError(f"only {len(self.joined) + 1} of {self.opts.nnodes} nodes joined within 120s")
             time.sleep(0.05)
 
     def _loop(self) -> None:

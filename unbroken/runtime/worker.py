@@ -232,7 +232,7 @@ class Trainer(LoopAPI, Persistence):
                 "chunks": self.owned.state.n_chunks, "world": self.world_size, "strategy": self.cfg.strategy,
                 "optimizer": self.optim.name, "state": list(self.optim.state_names), "groups": self.optim.n_groups,
                 "buffer_bytes": self.model_buffers.nbytes, "accumulation_steps": self.accumulation_steps}
-        everyone = self.comm.allgather_object(mine, what="layout check")
+        everyone = self.comm.allgather_json(mine, what="layout check")
         for r, other in enumerate(everyone):
             if other != mine:
                 diff = {k: (mine[k], other[k]) for k in mine if mine[k] != other.get(k)}

@@ -1,0 +1,119 @@
+"""The doors of a job (issue 14): where the store listens, who may join, where the token goes."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import SMALL, _procs_of, events, run_cli
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _listening(pid: int) -> list[str]:
+    """'addr:port' of every TCP socket process `pid` listens on (from /proc/net/tcp{,6})."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] != "0A" or cols[9] not in inodes:  # 0A = LISTEN
+                continue
+            addr, port = cols[1].split(":")
+            raw = bytes.fromhex(addr)
+            if width == 8:
+                host = socket.inet_ntop(socket.AF_INET, raw[::-1])
+            else:  # four little-endian 32-bit words
+                host = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+            found.append(f"{host}:{int(port, 16)}")
+    return found
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(kv.decode(errors="replace").split("=", 1) for kv in raw if b"=" in kv)
+
+
+def test_the_store_listens_on_loopback_only_and_workers_never_see_the_token(tmp_path):
+    run_dir = (tmp_path / "r").resolve()
+    env = {**os.environ, "UNBROKEN_TOKEN": "s3cret-token"}
+    args = list(SMALL)
+    args[args.index("--steps") + 1] = "30"
+    cmd = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir), "--no-progress", "--json", *args]
+    sup = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        listening, children = [], {}
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and sup.poll() is None and len(children) < 4:
+            try:
+                listening = _listening(sup.pid)
+                children = {p: _environ(p) for p in _procs_of(run_dir) if p != sup.pid}
+                children = {p: e for p, e in children.items() if e.get("UNBROKEN_ROLE") == "worker"}
+            except OSError:
+                pass
+            time.sleep(0.2)
+        out, err = sup.communicate(timeout=240)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    assert sup.returncode == 0, err[-2000:]
+    assert listening, "the supervisor's listening socket was not seen"
+    assert all(a.startswith("127.0.0.1:") for a in listening), listening
+    assert len(children) == 4, "the workers were not seen while they ran"
+    for pid, env_of in children.items():
+        assert "UNBROKEN_TOKEN" not in env_of, f"worker {pid} inherited the join token"
+    assert json.loads(out)["ok"]
+
+
+def test_a_token_file_readable_by_others_is_refused(tmp_path):
+    f = tmp_path / "token"
+    f.write_text("tok\n")
+    f.chmod(0o644)
+    p = run_cli(tmp_path / "r", *SMALL, "--token-file", str(f), check=False)
+    assert p.returncode == 2 and "readable by other users" in p.stderr and "chmod 600" in p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "r").exists()
+
+
+def test_a_wrong_token_costs_one_attempt_and_the_right_one_then_joins(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "r"
+    good = tmp_path / "token"
+    good.write_text("right-token\n")
+    good.chmod(0o600)
+    two = ["--nnodes", "2", "--port", str(port)]
+    node0 = subprocess.Popen([sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir), "--no-progress",
+                              "--json", *SMALL, *two, "--node-rank", "0", "--token-file", str(good)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)
+        bad = run_cli(run_dir, *SMALL, *two, "--node-rank", "1", "--token", "wrong-token", timeout=60, check=False)
+        assert bad.returncode == 2 and "wrong join token" in bad.stderr, bad.stderr[-1000:]
+        ok = run_cli(run_dir, *SMALL, *two, "--node-rank", "1", "--token-file", str(good), timeout=240, check=False)
+        out, err = node0.communicate(timeout=240)
+    finally:
+        if node0.poll() is None:
+            node0.kill()
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert node0.returncode == 0, err[-2000:]
+    assert json.loads(out)["ok"]
+    evs = events(run_dir)
+    [refused] = [e for e in evs if e["kind"] == "join_refused"]
+    assert refused["fields"]["node"] == 1 and refused["fields"]["retry_after_s"] > 0
+    [joined] = [e for e in evs if e["kind"] == "node_joined"]
+    assert joined["fields"]["attempt"] == 2 and joined["fields"]["failures"] == 1
+    assert "not authenticated or encrypted" in " ".join(err.split())  # multi-node over TCPStore says so at start
