@@ -52,6 +52,7 @@ def test_the_store_listens_on_loopback_only_and_workers_never_see_the_token(tmp_
     env = {**os.environ, "UNBROKEN_TOKEN": "s3cret-token"}
     args = list(SMALL)
     args[args.index("--steps") + 1] = "30"
+    args += ["--checkpoint-every", "10"]
     cmd = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir), "--no-progress", "--json", *args]
     sup = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -76,6 +77,10 @@ def test_the_store_listens_on_loopback_only_and_workers_never_see_the_token(tmp_
     for pid, env_of in children.items():
         assert "UNBROKEN_TOKEN" not in env_of, f"worker {pid} inherited the join token"
     assert json.loads(out)["ok"]
+    # what the job wrote is its owner's alone: files 0600, directories 0700
+    modes = {p.relative_to(run_dir).as_posix(): p.stat().st_mode & 0o777 for p in [run_dir, *run_dir.rglob("*")]}
+    assert any(name.startswith("checkpoints/") for name in modes) and "job.key" in modes
+    assert {n: m for n, m in modes.items() if m & 0o077} == {}
 
 
 def test_a_token_file_readable_by_others_is_refused(tmp_path):

@@ -6,6 +6,7 @@ that it also writes (atomically) to RUN_DIR/summary.json.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Sequence
@@ -18,6 +19,7 @@ from unbroken.events import read_events
 from unbroken.fsutil import atomic_write_json
 from unbroken.runtime.breakdown import recoveries, steps_lost_total
 from unbroken.runtime.faults import FaultSpec, faults_not_fired
+from unbroken.runtime.jobkey import ensure_job_key
 from unbroken.runtime.supervisor import LaunchOptions, Supervisor, install_signal_handlers, trust_warning
 
 
@@ -33,17 +35,19 @@ def new_run_dir(root: Path = Path("runs")) -> Path:
 def prepare_run_dir(cfg: RunConfig, run_dir: Path) -> None:
     if (run_dir / "events.jsonl").exists():
         raise ValueError(f"run directory {run_dir} already holds a run; pick a new --run-dir (nothing was overwritten)")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     atomic_write_json(run_dir / "config.json", cfg.to_dict())
 
 
 def launch(cfg: RunConfig, opts: LaunchOptions, *, console: Console | None = None, progress: bool = True) -> dict:
     console = console or Console(stderr=True)
     install_signal_handlers()
+    os.umask(0o077)  # everything the job writes (run directory, logs, checkpoints) is its owner's alone
     if opts.node_rank == 0:
         prepare_run_dir(cfg, opts.run_dir)
     else:
         opts.run_dir.mkdir(parents=True, exist_ok=True)  # the supervisor writes node 0's config here
+    ensure_job_key(opts.run_dir, opts.token)  # before any worker starts: they sign their checkpoints with it
     if warning := trust_warning(opts):
         console.print(f"[bold yellow]warning:[/] {warning}")
     t0 = time.time()
@@ -75,7 +79,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, *, console: Console | None = Non
 def _remove_unstarted(run_dir: Path) -> None:
     """Delete a run directory that holds only what launch() wrote before the job started."""
     names = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
-    if names <= {"config.json", "events.jsonl"}:
+    if names <= {"config.json", "events.jsonl", "job.key"}:
         for n in names:
             (run_dir / n).unlink()
         run_dir.rmdir()
