@@ -62,6 +62,32 @@ def steps_lost_total(events: list[Event]) -> int | None:
     return sum(n for n in lost.values() if n is not None)
 
 
+def segments(events: list[Event]) -> list[list[Event]]:
+    """A run directory's events split at each `run_start`: the first run, then each --resume."""
+    starts = [e.time for e in events if e.kind == "run_start"]
+    out: list[list[Event]] = [[] for _ in starts] or [[]]
+    for e in events:
+        i = sum(1 for t in starts if t <= e.time) - 1
+        out[max(i, 0)].append(e)
+    return out
+
+
+def resumes(events: list[Event]) -> list[dict]:
+    """Each `unbroken run --resume` of this run directory: the newest step any rank had
+    completed before the job stopped, the checkpoint step it resumed from, the steps lost."""
+    out = []
+    parts = segments(events)
+    for before, seg in zip(parts, parts[1:]):
+        done = [s for e in before if e.kind == "step" and (s := e.fields.get("step")) is not None]
+        restored = [e.fields["step"] for e in seg if e.kind == "tier2_restore" and e.fields.get("reason") == "resume"]
+        if not restored:
+            out.append({"from_step": None, "stopped_after_step": max(done, default=0), "steps_lost": None})
+            continue
+        top = max(done, default=0)
+        out.append({"from_step": min(restored), "stopped_after_step": top, "steps_lost": max(0, top - min(restored))})
+    return out
+
+
 def _shadow(events: list[Event], gen: int) -> str | None:
     """"cold" if a replacement of this generation was not ready when assigned (the recovery
     waited for its start-up), "warm" if every one was; None when nobody was replaced."""

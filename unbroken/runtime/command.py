@@ -15,6 +15,7 @@ from unbroken.cli_error import fail
 from unbroken.config import ConfigError, RunConfig, build_config
 from unbroken.runtime.faults import NODE_KINDS, FaultSpec, chaos_schedule, check_reachable
 from unbroken.runtime import auth
+from unbroken.runtime.resume import load_job
 from unbroken.runtime.run import launch, new_run_dir
 from unbroken.runtime.crash import SoftwareFault
 from unbroken.runtime.supervisor import LaunchError, LaunchOptions
@@ -80,10 +81,20 @@ def run(
     chaos: Optional[str] = typer.Option(None, "--chaos", help="random kills, e.g. seed=1,rate=0.05"),
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
     json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="continue the stopped job in this run directory "
+                                                                 "from its newest valid checkpoint"),
 ) -> None:
     """Run a training job under unbroken (torchrun-compatible env vars are honoured)."""
-    summary = _launch(script=script, config=config, run_dir=run_dir, host=host, port=port,
-                      token=_join_token(token, token_file),
+    changed = [f for f, v in (("a script", script), ("--config", config), ("--run-dir", run_dir),
+                              ("--world-size", world_size), ("--steps", steps), ("--seed", seed),
+                              ("--batch-size", batch_size), ("--lr", lr), ("--strategy", strategy),
+                              ("--parity-group", parity_group), ("--chunk-kb", chunk_kb),
+                              ("--checkpoint-every", checkpoint_every), ("--protect-every", protect_every),
+                              ("--n-layer", n_layer), ("--n-embd", n_embd)) if v]
+    if resume is not None and changed:
+        fail(f"--resume continues the job exactly as it was launched: drop {', '.join(changed)}")
+    summary = _launch(script=script, config=config, run_dir=resume or run_dir, host=host, port=port,
+                      token=_join_token(token, token_file), resume=resume is not None,
                       nnodes=nnodes, node_rank=node_rank, inject=inject, chaos=chaos, progress=not no_progress,
                       overrides=dict(world_size=world_size if world_size is not None else _env_int("WORLD_SIZE"),
                                      steps=steps, seed=seed, batch_size=batch_size, lr=lr, strategy=strategy,
@@ -117,9 +128,11 @@ def _join_token(flag: str | None, path: Path | None) -> str | None:
 
 
 def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, inject, chaos, progress,
-            overrides: dict) -> dict:
+            overrides: dict, resume: bool = False) -> dict:
     try:
-        cfg = build_config(config, **overrides)
+        cfg = build_config(config, **overrides) if not resume else None
+        if resume:
+            cfg, script = load_job(run_dir)
         faults = [FaultSpec.parse(s) for s in (inject or [])]
         if chaos:
             faults += chaos_schedule(chaos, world=cfg.world_size, steps=cfg.steps)
@@ -136,7 +149,7 @@ def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, in
             port=port if port is not None else (_env_int("MASTER_PORT") or 0),
             token=token, nnodes=nnodes or _env_int("NNODES") or 1,
             node_rank=node_rank if node_rank is not None else (_env_int("NODE_RANK") or 0),
-            faults=tuple(faults))
+            faults=tuple(faults), resume=resume)
         _check_node_faults(faults, cfg.world_size, opts.nnodes)
         return launch(cfg, opts, progress=progress)
     except SoftwareFault as e:

@@ -37,6 +37,7 @@ class ProcessContext:
     events: EventLog
     faults: FaultInjector
     nnodes: int = 1
+    resume: bool = False  # `unbroken run --resume`: generation 0 starts from the newest valid tier-2 checkpoint
     phase: dict = field(default_factory=lambda: {"step": 0, "phase": "init", "gen": 0, "rank": None})
 
     @staticmethod
@@ -58,7 +59,8 @@ class ProcessContext:
         specs = [FaultSpec.parse(s) for s in json.loads(os.environ.get("UNBROKEN_FAULTS", "[]"))]
         faults = FaultInjector(specs, claim=lambda i: store.add(f"fault/{i}", 1) == 1)
         return ProcessContext(proc=proc, role=role, rank=rank, node=node, nnodes=nnodes, run_dir=run_dir, config=config,
-                              store=store, host=host, port=port, events=events, faults=faults)
+                              store=store, host=host, port=port, events=events, faults=faults,
+                              resume=os.environ.get("UNBROKEN_RESUME") == "1")
 
     def set_phase(self, phase: str, step: int | None = None) -> None:
         self.phase["phase"] = phase

@@ -27,10 +27,17 @@ from typing import Any
 _ctx = None  # the ProcessContext of this process, once unbroken.Trainer has started
 _step = None  # () -> the step the process is executing (its last committed step + 1)
 _at_clean_exit = []  # run when the script returns normally (Trainer.finish, if the script did not call it)
+_at_crash_exit = []  # run when it ends in an exception
 
 
 def at_clean_exit(fn) -> None:
     _at_clean_exit.append(fn)
+
+
+def at_crash_exit(fn) -> None:
+    """Run `fn` when the script ends in an exception, after the crash is recorded (the
+    Trainer lands its checkpoint in flight: the snapshot is of a committed step)."""
+    _at_crash_exit.append(fn)
 
 
 def clean_exit() -> None:
@@ -90,6 +97,11 @@ def record(exc: BaseException) -> None:
         _ctx.store.set(f"crash/{_ctx.proc}", json.dumps(describe(exc)))
     except Exception:  # noqa: BLE001 - the store is gone: the job is over anyway
         pass
+    while _at_crash_exit:
+        try:
+            _at_crash_exit.pop()()
+        except Exception:  # noqa: BLE001 - best effort on the way out; the exit status reports the crash
+            pass
 
 
 def declare_fatal(ctx, message: str, *, leader: bool, timeout_s: float = 10.0) -> None:

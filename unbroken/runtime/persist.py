@@ -15,6 +15,12 @@ from unbroken.runtime import adopt
 
 
 class Persistence:
+    def _land_checkpoint(self, timeout_s: float = 10.0) -> None:
+        """The script is ending in an exception: let the checkpoint in flight commit (its
+        snapshot is of a committed step), so that a job that stops loses as little as it can."""
+        if getattr(self, "ckpt", None) is not None:
+            self.ckpt.wait(timeout_s)
+
     def _write_layout(self) -> None:
         """layout.pt: how the flat shards map back onto the model's state_dict (unbroken export reads it):
         trained parameter names and shapes in flat order, the shard size, the buffers' names,

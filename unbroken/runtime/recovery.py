@@ -431,6 +431,12 @@ def _install_and_vote(tr: RecoveryInputs, buf: torch.Tensor | None, pv: list | N
     return int(flag) == 0
 
 
+def resume_from_tier2(tr: RecoveryInputs) -> None:
+    """`unbroken run --resume`: every rank of generation 0 loads the newest step whose
+    checkpoint is valid for all ranks, as a recovery that lost every rank would."""
+    _restore_tier2(tr, reason="resume")
+
+
 def _restore_tier2(tr: RecoveryInputs, *, reason: str) -> str:
     from unbroken.protect.tier2 import latest_valid_step, load_checkpoint
 

@@ -17,9 +17,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from unbroken.config import RunConfig
 from unbroken.events import read_events
 from unbroken.fsutil import atomic_write_json
-from unbroken.runtime.breakdown import recoveries, steps_lost_total
+from unbroken.runtime.breakdown import recoveries, resumes, segments, steps_lost_total
 from unbroken.runtime.faults import FaultSpec, faults_not_fired
 from unbroken.runtime.jobkey import ensure_job_key
+from unbroken.runtime.resume import record_launch
 from unbroken.runtime.supervisor import LaunchOptions, Supervisor, install_signal_handlers, trust_warning
 
 
@@ -43,10 +44,11 @@ def launch(cfg: RunConfig, opts: LaunchOptions, *, console: Console | None = Non
     console = console or Console(stderr=True)
     install_signal_handlers()
     os.umask(0o077)  # everything the job writes (run directory, logs, checkpoints) is its owner's alone
-    if opts.node_rank == 0:
-        prepare_run_dir(cfg, opts.run_dir)
-    else:
+    if opts.node_rank != 0:
         opts.run_dir.mkdir(parents=True, exist_ok=True)  # the supervisor writes node 0's config here
+    elif not opts.resume:  # --resume: the directory, its config and key are the stopped job's (runtime/resume.py)
+        prepare_run_dir(cfg, opts.run_dir)
+        record_launch(opts.run_dir, opts.script)
     ensure_job_key(opts.run_dir, opts.token)  # before any worker starts: they sign their checkpoints with it
     if warning := trust_warning(opts):
         console.print(f"[bold yellow]warning:[/] {warning}")
@@ -66,7 +68,8 @@ def launch(cfg: RunConfig, opts: LaunchOptions, *, console: Console | None = Non
         try:
             sup = Supervisor(cfg, opts, on_progress=show)
         except Exception:
-            _remove_unstarted(opts.run_dir)  # refused before any process ran: leave nothing behind
+            if not opts.resume:
+                _remove_unstarted(opts.run_dir)  # refused before any process ran: leave nothing behind
             raise
         sup.run()
     if opts.node_rank != 0:
@@ -79,7 +82,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, *, console: Console | None = Non
 def _remove_unstarted(run_dir: Path) -> None:
     """Delete a run directory that holds only what launch() wrote before the job started."""
     names = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
-    if names <= {"config.json", "events.jsonl", "job.key"}:
+    if names <= {"config.json", "events.jsonl", "job.key", "launch.json"}:
         for n in names:
             (run_dir / n).unlink()
         run_dir.rmdir()
@@ -98,7 +101,9 @@ def input_warnings(events) -> list[str]:
 
 def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float, faults: Sequence[FaultSpec] = ()) -> dict:
     """The run's summary.json from its events; `faults`: the specs injected (--inject, --chaos)."""
-    events = read_events(run_dir)
+    every = read_events(run_dir)
+    events = segments(every)[-1]  # after `--resume`: this launch's own events (generation numbers restart)
+    resumed = resumes(every)
     injected = [{"kind": e.kind, "rank": e.rank, "node": e.node, "fields": e.fields}
                 for e in events if e.kind == "fault_injected"]
     done = [e for e in events if e.kind == "worker_done"]
@@ -125,10 +130,17 @@ def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float, faults: Sequence[
         "faults_not_fired": [str(f) for f in faults_not_fired(faults, injected)],
         "steps_planned": next((e.fields["steps"] for e in reversed(events) if e.kind == "steps_planned"), None),
         "warnings": input_warnings(events),
-        "steps_lost": steps_lost_total(events),  # measured from the events (runtime/breakdown.py)
+        "resumes": resumed,
+        "steps_lost": _lost(steps_lost_total(events), resumed),  # measured from the events (runtime/breakdown.py)
         # the script decides how many steps it runs (trainer.steps(n)); ok = every rank finished, in agreement
         "ok": len(shas) == cfg.world_size and len(set(shas.values())) == 1 and last is not None,
     }
+
+
+def _lost(in_place: int | None, resumed: list[dict]) -> int | None:
+    """Steps lost by recoveries plus those recomputed after each --resume (None if unknown)."""
+    parts = [in_place, *(r["steps_lost"] for r in resumed)]
+    return None if any(p is None for p in parts) else sum(parts)
 
 
 def load_summary(run_dir: Path) -> dict:

@@ -54,6 +54,7 @@ class LaunchOptions:
     nnodes: int = 1
     node_rank: int = 0
     faults: tuple[FaultSpec, ...] = ()
+    resume: bool = False  # generation 0 starts from the newest valid tier-2 checkpoint (runtime/resume.py)
 
     def __post_init__(self) -> None:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
@@ -92,7 +93,8 @@ class Supervisor:
         cfg = self.cfg
         env = {"MASTER_ADDR": opts.host, "MASTER_PORT": str(self.port), "WORLD_SIZE": str(cfg.world_size),
                "NNODES": str(opts.nnodes), "NODE_RANK": str(self.node), "UNBROKEN_RUN_DIR": str(self.run_dir),
-               "UNBROKEN_FAULTS": json.dumps([str(f) for f in opts.faults]), "OMP_NUM_THREADS": str(cfg.threads)}
+               "UNBROKEN_FAULTS": json.dumps([str(f) for f in opts.faults]), "OMP_NUM_THREADS": str(cfg.threads),
+               "UNBROKEN_RESUME": "1" if opts.resume else "0"}
         self.table = ProcessTable(self.run_dir, env, list(opts.script))
         self.gen: membership.Generation | None = None
         self.fault_log = membership.FaultLogReader(self.store, on_lost=lambda i, w: self.events.emit(

@@ -40,7 +40,7 @@ from unbroken.runtime.determinism import FORWARD, InputFingerprints, seed_everyt
 from unbroken.runtime.loop import LoopAPI
 from unbroken.runtime.persist import Persistence
 from unbroken.runtime.context import ProcessContext
-from unbroken.runtime.recovery import RolledBack, finish_deferred_decode, recover, reporter
+from unbroken.runtime.recovery import RolledBack, finish_deferred_decode, recover, reporter, resume_from_tier2
 from unbroken.runtime.state import RecoveryInputs, TrainState
 from unbroken.runtime.faults import FaultInjector
 
@@ -128,6 +128,7 @@ class Trainer(LoopAPI, Persistence):
         self.clock.started_at(self.st.step_count, lambda: self.st.step_count, self._refuse)
         self.rank_known()
         crash.at_clean_exit(self._finish_at_exit)
+        crash.at_crash_exit(self._land_checkpoint)
 
     def _adopt(self, model, optimizer, scheduler, grad_clip, accumulation_steps, scheduler_step) -> None:
         """Take the user's objects, or stop the job with a one-line error naming the argument (exit 2)."""
@@ -218,10 +219,13 @@ class Trainer(LoopAPI, Persistence):
                                      snapshot_bytes=self.owned.snapshot_bytes,
                                      gradient_log_bytes=self.owned.gradient_log_bytes,
                                      protected_bytes=self.owned.state.n_chunks * self.owned.state.chunk_bytes)
+            if self.ctx.resume:
+                resume_from_tier2(self._recovery_inputs())
         except CollectiveError as e:
             self.ctx.events.emit("collective_error", step=0, phase="build", error=str(e)[:300])
             recover(self._recovery_inputs(), new_member=False)
-        self._maybe_checkpoint(0)
+        if not self.ctx.resume:
+            self._maybe_checkpoint(0)
         if self.rank == 0:
             self._write_layout()
 

@@ -1,0 +1,50 @@
+"""`unbroken run --resume`: a job that gave up goes on from its newest valid checkpoint and
+ends with the weights of a run that never stopped, bit for bit (issue 14)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import events, run_job
+
+pytestmark = pytest.mark.timeout(400)
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "resume_job.py")
+ARGS = ["--world-size", "4", "--checkpoint-every", "4", "--chunk-kb", "1"]
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "unbroken.cli", "run", "--no-progress", "--json", *args],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, **(env or {})})
+
+
+def test_a_job_that_gave_up_resumes_from_its_checkpoint_bitwise_equal(tmp_path):
+    stop = tmp_path / "stop"
+    stop.write_text("1")
+    run_dir = tmp_path / "job"
+    first = _cli("--run-dir", str(run_dir), *ARGS, SCRIPT, env={"RESUME_TEST_STOP": str(stop)})
+    assert first.returncode == 1 and "stopped, not retried" in first.stderr, first.stderr[-2000:]
+    stop.unlink()  # the user fixes the bug
+    again = _cli("--resume", str(run_dir), env={"RESUME_TEST_STOP": str(stop)})
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = json.loads(again.stdout)
+    ref = run_job(tmp_path / "ref", *ARGS, SCRIPT)
+    assert resumed["ok"] and resumed["steps"] == ref["steps"] == 16
+    assert resumed["weights_sha256"] == ref["weights_sha256"]
+    [r] = resumed["resumes"]
+    assert r["from_step"] == 8 and r["stopped_after_step"] == 9 and r["steps_lost"] == 1
+    assert resumed["steps_lost"] == 1
+    restores = [e for e in events(run_dir) if e["kind"] == "tier2_restore" and e["fields"]["reason"] == "resume"]
+    assert sorted(e["rank"] for e in restores) == [0, 1, 2, 3]
+
+
+def test_resume_refuses_what_cannot_resume(tmp_path):
+    p = _cli("--resume", str(tmp_path))
+    assert p.returncode == 2 and "not a run directory" in p.stderr
+    p = _cli("--resume", str(tmp_path), "--steps", "3", "--run-dir", str(tmp_path / "other"))
+    assert p.returncode == 2 and "drop --run-dir, --steps" in p.stderr
