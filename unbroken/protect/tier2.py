@@ -9,7 +9,8 @@ save with gather/scatter collectives from the calling thread (checked in the tes
     directory/step_00000120/rank0.g3-1a2b3c4d.dcp/      a standalone DCP checkpoint
 
 Each rank directory loads with plain `dcp.load(sd, checkpoint_id=..., no_dist=True)`;
-`load_checkpoint` does the same but only from bytes whose sha256 it has just verified.
+`load_checkpoint` does the same but only from bytes whose sha256 it has just verified,
+listed in a manifest whose HMAC (the job's key) it has just verified.
 """
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from unbroken.fsutil import atomic_write_bytes
-from unbroken.protect._tier2_files import (FORMAT, CheckpointError, VerifiedReader, fsync_dir,
-                                           list_steps, manifest_digest, manifest_path, parse_dtype,
-                                           read_manifest, remove_rank_entries, sha256_file, step_dir,
-                                           verify_files)
+from unbroken.protect._tier2_files import (DIR_MODE, FILE_MODE, FORMAT, CheckpointError, VerifiedReader,
+                                           check_key, fsync_dir, list_steps, make_private_dir, manifest_hmac,
+                                           manifest_path, parse_dtype, read_manifest, remove_rank_entries,
+                                           sha256_file, step_dir, verify_files)
 
 if TYPE_CHECKING:
     from unbroken.events import EventLog
@@ -52,7 +53,7 @@ class CheckpointWriter:
     """Writes one rank's checkpoints in a background thread from preallocated snapshot buffers."""
 
     def __init__(self, directory: str | os.PathLike, *, rank: int, world_size: int, run_id: str,
-                 strategy: str, keep: int = 2, events: "EventLog | None" = None,
+                 strategy: str, key: bytes, keep: int = 2, events: "EventLog | None" = None,
                  wait_timeout: float = 60.0) -> None:
         if not (isinstance(world_size, int) and world_size >= 1):
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -64,6 +65,7 @@ class CheckpointWriter:
             raise ValueError(f"run_id must be a non-empty string naming the job, got {run_id!r}")
         if wait_timeout <= 0:
             raise ValueError(f"wait_timeout must be > 0 seconds, got {wait_timeout!r}")
+        self._key = check_key(key)
         self.directory = Path(directory)
         self.rank, self.world_size, self.run_id = rank, world_size, run_id
         self.strategy, self.keep, self.events, self.wait_timeout = str(strategy), keep, events, wait_timeout
@@ -75,7 +77,6 @@ class CheckpointWriter:
         self.last_snapshot_s = 0.0  # how long save_async held the training thread
         self.last_save_s = 0.0  # snapshot start -> manifest committed
         self.last_path: Path | None = None
-
     def save_async(self, step: int, generation: int, tensors: dict[str, torch.Tensor],
                    meta: dict | None = None) -> None:
         """Copy tensors into preallocated buffers now (allocated on first call, reused after;
@@ -118,15 +119,19 @@ class CheckpointWriter:
             self._error = (step, e)
 
     def _write(self, step: int, generation: int, meta: dict) -> tuple[Path, int]:
-        """DCP into a temp dir, checksum, rename it into place, then commit the manifest."""
+        """DCP into a temp dir, checksum, rename it into place, then commit the signed manifest."""
         sdir = step_dir(self.directory, step)
-        sdir.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.directory)
+        make_private_dir(sdir)
         name = f"rank{self.rank}.g{generation}-{uuid.uuid4().hex[:8]}.dcp"
         tmp = sdir / f"{name}.tmp"
+        make_private_dir(tmp)  # 0700 before DCP writes: its files are never reachable by others
         writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
         dcp.save(self._buffers, storage_writer=writer, no_dist=True)
+        os.chmod(tmp, DIR_MODE)
         files = {}
         for f in sorted(tmp.iterdir()):
+            os.chmod(f, FILE_MODE)  # before hashing: what is checksummed is what stays private
             digest, size = sha256_file(f)
             files[f"{name}/{f.name}"] = {"sha256": digest, "bytes": size}
         fsync_dir(tmp)
@@ -137,10 +142,10 @@ class CheckpointWriter:
                "written_at": time.time(), "data_dir": name, "files": files, "meta": meta,
                "tensors": {k: {"dtype": str(v.dtype), "shape": list(v.shape)}
                            for k, v in self._buffers.items()}}
-        doc["manifest_sha256"] = manifest_digest(doc)
+        doc["manifest_hmac"] = manifest_hmac(doc, self._key)
         body = (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
         manifest = manifest_path(self.directory, step, self.rank)
-        atomic_write_bytes(manifest, body)
+        atomic_write_bytes(manifest, body, mode=FILE_MODE)
         # Earlier attempts at this step (a crash, a re-save after rollback) are now unreferenced.
         remove_rank_entries(sdir, self.rank, keep=(manifest.name, name))
         return manifest, len(body) + sum(f["bytes"] for f in files.values())
@@ -216,39 +221,46 @@ def _check_save_args(step: int, generation: int, tensors: dict[str, torch.Tensor
         raise ValueError(f"meta must be JSON-serializable (it goes into the manifest): {e}") from None
 
 
-def verify_step(directory: str | os.PathLike, step: int, *, world_size: int, run_id: str) -> None:
-    """Check every rank's manifest and every file's sha256; raise CheckpointError naming the
-    first bad file."""
+def verify_step(directory: str | os.PathLike, step: int, *, world_size: int, run_id: str, key: bytes) -> None:
+    """Check every rank's manifest (signature included) and every file's sha256; raise
+    CheckpointError naming the first bad file."""
+    check_key(key)
     for rank in range(world_size):
-        doc = read_manifest(directory, step, rank=rank, world_size=world_size, run_id=run_id)
+        doc = read_manifest(directory, step, rank=rank, world_size=world_size, run_id=run_id, key=key)
         verify_files(step_dir(directory, step), doc, keep_bytes=False)
 
 
-def latest_valid_step(directory: str | os.PathLike, *, world_size: int, run_id: str,
+def _skip(step: int, e: CheckpointError, events: "EventLog | None") -> None:
+    if events is not None:
+        events.emit("checkpoint_invalid", path=e.path, error=str(e))
+    warnings.warn(f"skipping checkpoint step {step}: {e}", stacklevel=3)
+
+
+def latest_valid_step(directory: str | os.PathLike, *, world_size: int, run_id: str, key: bytes,
                       events: "EventLog | None" = None) -> int | None:
-    """Newest step whose files exist for ALL ranks and whose checksums all verify; corrupted/incomplete
-    ones are skipped with a `checkpoint_invalid` event (if events given) and a warning naming the file."""
+    """Newest step whose files exist for ALL ranks and verify (signatures, checksums); corrupted,
+    foreign or incomplete ones are skipped with a `checkpoint_invalid` event (if events given) and a
+    warning naming the file."""
+    check_key(key)
     for step in reversed(list_steps(directory)):
         try:
-            verify_step(directory, step, world_size=world_size, run_id=run_id)
+            verify_step(directory, step, world_size=world_size, run_id=run_id, key=key)
             return step
         except CheckpointError as e:
-            if events is not None:
-                events.emit("checkpoint_invalid", path=e.path, error=str(e))
-            warnings.warn(f"skipping checkpoint step {step}: {e}", stacklevel=2)
+            _skip(step, e, events)
     return None
 
 
 def load_checkpoint(directory: str | os.PathLike, step: int, *, rank: int, world_size: int, run_id: str,
-                    into: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """Verify checksum BEFORE deserializing; raise CheckpointError (a ValueError subclass) naming the
-    file on mismatch, wrong run_id, wrong world size.
+                    key: bytes, into: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Verify the manifest's signature and the checksums BEFORE deserializing; raise CheckpointError
+    (a ValueError subclass) naming the file on mismatch, wrong key, wrong run_id, wrong world size.
 
     Returns (tensors, info): info holds step, generation, world_size, rank, strategy, run_id and
     the caller's `meta`. With `into`, tensors are loaded in place into those (same names, shapes
     and dtypes as saved) and `into` is returned.
     """
-    doc = read_manifest(directory, step, rank=rank, world_size=world_size, run_id=run_id)
+    doc = read_manifest(directory, step, rank=rank, world_size=world_size, run_id=run_id, key=check_key(key))
     sdir = step_dir(directory, step)
     mpath = manifest_path(directory, step, rank)
     specs = {name: (parse_dtype(s["dtype"], mpath), torch.Size(s["shape"]))

@@ -3,6 +3,7 @@
 Tier 2 (protect/tier2.py) is written asynchronously every `checkpoint_every` steps, by
 every rank for sharded state and by rank 0 for a replica; layout.pt (rank 0, at start)
 maps the flat shards back onto the model's state_dict for `unbroken export`.
+Manifests are signed with the job key (RUN_DIR/job.key, runtime/jobkey.py).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from unbroken.fsutil import atomic_write_bytes
 from unbroken.runtime import adopt
+from unbroken.runtime.jobkey import JobKeyError, read_job_key
 
 
 class Persistence:
@@ -41,10 +43,15 @@ class Persistence:
             return None  # replicated state: rank 0's copy is the checkpoint
         from unbroken.protect.tier2 import CheckpointWriter
 
+        try:
+            key = read_job_key(self.ctx.run_dir)  # the supervisor created it before starting us
+        except JobKeyError as e:
+            self._refuse(str(e))
         sharded = self.owned.sharded
         return CheckpointWriter(self.ctx.run_dir / "checkpoints", rank=self.rank if sharded else 0,
                                 world_size=self.world_size if sharded else 1, run_id=self.ctx.run_dir.name,
-                                strategy=self.cfg.strategy, keep=self.cfg.checkpoint_keep, events=self.ctx.events)
+                                strategy=self.cfg.strategy, key=key, keep=self.cfg.checkpoint_keep,
+                                events=self.ctx.events)
 
     def _maybe_checkpoint(self, t: int) -> None:
         if self.ckpt is not None and t % self.cfg.checkpoint_every == 0:

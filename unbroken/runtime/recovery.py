@@ -433,6 +433,7 @@ def _install_and_vote(tr: RecoveryInputs, buf: torch.Tensor | None, pv: list | N
 
 def _restore_tier2(tr: RecoveryInputs, *, reason: str) -> str:
     from unbroken.protect.tier2 import latest_valid_step, load_checkpoint
+    from unbroken.runtime.jobkey import read_job_key
 
     owned, cfg = tr.owned, tr.cfg
     sharded = owned.sharded
@@ -440,8 +441,9 @@ def _restore_tier2(tr: RecoveryInputs, *, reason: str) -> str:
     world = tr.world_size if sharded else 1
     if tr.ckpt is not None:
         tr.ckpt.wait(timeout=cfg.collective_timeout_s)  # our own pending write lands first
-    mine = latest_valid_step(directory, world_size=world, run_id=tr.ctx.run_dir.name, events=tr.ctx.events) \
-        if directory.exists() else None
+    key = read_job_key(tr.ctx.run_dir)
+    mine = latest_valid_step(directory, world_size=world, run_id=tr.ctx.run_dir.name, key=key,
+                             events=tr.ctx.events) if directory.exists() else None
     agreed = torch.tensor([-1 if mine is None else mine], dtype=torch.int64)
     tr.comm.allreduce(agreed, op=dist.ReduceOp.MIN, what="tier-2 step agreement")
     step = None if int(agreed) < 0 else int(agreed)
@@ -453,7 +455,7 @@ def _restore_tier2(tr: RecoveryInputs, *, reason: str) -> str:
         raise Unrecoverable(msg)
     tr.ctx.events.emit("tier2_restore", step=step, reason=reason)
     tensors, _meta = load_checkpoint(directory, step, rank=tr.rank if sharded else 0, world_size=world,
-                                     run_id=tr.ctx.run_dir.name)
+                                     run_id=tr.ctx.run_dir.name, key=key)
     owned.load(tensors, step)
     if owned.tier1 is not None:
         owned.rebuild_parity(tr.group, step)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from unbroken.config import RunConfig
 from unbroken.events import EventLog
 from unbroken.fsutil import atomic_write_json
-from unbroken.runtime import auth, lease, membership
+from unbroken.runtime import auth, jobkey, lease, membership
 from unbroken.runtime.crash import CrashJudge
 from unbroken.runtime.budget import RecoveryRateExceeded, RecoveryRateLimit
 from unbroken.runtime.faults import FaultSpec
@@ -389,6 +389,8 @@ class Supervisor:
     # --- the loop --------------------------------------------------------------------
     def run(self) -> dict:
         t0 = time.time()
+        # before any process starts: workers sign their tier-2 manifests with it (runtime/jobkey.py)
+        jobkey.ensure_job_key(self.run_dir, self.opts.token)
         if self.leader:
             self.events.emit("run_start", config=self.cfg.to_dict(), world_size=self.cfg.world_size,
                              nodes=self.opts.nnodes, port=self.port)
