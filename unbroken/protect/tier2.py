@@ -10,7 +10,9 @@ save with gather/scatter collectives from the calling thread (checked in the tes
 
 Each rank directory loads with plain `dcp.load(sd, checkpoint_id=..., no_dist=True)`;
 `load_checkpoint` does the same but only from bytes whose sha256 it has just verified,
-listed in a manifest whose HMAC (the job's key) it has just verified.
+listed in a manifest whose HMAC (the job's key) it has just verified. Retention never
+deletes the step `pin`ned as the newest one every rank committed; `step_mask` and
+`newest_in_mask` are how the ranks learn it (one bitwise-AND all-reduce per checkpoint).
 """
 from __future__ import annotations
 
@@ -36,8 +38,10 @@ from unbroken.protect._tier2_files import (DIR_MODE, FILE_MODE, FORMAT, Checkpoi
 if TYPE_CHECKING:
     from unbroken.events import EventLog
 
-__all__ = ["CheckpointError", "CheckpointWriteError", "CheckpointWriter", "latest_valid_step",
-           "load_checkpoint", "verify_step"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "CheckpointWriter", "MASK_SLOTS", "latest_valid_step",
+           "load_checkpoint", "newest_in_mask", "step_mask", "verify_step"]
+
+MASK_SLOTS = 63  # checkpoint slots a committed-steps mask covers: bits 0..62 of an int64, never its sign
 
 # no_dist is deliberate here (each rank writes its own standalone checkpoint), so DCP's
 # "assuming the intent is to save in a single process" warning is noise. A process-wide
@@ -77,6 +81,31 @@ class CheckpointWriter:
         self.last_snapshot_s = 0.0  # how long save_async held the training thread
         self.last_save_s = 0.0  # snapshot start -> manifest committed
         self.last_path: Path | None = None
+        self._lock = threading.Lock()  # guards _committed and _pinned (the writer thread changes them)
+        self._pinned: int | None = None
+        # what this rank has committed: a replacement process inherits its predecessor's files
+        self._committed = {s for s in list_steps(self.directory)
+                           if manifest_path(self.directory, s, rank).exists()}
+
+    def committed_steps(self) -> frozenset[int]:
+        """The steps whose files this rank has committed and retention has not removed (no disk access)."""
+        with self._lock:
+            return frozenset(self._committed)
+
+    @property
+    def pinned(self) -> int | None:
+        """The step retention spares (see `pin`), if any."""
+        with self._lock:
+            return self._pinned
+
+    def pin(self, step: int) -> None:
+        """Retention never deletes this rank's files of `step` (the newest step every rank committed),
+        until another step is pinned."""
+        if not (isinstance(step, int) and step >= 0):
+            raise ValueError(f"pin takes a committed step >= 0, got {step!r}")
+        with self._lock:
+            self._pinned = step
+
     def save_async(self, step: int, generation: int, tensors: dict[str, torch.Tensor],
                    meta: dict | None = None) -> None:
         """Copy tensors into preallocated buffers now (allocated on first call, reused after;
@@ -110,6 +139,8 @@ class CheckpointWriter:
     def _run(self, step: int, generation: int, meta: dict, start: float) -> None:
         try:
             path, nbytes = self._write(step, generation, meta)
+            with self._lock:
+                self._committed.add(step)
             self._retain()
             self.last_save_s, self.last_path = time.perf_counter() - start, path
             if self.events is not None:
@@ -151,18 +182,25 @@ class CheckpointWriter:
         return manifest, len(body) + sum(f["bytes"] for f in files.values())
 
     def _retain(self) -> None:
-        """Drop this rank's files of steps older than the `keep` newest this rank committed.
-        Other ranks may still be writing newer steps, so only older ones are touched."""
+        """Drop this rank's files of steps older than the `keep` newest this rank committed,
+        except the pinned step (the newest every rank committed: a rank lagging behind must not
+        leave the job without a common checkpoint). Other ranks may still be writing newer
+        steps, so only older ones are touched."""
         mine = [s for s in list_steps(self.directory)
                 if manifest_path(self.directory, s, self.rank).exists()]
         if len(mine) <= self.keep:
             return
         oldest_kept = mine[-self.keep]
+        pinned = self.pinned
         for s in list_steps(self.directory):
             if s >= oldest_kept:
                 break
+            if s == pinned:
+                continue
             sdir = step_dir(self.directory, s)
             remove_rank_entries(sdir, self.rank)
+            with self._lock:
+                self._committed.discard(s)
             try:
                 sdir.rmdir()  # only succeeds once every rank's files are gone
             except OSError:
@@ -219,6 +257,27 @@ def _check_save_args(step: int, generation: int, tensors: dict[str, torch.Tensor
         json.dumps(meta or {})
     except (TypeError, ValueError) as e:
         raise ValueError(f"meta must be JSON-serializable (it goes into the manifest): {e}") from None
+
+
+def step_mask(steps: "set[int] | frozenset[int]", newest: int, every: int) -> int:
+    """Bit k (k < MASK_SLOTS) set when step `newest - k*every` is in `steps`: the ranks AND their
+    masks to learn which recent checkpoint slots every one of them committed."""
+    if not (isinstance(every, int) and every >= 1):
+        raise ValueError(f"every must be the checkpoint interval, an integer >= 1, got {every!r}")
+    mask = 0
+    for k in range(MASK_SLOTS):
+        if newest - k * every < 0:
+            break
+        if newest - k * every in steps:
+            mask |= 1 << k
+    return mask
+
+
+def newest_in_mask(mask: int, newest: int, every: int) -> int | None:
+    """The newest step a `step_mask` (or the AND of several) holds; None when it holds none."""
+    if mask <= 0:
+        return None
+    return newest - ((mask & -mask).bit_length() - 1) * every
 
 
 def verify_step(directory: str | os.PathLike, step: int, *, world_size: int, run_id: str, key: bytes) -> None:
