@@ -1,7 +1,8 @@
 """Which tier-2 step the ranks share: retention pinned to the newest step every rank committed
-(an AND of bitmasks, one all-reduce per checkpoint)."""
+(an AND of bitmasks, one all-reduce per checkpoint), and the O(N) own-files vote of a restore."""
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,8 +13,11 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.protect.tier2 import MASK_SLOTS, CheckpointWriter, latest_valid_step, newest_in_mask, step_mask
+from unbroken.protect import tier2
+from unbroken.protect.tier2 import (MASK_SLOTS, CheckpointWriter, latest_valid_step, newest_in_mask,
+                                    newest_own_valid_step, step_mask)
 from unbroken.runtime.persist import Persistence
+from unbroken.runtime.recovery import agree_on_step
 
 RUN = "run-a"
 KEY = bytes(range(32))
@@ -181,3 +185,57 @@ def test_the_worker_pins_the_common_step_with_one_band_all_reduce_per_checkpoint
     assert comm.calls == 4  # steps 10..40; none at step 0 (nothing can be committed before it)
     assert writers[0].pinned == writers[1].pinned == 10
     assert _ranks_with(tmp_path, 10) == [0, 1] and writers[0].committed_steps() == {10, 30, 40}
+
+
+# --------------------------------------------------------------------------- the own-files vote
+
+
+def _corrupt(directory: Path, step: int, rank: int) -> None:
+    sdir = directory / f"step_{step:08d}"
+    data = sdir / json.loads((sdir / f"rank{rank}.json").read_text())["data_dir"] / "__0_0.distcp"
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 1
+    data.write_bytes(bytes(blob))
+
+
+def test_each_rank_checks_only_its_own_files_and_the_vote_finds_the_newest_common_step(tmp_path, monkeypatch):
+    world = 4
+    for r in range(world):
+        w = _writer(tmp_path, r, world_size=world, keep=5)
+        for step in (1, 2, 3, 4):
+            if (r, step) != (3, 4):  # rank 3 never finished step 4
+                w.save_async(step, 0, _state(10 * step + r))
+        w.close()
+    _corrupt(tmp_path, 3, 1)  # rank 1's step 3: the others' step 3 is fine
+    read, real = [], tier2.read_manifest
+    monkeypatch.setattr(tier2, "read_manifest", lambda d, s, **k: read.append(
+        (threading.current_thread().name, k["rank"], s)) or real(d, s, **k))
+    comm = FakeComm(world)
+
+    def vote(rank: int) -> int | None:
+        cache: dict[int, bool] = {}
+        return agree_on_step(comm.for_rank(rank), lambda at_most: newest_own_valid_step(
+            tmp_path, rank=rank, world_size=world, run_id=RUN, key=KEY, at_most=at_most, cache=cache))
+
+    with pytest.warns(UserWarning) as caught:
+        assert _on_ranks(world, vote) == [2] * world
+    assert all(name == f"rank{r}" for name, r, _ in read)  # no rank read another rank's files
+    assert len(read) == len(set(read))  # each (rank, step) checked at most once
+    assert sorted((r, s) for _, r, s in read) == [(r, s) for r in range(world) for s in (2, 3, 4)]
+    assert {str(w.message).split(":")[0] for w in caught} == {"skipping checkpoint step 3",
+                                                              "skipping checkpoint step 4"}
+    assert comm.calls == 3  # MIN of newest own (3, 4, 4, 3) -> 3; rank 1 says 2 -> 2; all say 2 -> done
+
+
+@settings(max_examples=150, deadline=None)
+@given(valid=st.lists(st.sets(st.integers(0, 12)), min_size=1, max_size=5))
+def test_the_vote_is_the_newest_step_valid_on_every_rank(valid):
+    comm = FakeComm(len(valid))
+
+    def vote(rank: int) -> int | None:
+        own = valid[rank]
+        return agree_on_step(comm.for_rank(rank), lambda at_most: max(
+            (s for s in own if at_most is None or s <= at_most), default=None))
+
+    common = set.intersection(*valid)
+    assert _on_ranks(len(valid), vote) == [max(common) if common else None] * len(valid)

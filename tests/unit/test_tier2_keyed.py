@@ -12,7 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from unbroken.protect.tier2 import CheckpointError, CheckpointWriter, latest_valid_step, load_checkpoint, verify_step
+from unbroken.protect.tier2 import (CheckpointError, CheckpointWriter, latest_valid_step, load_checkpoint,
+                                    newest_own_valid_step, verify_step)
 
 RUN = "run-a"
 KEY = bytes(range(32))
@@ -106,6 +107,9 @@ def test_a_manifest_signed_with_another_key_is_refused(tmp_path):
         load_checkpoint(tmp_path, 3, rank=0, world_size=1, run_id=RUN, key=KEY)
     with pytest.warns(UserWarning, match="skipping checkpoint step 3: .*signature mismatch"):
         assert latest_valid_step(tmp_path, world_size=1, run_id=RUN, key=KEY) == 2
+    with pytest.warns(UserWarning, match="signature mismatch"):
+        assert newest_own_valid_step(tmp_path, rank=0, world_size=1, run_id=RUN, key=OTHER_KEY, at_most=2) is None
+    assert newest_own_valid_step(tmp_path, rank=0, world_size=1, run_id=RUN, key=OTHER_KEY) == 3
 
 
 def test_a_format_1_manifest_is_refused_naming_the_format(tmp_path):
@@ -127,6 +131,7 @@ def test_the_key_is_validated_everywhere(tmp_path, key, what):
     calls = [lambda: CheckpointWriter(tmp_path, rank=0, world_size=1, run_id=RUN, strategy="ddp", key=key),
              lambda: verify_step(tmp_path, 1, world_size=1, run_id=RUN, key=key),
              lambda: latest_valid_step(tmp_path, world_size=1, run_id=RUN, key=key),
+             lambda: newest_own_valid_step(tmp_path, rank=0, world_size=1, run_id=RUN, key=key),
              lambda: load_checkpoint(tmp_path, 1, rank=0, world_size=1, run_id=RUN, key=key)]
     for call in calls:
         with pytest.raises(ValueError, match=f"key must be bytes of length >= 16 .*{what}; pass "

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from unbroken.events import EventLog
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "CheckpointWriter", "MASK_SLOTS", "latest_valid_step",
-           "load_checkpoint", "newest_in_mask", "step_mask", "verify_step"]
+           "load_checkpoint", "newest_in_mask", "newest_own_valid_step", "step_mask", "verify_step"]
 
 MASK_SLOTS = 63  # checkpoint slots a committed-steps mask covers: bits 0..62 of an int64, never its sign
 
@@ -299,7 +299,8 @@ def latest_valid_step(directory: str | os.PathLike, *, world_size: int, run_id: 
                       events: "EventLog | None" = None) -> int | None:
     """Newest step whose files exist for ALL ranks and verify (signatures, checksums); corrupted,
     foreign or incomplete ones are skipped with a `checkpoint_invalid` event (if events given) and a
-    warning naming the file."""
+    warning naming the file. Reads every rank's files: a whole-job check (export); a running job
+    agrees with `newest_own_valid_step` instead."""
     check_key(key)
     for step in reversed(list_steps(directory)):
         try:
@@ -307,6 +308,31 @@ def latest_valid_step(directory: str | os.PathLike, *, world_size: int, run_id: 
             return step
         except CheckpointError as e:
             _skip(step, e, events)
+    return None
+
+
+def newest_own_valid_step(directory: str | os.PathLike, *, rank: int, world_size: int, run_id: str, key: bytes,
+                          at_most: int | None = None, cache: dict[int, bool] | None = None,
+                          events: "EventLog | None" = None) -> int | None:
+    """Newest step <= at_most (None: any) whose files of THIS rank verify, or None. Each rank
+    checks only its own files; the ranks then agree by voting (runtime/recovery.py). `cache`
+    (step -> valid) lets repeated calls check each step once; a bad step is reported (event,
+    warning) only when first checked."""
+    check_key(key)
+    cache = {} if cache is None else cache
+    for step in reversed(list_steps(directory)):
+        if at_most is not None and step > at_most:
+            continue
+        if step not in cache:
+            try:
+                doc = read_manifest(directory, step, rank=rank, world_size=world_size, run_id=run_id, key=key)
+                verify_files(step_dir(directory, step), doc, keep_bytes=False)
+                cache[step] = True
+            except CheckpointError as e:
+                cache[step] = False
+                _skip(step, e, events)
+        if cache[step]:
+            return step
     return None
 
 
