@@ -20,6 +20,7 @@ from unbroken.parallel.strategy import OwnedState
 from unbroken.protect.tier2 import CheckpointWriter
 from unbroken.runtime.adopt import trained_parameters
 from unbroken.runtime.adopt import aliases_of
+from unbroken.runtime.jobkey import ensure_job_key
 from unbroken.runtime.export import (ExportError, checkpoint_step, export, flat_sha256, save,
                                      state_dict_from_checkpoint, state_dict_from_weights)
 from unbroken.runtime.worker import Trainer
@@ -84,11 +85,12 @@ def _fake_run(run_dir: Path, model: nn.Module, *, strategy: str = "zero1", world
     if not aliases:  # a layout.pt of a version that did not record them
         del layout["aliases"]
     torch.save(layout, run_dir / "layout.pt")
+    key = ensure_job_key(run_dir)  # as the supervisor does before any worker starts
     for o, r in zip(owned, ranks):
         for name, t in o.opt_state.items():
             t.normal_()  # optimizer state rides along; export ignores it
         with CheckpointWriter(run_dir / "checkpoints", rank=r, world_size=len(ranks), run_id=run_dir.name,
-                              strategy=strategy, keep=5) as w:
+                              strategy=strategy, key=key, keep=5) as w:
             for step in steps:
                 w.save_async(step, 0, o.tensors(), {"strategy": strategy})
     flat = owned[-1].flat
@@ -294,3 +296,21 @@ def test_cli_missing_weights_and_bad_checksum(tmp_path):
     assert res.exit_code == 2 and "no weights.pt" in res.output and len(res.output.strip().splitlines()) == 1
     res = _cli(tmp_path / "nope", "--to", tmp_path / "o.pt")
     assert res.exit_code == 2 and "no run directory" in res.output
+
+
+def test_cli_missing_or_unsafe_job_key_is_one_line_exit_2(tmp_path):
+    """Checkpoints are trusted only under the run's key: no key (or one others can read), no export."""
+    run = tmp_path / "run"
+    _fake_run(run, _trained(Net(), 14), world=2, steps=(2,))
+    (run / "job.key").chmod(0o644)
+    res = _cli(run, "--to", tmp_path / "o.pt", "--latest-checkpoint")
+    assert res.exit_code == 2 and "readable by other users" in res.output and "chmod 600" in res.output
+    assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
+    (run / "job.key").unlink()
+    res = _cli(run, "--to", tmp_path / "o.pt", "--step", "2")
+    assert res.exit_code == 2 and "job.key is missing" in res.output and "final weights instead" in res.output
+    assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "o.pt").exists()
+    ensure_job_key(run)  # another key: every manifest's signature fails
+    res = _cli(run, "--to", tmp_path / "o.pt", "--step", "2")
+    assert res.exit_code == 2 and "manifest signature mismatch" in res.output
+    assert _cli(run, "--to", tmp_path / "w.pt").exit_code == 0  # the final weights need no key

@@ -2,11 +2,14 @@
 
 A rank's checkpoint of one step is a DCP directory `rank{r}.{token}.dcp/` plus the
 manifest `rank{r}.json` that names and checksums every file in it; the manifest is
-renamed into place last, so it is the commit point.
+renamed into place last, so it is the commit point. The manifest is signed with the
+job's key (`manifest_hmac`, HMAC-SHA256 over its canonical JSON), so the file checksums
+it lists are authentic too. Everything tier 2 writes is private: files 0600, dirs 0700.
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
 import json
 import os
@@ -20,7 +23,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-FORMAT = "unbroken-tier2/1"
+FORMAT = "unbroken-tier2/2"
+_UNSIGNED_FORMATS = ("unbroken-tier2/1",)  # plain sha256 manifests: anyone could rewrite them
+_MIN_KEY_BYTES = 16
+FILE_MODE, DIR_MODE = 0o600, 0o700
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _READ_CHUNK = 4 << 20
 
@@ -71,10 +77,30 @@ def sha256_file(path: Path) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def manifest_digest(doc: dict[str, Any]) -> str:
-    """Checksum of a manifest's content (all keys but its own checksum), independent of layout."""
-    body = {k: v for k, v in doc.items() if k != "manifest_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+def check_key(key: object) -> bytes:
+    """The job key, or ValueError naming the fix (a short or str key would sign nothing worth trusting)."""
+    if not isinstance(key, bytes) or len(key) < _MIN_KEY_BYTES:
+        what = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
+        raise ValueError(f"key must be bytes of length >= {_MIN_KEY_BYTES} (the job key), got {what}; pass "
+                         "unbroken.runtime.jobkey.read_job_key(run_dir)")
+    return key
+
+
+def manifest_hmac(doc: dict[str, Any], key: bytes) -> str:
+    """HMAC-SHA256 (job key) of a manifest's content (all keys but its own signature), independent of layout."""
+    body = {k: v for k, v in doc.items() if k != "manifest_hmac"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key, canonical, hashlib.sha256).hexdigest()
+
+
+def make_private_dir(path: Path) -> None:
+    """Create `path` (parents as needed) as 0700; an existing directory is left as it is."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        return
+    os.chmod(path, DIR_MODE)  # exactly 0700, whatever the umask
 
 
 def remove_rank_entries(step_path: Path, rank: int, *, keep: tuple[str, ...] = ()) -> None:
@@ -98,8 +124,8 @@ def _fail(path: Path, what: str, fix: str) -> CheckpointError:
 
 
 def read_manifest(directory: str | os.PathLike, step: int, *, rank: int, world_size: int,
-                  run_id: str) -> dict[str, Any]:
-    """Parse and check one rank's manifest: its own checksum, format, run, world size, rank, step."""
+                  run_id: str, key: bytes) -> dict[str, Any]:
+    """Parse and check one rank's manifest: format, its signature (job key), run, world size, rank, step."""
     path = manifest_path(directory, step, rank)
     skip = "this step cannot be used; resume from an older step (latest_valid_step) or delete it"
     try:
@@ -108,10 +134,16 @@ def read_manifest(directory: str | os.PathLike, step: int, *, rank: int, world_s
         raise _fail(path, f"missing: rank {rank} never finished writing step {step}", skip) from None
     except (OSError, ValueError) as e:
         raise _fail(path, f"unreadable or truncated manifest ({e})", skip) from None
-    if not isinstance(doc, dict) or doc.get("manifest_sha256") != manifest_digest(doc):
-        raise _fail(path, "manifest checksum mismatch (corrupted)", skip)
-    if doc.get("format") != FORMAT:
-        raise _fail(path, f"format {doc.get('format')!r}, this version reads {FORMAT!r}", skip)
+    fmt = doc.get("format") if isinstance(doc, dict) else None
+    if fmt in _UNSIGNED_FORMATS:
+        raise _fail(path, f"format {fmt!r} (unsigned manifests), this version reads only signed {FORMAT!r}",
+                    "export or resume it with the unbroken version that wrote it, or delete the step")
+    if fmt != FORMAT:
+        raise _fail(path, f"format {fmt!r}, this version reads {FORMAT!r}", skip)
+    signature = doc.get("manifest_hmac")
+    if not isinstance(signature, str) or not hmac.compare_digest(signature, manifest_hmac(doc, key)):
+        raise _fail(path, "manifest signature mismatch: tampered, or written by another job/key",
+                    "use the job.key of the run that wrote it, or resume from an older step or delete it")
     if doc["run_id"] != run_id:
         raise _fail(path, f"belongs to run {doc['run_id']!r}, not {run_id!r}",
                     "point the job at its own checkpoint directory, or pass the matching run_id")

@@ -9,7 +9,10 @@ save with gather/scatter collectives from the calling thread (checked in the tes
     directory/step_00000120/rank0.g3-1a2b3c4d.dcp/      a standalone DCP checkpoint
 
 Each rank directory loads with plain `dcp.load(sd, checkpoint_id=..., no_dist=True)`;
-`load_checkpoint` does the same but only from bytes whose sha256 it has just verified.
+`load_checkpoint` does the same but only from bytes whose sha256 it has just verified,
+listed in a manifest whose HMAC (the job's key) it has just verified. Retention never
+deletes the step `pin`ned as the newest one every rank committed; `step_mask` and
+`newest_in_mask` are how the ranks learn it (one bitwise-AND all-reduce per checkpoint).
 """
 from __future__ import annotations
 
@@ -27,16 +30,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from unbroken.fsutil import atomic_write_bytes
-from unbroken.protect._tier2_files import (FORMAT, CheckpointError, VerifiedReader, fsync_dir,
-                                           list_steps, manifest_digest, manifest_path, parse_dtype,
-                                           read_manifest, remove_rank_entries, sha256_file, step_dir,
-                                           verify_files)
+from unbroken.protect._tier2_files import (DIR_MODE, FILE_MODE, FORMAT, CheckpointError, VerifiedReader,
+                                           check_key, fsync_dir, list_steps, make_private_dir, manifest_hmac,
+                                           manifest_path, parse_dtype, read_manifest, remove_rank_entries,
+                                           sha256_file, step_dir, verify_files)
 
 if TYPE_CHECKING:
     from unbroken.events import EventLog
 
-__all__ = ["CheckpointError", "CheckpointWriteError", "CheckpointWriter", "latest_valid_step",
-           "load_checkpoint", "verify_step"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "CheckpointWriter", "MASK_SLOTS", "latest_valid_step",
+           "load_checkpoint", "newest_in_mask", "newest_own_valid_step", "step_mask", "verify_step"]
+
+MASK_SLOTS = 63  # checkpoint slots a committed-steps mask covers: bits 0..62 of an int64, never its sign
 
 # no_dist is deliberate here (each rank writes its own standalone checkpoint), so DCP's
 # "assuming the intent is to save in a single process" warning is noise. A process-wide
@@ -52,7 +57,7 @@ class CheckpointWriter:
     """Writes one rank's checkpoints in a background thread from preallocated snapshot buffers."""
 
     def __init__(self, directory: str | os.PathLike, *, rank: int, world_size: int, run_id: str,
-                 strategy: str, keep: int = 2, events: "EventLog | None" = None,
+                 strategy: str, key: bytes, keep: int = 2, events: "EventLog | None" = None,
                  wait_timeout: float = 60.0) -> None:
         if not (isinstance(world_size, int) and world_size >= 1):
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -64,6 +69,7 @@ class CheckpointWriter:
             raise ValueError(f"run_id must be a non-empty string naming the job, got {run_id!r}")
         if wait_timeout <= 0:
             raise ValueError(f"wait_timeout must be > 0 seconds, got {wait_timeout!r}")
+        self._key = check_key(key)
         self.directory = Path(directory)
         self.rank, self.world_size, self.run_id = rank, world_size, run_id
         self.strategy, self.keep, self.events, self.wait_timeout = str(strategy), keep, events, wait_timeout
@@ -75,6 +81,30 @@ class CheckpointWriter:
         self.last_snapshot_s = 0.0  # how long save_async held the training thread
         self.last_save_s = 0.0  # snapshot start -> manifest committed
         self.last_path: Path | None = None
+        self._lock = threading.Lock()  # guards _committed and _pinned (the writer thread changes them)
+        self._pinned: int | None = None
+        # what this rank has committed: a replacement process inherits its predecessor's files
+        self._committed = {s for s in list_steps(self.directory)
+                           if manifest_path(self.directory, s, rank).exists()}
+
+    def committed_steps(self) -> frozenset[int]:
+        """The steps whose files this rank has committed and retention has not removed (no disk access)."""
+        with self._lock:
+            return frozenset(self._committed)
+
+    @property
+    def pinned(self) -> int | None:
+        """The step retention spares (see `pin`), if any."""
+        with self._lock:
+            return self._pinned
+
+    def pin(self, step: int) -> None:
+        """Retention never deletes this rank's files of `step` (the newest step every rank committed),
+        until another step is pinned."""
+        if not (isinstance(step, int) and step >= 0):
+            raise ValueError(f"pin takes a committed step >= 0, got {step!r}")
+        with self._lock:
+            self._pinned = step
 
     def save_async(self, step: int, generation: int, tensors: dict[str, torch.Tensor],
                    meta: dict | None = None) -> None:
@@ -109,6 +139,8 @@ class CheckpointWriter:
     def _run(self, step: int, generation: int, meta: dict, start: float) -> None:
         try:
             path, nbytes = self._write(step, generation, meta)
+            with self._lock:
+                self._committed.add(step)
             self._retain()
             self.last_save_s, self.last_path = time.perf_counter() - start, path
             if self.events is not None:
@@ -118,15 +150,19 @@ class CheckpointWriter:
             self._error = (step, e)
 
     def _write(self, step: int, generation: int, meta: dict) -> tuple[Path, int]:
-        """DCP into a temp dir, checksum, rename it into place, then commit the manifest."""
+        """DCP into a temp dir, checksum, rename it into place, then commit the signed manifest."""
         sdir = step_dir(self.directory, step)
-        sdir.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.directory)
+        make_private_dir(sdir)
         name = f"rank{self.rank}.g{generation}-{uuid.uuid4().hex[:8]}.dcp"
         tmp = sdir / f"{name}.tmp"
+        make_private_dir(tmp)  # 0700 before DCP writes: its files are never reachable by others
         writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
         dcp.save(self._buffers, storage_writer=writer, no_dist=True)
+        os.chmod(tmp, DIR_MODE)
         files = {}
         for f in sorted(tmp.iterdir()):
+            os.chmod(f, FILE_MODE)  # before hashing: what is checksummed is what stays private
             digest, size = sha256_file(f)
             files[f"{name}/{f.name}"] = {"sha256": digest, "bytes": size}
         fsync_dir(tmp)
@@ -137,27 +173,34 @@ class CheckpointWriter:
                "written_at": time.time(), "data_dir": name, "files": files, "meta": meta,
                "tensors": {k: {"dtype": str(v.dtype), "shape": list(v.shape)}
                            for k, v in self._buffers.items()}}
-        doc["manifest_sha256"] = manifest_digest(doc)
+        doc["manifest_hmac"] = manifest_hmac(doc, self._key)
         body = (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
         manifest = manifest_path(self.directory, step, self.rank)
-        atomic_write_bytes(manifest, body)
+        atomic_write_bytes(manifest, body, mode=FILE_MODE)
         # Earlier attempts at this step (a crash, a re-save after rollback) are now unreferenced.
         remove_rank_entries(sdir, self.rank, keep=(manifest.name, name))
         return manifest, len(body) + sum(f["bytes"] for f in files.values())
 
     def _retain(self) -> None:
-        """Drop this rank's files of steps older than the `keep` newest this rank committed.
-        Other ranks may still be writing newer steps, so only older ones are touched."""
+        """Drop this rank's files of steps older than the `keep` newest this rank committed,
+        except the pinned step (the newest every rank committed: a rank lagging behind must not
+        leave the job without a common checkpoint). Other ranks may still be writing newer
+        steps, so only older ones are touched."""
         mine = [s for s in list_steps(self.directory)
                 if manifest_path(self.directory, s, self.rank).exists()]
         if len(mine) <= self.keep:
             return
         oldest_kept = mine[-self.keep]
+        pinned = self.pinned
         for s in list_steps(self.directory):
             if s >= oldest_kept:
                 break
+            if s == pinned:
+                continue
             sdir = step_dir(self.directory, s)
             remove_rank_entries(sdir, self.rank)
+            with self._lock:
+                self._committed.discard(s)
             try:
                 sdir.rmdir()  # only succeeds once every rank's files are gone
             except OSError:
@@ -216,39 +259,93 @@ def _check_save_args(step: int, generation: int, tensors: dict[str, torch.Tensor
         raise ValueError(f"meta must be JSON-serializable (it goes into the manifest): {e}") from None
 
 
-def verify_step(directory: str | os.PathLike, step: int, *, world_size: int, run_id: str) -> None:
-    """Check every rank's manifest and every file's sha256; raise CheckpointError naming the
-    first bad file."""
+def step_mask(steps: "set[int] | frozenset[int]", newest: int, every: int) -> int:
+    """Bit k (k < MASK_SLOTS) set when step `newest - k*every` is in `steps`: the ranks AND their
+    masks to learn which recent checkpoint slots every one of them committed."""
+    if not (isinstance(every, int) and every >= 1):
+        raise ValueError(f"every must be the checkpoint interval, an integer >= 1, got {every!r}")
+    mask = 0
+    for k in range(MASK_SLOTS):
+        if newest - k * every < 0:
+            break
+        if newest - k * every in steps:
+            mask |= 1 << k
+    return mask
+
+
+def newest_in_mask(mask: int, newest: int, every: int) -> int | None:
+    """The newest step a `step_mask` (or the AND of several) holds; None when it holds none."""
+    if mask <= 0:
+        return None
+    return newest - ((mask & -mask).bit_length() - 1) * every
+
+
+def verify_step(directory: str | os.PathLike, step: int, *, world_size: int, run_id: str, key: bytes) -> None:
+    """Check every rank's manifest (signature included) and every file's sha256; raise
+    CheckpointError naming the first bad file."""
+    check_key(key)
     for rank in range(world_size):
-        doc = read_manifest(directory, step, rank=rank, world_size=world_size, run_id=run_id)
+        doc = read_manifest(directory, step, rank=rank, world_size=world_size, run_id=run_id, key=key)
         verify_files(step_dir(directory, step), doc, keep_bytes=False)
 
 
-def latest_valid_step(directory: str | os.PathLike, *, world_size: int, run_id: str,
+def _skip(step: int, e: CheckpointError, events: "EventLog | None") -> None:
+    if events is not None:
+        events.emit("checkpoint_invalid", path=e.path, error=str(e))
+    warnings.warn(f"skipping checkpoint step {step}: {e}", stacklevel=3)
+
+
+def latest_valid_step(directory: str | os.PathLike, *, world_size: int, run_id: str, key: bytes,
                       events: "EventLog | None" = None) -> int | None:
-    """Newest step whose files exist for ALL ranks and whose checksums all verify; corrupted/incomplete
-    ones are skipped with a `checkpoint_invalid` event (if events given) and a warning naming the file."""
+    """Newest step whose files exist for ALL ranks and verify (signatures, checksums); corrupted,
+    foreign or incomplete ones are skipped with a `checkpoint_invalid` event (if events given) and a
+    warning naming the file. Reads every rank's files: a whole-job check (export); a running job
+    agrees with `newest_own_valid_step` instead."""
+    check_key(key)
     for step in reversed(list_steps(directory)):
         try:
-            verify_step(directory, step, world_size=world_size, run_id=run_id)
+            verify_step(directory, step, world_size=world_size, run_id=run_id, key=key)
             return step
         except CheckpointError as e:
-            if events is not None:
-                events.emit("checkpoint_invalid", path=e.path, error=str(e))
-            warnings.warn(f"skipping checkpoint step {step}: {e}", stacklevel=2)
+            _skip(step, e, events)
+    return None
+
+
+def newest_own_valid_step(directory: str | os.PathLike, *, rank: int, world_size: int, run_id: str, key: bytes,
+                          at_most: int | None = None, cache: dict[int, bool] | None = None,
+                          events: "EventLog | None" = None) -> int | None:
+    """Newest step <= at_most (None: any) whose files of THIS rank verify, or None. Each rank
+    checks only its own files; the ranks then agree by voting (runtime/recovery.py). `cache`
+    (step -> valid) lets repeated calls check each step once; a bad step is reported (event,
+    warning) only when first checked."""
+    check_key(key)
+    cache = {} if cache is None else cache
+    for step in reversed(list_steps(directory)):
+        if at_most is not None and step > at_most:
+            continue
+        if step not in cache:
+            try:
+                doc = read_manifest(directory, step, rank=rank, world_size=world_size, run_id=run_id, key=key)
+                verify_files(step_dir(directory, step), doc, keep_bytes=False)
+                cache[step] = True
+            except CheckpointError as e:
+                cache[step] = False
+                _skip(step, e, events)
+        if cache[step]:
+            return step
     return None
 
 
 def load_checkpoint(directory: str | os.PathLike, step: int, *, rank: int, world_size: int, run_id: str,
-                    into: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """Verify checksum BEFORE deserializing; raise CheckpointError (a ValueError subclass) naming the
-    file on mismatch, wrong run_id, wrong world size.
+                    key: bytes, into: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Verify the manifest's signature and the checksums BEFORE deserializing; raise CheckpointError
+    (a ValueError subclass) naming the file on mismatch, wrong key, wrong run_id, wrong world size.
 
     Returns (tensors, info): info holds step, generation, world_size, rank, strategy, run_id and
     the caller's `meta`. With `into`, tensors are loaded in place into those (same names, shapes
     and dtypes as saved) and `into` is returned.
     """
-    doc = read_manifest(directory, step, rank=rank, world_size=world_size, run_id=run_id)
+    doc = read_manifest(directory, step, rank=rank, world_size=world_size, run_id=run_id, key=check_key(key))
     sdir = step_dir(directory, step)
     mpath = manifest_path(directory, step, rank)
     specs = {name: (parse_dtype(s["dtype"], mpath), torch.Size(s["shape"]))

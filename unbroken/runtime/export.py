@@ -3,7 +3,7 @@
 This module owns turning what a run directory holds back into `model.state_dict()` form:
 the final weights (`weights.pt`, trusted only after its trained parameters match
 `weights.sha256`) or a tier-2 checkpoint (every rank's shard of the flat parameters,
-verified by `protect.tier2`, cut into named parameters with `layout.pt`, plus the
+verified by `protect.tier2` with the run's key, RUN_DIR/job.key, cut into named parameters with `layout.pt`, plus the
 untrained tensors and the decoded model buffers), and writing the result atomically as
 one `torch.save` file (`pt`) or a `torch.distributed.checkpoint` directory (`dcp`).
 
@@ -28,6 +28,7 @@ from unbroken.cli_error import fail
 from unbroken.parallel.buffers import decode_words
 from unbroken.protect._tier2_files import fsync_dir, manifest_path, parse_dtype
 from unbroken.protect.tier2 import CheckpointError, latest_valid_step, list_steps, load_checkpoint
+from unbroken.runtime.jobkey import JobKeyError, read_job_key
 
 FORMATS = ("pt", "dcp")
 _USE_WEIGHTS = "export the final weights instead (leave out --step/--latest-checkpoint)"
@@ -117,11 +118,9 @@ def _manifest_run_id(ckdir: Path, steps: list[int], default: str) -> str:
     return default
 
 
-def _pick_step(ckdir: Path, step: int | None, world: int, run_id: str, steps: list[int]) -> int:
-    if not steps:
-        raise ExportError(f"no tier-2 checkpoint under {ckdir} (the run wrote none yet); {_USE_WEIGHTS}")
+def _pick_step(ckdir: Path, step: int | None, world: int, run_id: str, key: bytes, steps: list[int]) -> int:
     if step is None:
-        found = latest_valid_step(ckdir, world_size=world, run_id=run_id)  # warns naming each bad step
+        found = latest_valid_step(ckdir, world_size=world, run_id=run_id, key=key)  # warns naming each bad step
         if found is None:
             raise ExportError(f"no valid checkpoint under {ckdir}: every step ({', '.join(map(str, steps))}) "
                               f"is incomplete or corrupted; {_USE_WEIGHTS}")
@@ -132,12 +131,13 @@ def _pick_step(ckdir: Path, step: int | None, world: int, run_id: str, steps: li
     return step
 
 
-def _read_shards(ckdir: Path, step: int, world: int, run_id: str, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(every rank's parameter shard, concatenated; rank 0's encoded buffers), checksums verified."""
+def _read_shards(ckdir: Path, step: int, world: int, run_id: str, key: bytes,
+                 shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(every rank's parameter shard, concatenated; rank 0's encoded buffers), signatures and checksums verified."""
     shards, words = [], None
     for rank in range(world):
         try:
-            tensors, _ = load_checkpoint(ckdir, step, rank=rank, world_size=world, run_id=run_id)
+            tensors, _ = load_checkpoint(ckdir, step, rank=rank, world_size=world, run_id=run_id, key=key)
         except CheckpointError as e:
             raise ExportError(f"{e} (or export another step: --step N)") from None
         params = tensors.get("params")
@@ -150,27 +150,34 @@ def _read_shards(ckdir: Path, step: int, world: int, run_id: str, shard: int) ->
     return torch.cat(shards), words
 
 
-def _checkpoints(run_dir: str | os.PathLike) -> tuple[Path, dict, Path, int, str, list[int]]:
-    """(run dir, layout, checkpoint directory, ranks that wrote checkpoints, their run id, steps there)."""
+def _checkpoints(run_dir: str | os.PathLike) -> tuple[Path, dict, Path, int, str, bytes, list[int]]:
+    """(run dir, layout, checkpoint directory, ranks that wrote checkpoints, their run id, the run's
+    key, steps there)."""
     path = _run_dir(run_dir)
     layout = load_layout(path)
     ckdir = path / "checkpoints"
     world = layout["world_size"] if layout["sharded"] else 1  # ddp: rank 0 writes everything
     steps = list_steps(ckdir)
-    return path, layout, ckdir, world, _manifest_run_id(ckdir, steps, path.resolve().name), steps
+    if not steps:
+        raise ExportError(f"no tier-2 checkpoint under {ckdir} (the run wrote none yet); {_USE_WEIGHTS}")
+    try:
+        key = read_job_key(path)  # the manifests are signed with it
+    except JobKeyError as e:
+        raise ExportError(f"{e}; or {_USE_WEIGHTS}") from None
+    return path, layout, ckdir, world, _manifest_run_id(ckdir, steps, path.resolve().name), key, steps
 
 
 def checkpoint_step(run_dir: str | os.PathLike, step: int | None = None) -> int:
     """`step` if the run has a checkpoint of it, else (None) the newest step whose files all verify."""
-    _, _, ckdir, world, run_id, steps = _checkpoints(run_dir)
-    return _pick_step(ckdir, step, world, run_id, steps)
+    _, _, ckdir, world, run_id, key, steps = _checkpoints(run_dir)
+    return _pick_step(ckdir, step, world, run_id, key, steps)
 
 
 def state_dict_from_checkpoint(run_dir: str | os.PathLike, step: int | None = None) -> dict[str, torch.Tensor]:
     """The model's state_dict at tier-2 checkpoint `step` (default: the newest valid one)."""
-    path, layout, ckdir, world, run_id, steps = _checkpoints(run_dir)
-    step = _pick_step(ckdir, step, world, run_id, steps)
-    flat, words = _read_shards(ckdir, step, world, run_id, layout["shard"])
+    path, layout, ckdir, world, run_id, key, steps = _checkpoints(run_dir)
+    step = _pick_step(ckdir, step, world, run_id, key, steps)
+    flat, words = _read_shards(ckdir, step, world, run_id, key, layout["shard"])
     return assemble(layout, flat, words, path)
 
 

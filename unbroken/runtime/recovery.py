@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -437,20 +438,38 @@ def resume_from_tier2(tr: RecoveryInputs) -> None:
     _restore_tier2(tr, reason="resume")
 
 
+def agree_on_step(comm, newest_own: Callable[[int | None], int | None]) -> int | None:
+    """The newest step whose files verify on EVERY rank, each rank checking only its own:
+    repeat { m = newest_own(c) (its newest valid step <= c); c' = MIN of m over ranks } until
+    c' == c. c never grows and every step valid on all ranks stays <= it, so at the end every
+    rank holds c and no newer common step exists. Every rank sees the same c, so all run the
+    same rounds (at least two tiny all-reduces); newest_own should cache its checks."""
+    bound: int | None = None
+    while True:
+        mine = newest_own(bound)
+        agreed = torch.tensor([-1 if mine is None else mine], dtype=torch.int64)
+        comm.allreduce(agreed, op=dist.ReduceOp.MIN, what="tier-2 step agreement")
+        if int(agreed) < 0:
+            return None
+        if int(agreed) == bound:
+            return bound
+        bound = int(agreed)
+
+
 def _restore_tier2(tr: RecoveryInputs, *, reason: str) -> str:
-    from unbroken.protect.tier2 import latest_valid_step, load_checkpoint
+    from unbroken.protect.tier2 import load_checkpoint, newest_own_valid_step
+    from unbroken.runtime.jobkey import read_job_key
 
     owned, cfg = tr.owned, tr.cfg
     sharded = owned.sharded
     directory = tr.ctx.run_dir / "checkpoints"
-    world = tr.world_size if sharded else 1
+    world, own = (tr.world_size, tr.rank) if sharded else (1, 0)  # a replica: rank 0's files, read by all
     if tr.ckpt is not None:
         tr.ckpt.wait(timeout=cfg.collective_timeout_s)  # our own pending write lands first
-    mine = latest_valid_step(directory, world_size=world, run_id=tr.ctx.run_dir.name, events=tr.ctx.events) \
-        if directory.exists() else None
-    agreed = torch.tensor([-1 if mine is None else mine], dtype=torch.int64)
-    tr.comm.allreduce(agreed, op=dist.ReduceOp.MIN, what="tier-2 step agreement")
-    step = None if int(agreed) < 0 else int(agreed)
+    key, run_id, cache = read_job_key(tr.ctx.run_dir), tr.ctx.run_dir.name, {}
+    step = agree_on_step(tr.comm, lambda at_most: newest_own_valid_step(
+        directory, rank=own, world_size=world, run_id=run_id, key=key, at_most=at_most, cache=cache,
+        events=tr.ctx.events))
     if step is None:
         msg = (f"{reason}, and no valid tier-2 checkpoint exists; "
                f"enable checkpoint_every (now {cfg.checkpoint_every}) to survive this")
@@ -458,8 +477,7 @@ def _restore_tier2(tr: RecoveryInputs, *, reason: str) -> str:
         crash.declare_fatal(tr.ctx, f"the job's state cannot be restored: {msg}", leader=tr.rank == min(tr.gen.members))
         raise Unrecoverable(msg)
     tr.ctx.events.emit("tier2_restore", step=step, reason=reason)
-    tensors, _meta = load_checkpoint(directory, step, rank=tr.rank if sharded else 0, world_size=world,
-                                     run_id=tr.ctx.run_dir.name)
+    tensors, _meta = load_checkpoint(directory, step, rank=own, world_size=world, run_id=run_id, key=key)
     owned.load(tensors, step)
     if owned.tier1 is not None:
         owned.rebuild_parity(tr.group, step)
