@@ -48,3 +48,15 @@ def test_resume_refuses_what_cannot_resume(tmp_path):
     assert p.returncode == 2 and "not a run directory" in p.stderr
     p = _cli("--resume", str(tmp_path), "--steps", "3", "--run-dir", str(tmp_path / "other"))
     assert p.returncode == 2 and "drop --run-dir, --steps" in p.stderr
+
+
+def test_resume_refuses_a_directory_without_a_signed_checkpoint(tmp_path):
+    run_dir = tmp_path / "job"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text('{"checkpoint_every": 4}')
+    (run_dir / "launch.json").write_text('{"script": ["unbroken.jobs.tiny_gpt"]}')
+    from unbroken.runtime.jobkey import ensure_job_key
+
+    ensure_job_key(run_dir)
+    p = _cli("--resume", str(run_dir))
+    assert p.returncode == 2 and "no checkpoint of every rank, signed by this job" in p.stderr, p.stderr

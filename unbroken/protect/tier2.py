@@ -311,6 +311,20 @@ def latest_valid_step(directory: str | os.PathLike, *, world_size: int, run_id: 
     return None
 
 
+def newest_signed_step(directory: str | os.PathLike, *, world_size: int, run_id: str, key: bytes) -> int | None:
+    """Newest step whose manifests of ALL ranks are present and signed with `key` (the data
+    files are not read: the cheap look before a resume; the ranks then verify their own)."""
+    check_key(key)
+    for step in reversed(list_steps(directory)):
+        try:
+            for rank in range(world_size):
+                read_manifest(directory, step, rank=rank, world_size=world_size, run_id=run_id, key=key)
+            return step
+        except CheckpointError:
+            continue
+    return None
+
+
 def newest_own_valid_step(directory: str | os.PathLike, *, rank: int, world_size: int, run_id: str, key: bytes,
                           at_most: int | None = None, cache: dict[int, bool] | None = None,
                           events: "EventLog | None" = None) -> int | None:

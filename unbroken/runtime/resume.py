@@ -13,6 +13,7 @@ from pathlib import Path
 
 from unbroken.config import ConfigError, RunConfig
 from unbroken.fsutil import atomic_write_json
+from unbroken.runtime.jobkey import JobKeyError, read_job_key
 
 LAUNCH_FILE = "launch.json"
 
@@ -43,4 +44,20 @@ def load_job(run_dir: Path) -> tuple[RunConfig, tuple[str, ...]]:
     if cfg.checkpoint_every <= 0:
         raise ConfigError(f"--resume {run_dir}: the job ran without tier-2 checkpoints (checkpoint_every = 0), "
                           "so there is nothing to resume from")
+    _check_checkpoint(run_dir, cfg)
     return cfg, script
+
+
+def _check_checkpoint(run_dir: Path, cfg: RunConfig) -> None:
+    """Some step must be signed for every rank (a replica: rank 0's) before any process starts."""
+    from unbroken.protect.tier2 import newest_signed_step  # torch's DCP: loaded only when needed
+
+    try:
+        key = read_job_key(run_dir)
+    except JobKeyError as e:
+        raise ConfigError(f"--resume {run_dir}: {e}") from None
+    world = cfg.world_size if cfg.strategy == "zero1" else 1  # as runtime/persist.py writes them
+    step = newest_signed_step(run_dir / "checkpoints", world_size=world, run_id=run_dir.name, key=key)
+    if step is None:
+        raise ConfigError(f"--resume {run_dir}: no checkpoint of every rank, signed by this job, is in "
+                          f"{run_dir / 'checkpoints'}; start a new run")
