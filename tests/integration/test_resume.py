@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,23 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=240, env={**os.environ, **(env or {})})
 
 
-def test_a_job_that_gave_up_resumes_from_its_checkpoint_bitwise_equal(tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run_job(tmp_path_factory.mktemp("ref") / "ref", *ARGS, SCRIPT)
+
+
+def _check_resumed(run_dir: Path, resumed: dict, reference: dict) -> dict:
+    assert resumed["ok"] and resumed["steps"] == reference["steps"] == 16
+    assert resumed["weights_sha256"] == reference["weights_sha256"]
+    [r] = resumed["resumes"]
+    assert r["steps_lost"] == r["stopped_after_step"] - r["from_step"] == resumed["steps_lost"]
+    restores = [e for e in events(run_dir) if e["kind"] == "tier2_restore" and e["fields"]["reason"] == "resume"]
+    assert sorted(e["rank"] for e in restores) == [0, 1, 2, 3]
+    assert {e["fields"]["step"] for e in restores} == {r["from_step"]}
+    return r
+
+
+def test_a_job_that_gave_up_resumes_from_its_checkpoint_bitwise_equal(tmp_path, reference):
     stop = tmp_path / "stop"
     stop.write_text("1")
     run_dir = tmp_path / "job"
@@ -32,15 +50,36 @@ def test_a_job_that_gave_up_resumes_from_its_checkpoint_bitwise_equal(tmp_path):
     stop.unlink()  # the user fixes the bug
     again = _cli("--resume", str(run_dir), env={"RESUME_TEST_STOP": str(stop)})
     assert again.returncode == 0, again.stderr[-3000:]
-    resumed = json.loads(again.stdout)
-    ref = run_job(tmp_path / "ref", *ARGS, SCRIPT)
-    assert resumed["ok"] and resumed["steps"] == ref["steps"] == 16
-    assert resumed["weights_sha256"] == ref["weights_sha256"]
-    [r] = resumed["resumes"]
-    assert r["from_step"] == 8 and r["stopped_after_step"] == 9 and r["steps_lost"] == 1
-    assert resumed["steps_lost"] == 1
-    restores = [e for e in events(run_dir) if e["kind"] == "tier2_restore" and e["fields"]["reason"] == "resume"]
-    assert sorted(e["rank"] for e in restores) == [0, 1, 2, 3]
+    r = _check_resumed(run_dir, json.loads(again.stdout), reference)
+    # the worker that raised at step 10 let its checkpoint of step 8 commit first
+    assert r["from_step"] == 8 and r["stopped_after_step"] == 9
+
+
+@pytest.mark.slow
+def test_a_job_interrupted_with_ctrl_c_resumes_bitwise_equal(tmp_path, reference):
+    run_dir = tmp_path / "job"
+    cmd = [sys.executable, "-m", "unbroken.cli", "run", "--no-progress", "--json", "--run-dir", str(run_dir),
+           *ARGS, SCRIPT]
+    job = subprocess.Popen(cmd, env={**os.environ, "RESUME_TEST_PAUSE_S": "0.4"}, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and job.poll() is None:
+            saved = [e for e in events(run_dir) if e["kind"] == "checkpoint_saved" and e["fields"]["step"] == 4] \
+                if (run_dir / "events.jsonl").exists() else []
+            if len(saved) == 4:
+                break
+            time.sleep(0.1)
+        job.send_signal(signal.SIGINT)
+        job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 130
+    again = _cli("--resume", str(run_dir))
+    assert again.returncode == 0, again.stderr[-3000:]
+    r = _check_resumed(run_dir, json.loads(again.stdout), reference)
+    assert r["from_step"] >= 4
 
 
 def test_resume_refuses_what_cannot_resume(tmp_path):

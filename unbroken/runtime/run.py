@@ -109,7 +109,8 @@ def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float, faults: Sequence[
     done = [e for e in events if e.kind == "worker_done"]
     shas = {e.rank: e.fields["weights_sha256"] for e in done}
     steps = [e for e in events if e.kind == "step" and e.rank == 0]
-    last = max(steps, key=lambda e: e.fields["step"]) if steps else None
+    ever = [e for e in every if e.kind == "step" and e.rank == 0]  # a resumed job's earlier launches too
+    last = max(ever, key=lambda e: e.fields["step"]) if ever else None
     tokens = cfg.steps * cfg.world_size * cfg.batch_size * cfg.model.seq_len
     train_s = (steps[-1].time - steps[0].time) if len(steps) > 1 else wall_s
     per_step_tokens = cfg.world_size * cfg.batch_size * cfg.model.seq_len

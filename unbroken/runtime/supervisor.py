@@ -94,7 +94,7 @@ class Supervisor:
         env = {"MASTER_ADDR": opts.host, "MASTER_PORT": str(self.port), "WORLD_SIZE": str(cfg.world_size),
                "NNODES": str(opts.nnodes), "NODE_RANK": str(self.node), "UNBROKEN_RUN_DIR": str(self.run_dir),
                "UNBROKEN_FAULTS": json.dumps([str(f) for f in opts.faults]), "OMP_NUM_THREADS": str(cfg.threads),
-               "UNBROKEN_RESUME": "1" if opts.resume else "0"}
+               "UNBROKEN_RESUME": "1" if self.resume else "0"}
         self.table = ProcessTable(self.run_dir, env, list(opts.script))
         self.gen: membership.Generation | None = None
         self.fault_log = membership.FaultLogReader(self.store, on_lost=lambda i, w: self.events.emit(
@@ -139,11 +139,15 @@ class Supervisor:
         return store
 
     def _agree_on_config(self) -> None:
-        """Node 0's config is the job's: joiners take it (and write it where their workers read it)."""
+        """Node 0's config is the job's, and whether it resumes: joiners take both (and write the
+        config where their workers read it)."""
+        self.resume = self.opts.resume
         if self.leader:
+            self.store.set("resume", "1" if self.resume else "0")  # joiners resume when node 0 does
             self.store.set("config", json.dumps(self.cfg.to_dict()))
             return
         self.store.wait(["config"], timedelta(seconds=30))
+        self.resume = self.store.get("resume") == b"1"
         theirs = RunConfig.from_dict(json.loads(self.store.get("config")))
         if theirs != self.cfg:
             self.events.emit("warning", message=f"node {self.node}: using node 0's config (it differs from this "
@@ -417,13 +421,17 @@ class Supervisor:
         for r in range(self.node * self.local, (self.node + 1) * self.local):
             self._start_worker(r, self.gen.members[r])
         self.status = "running"
+        interrupted = False
         try:
             self._loop()
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop now, do not wait for the workers to finish
+            interrupted = True
+            raise
         finally:
             self.status = "stopping"
             if self.leader:
                 self.store.set("shutdown", "1")
-            self._drain()
+            self._drain(grace_s=0.0 if interrupted else 10.0)
             self._leave()
         return {"wall_s": time.time() - t0, "port": self.port}
 
@@ -553,9 +561,9 @@ class Supervisor:
             self._retry_done()
         self.on_progress({**info, "status": self.status})
 
-    def _drain(self) -> None:
-        """Give workers a moment to exit on their own, then stop everything we own."""
-        deadline = time.time() + 10
+    def _drain(self, grace_s: float) -> None:
+        """Give workers `grace_s` to exit on their own, then stop everything we own."""
+        deadline = time.time() + grace_s
         workers = [c for c in self.table.children.values() if c.role == "worker" or c.taken]
         while time.time() < deadline and any(c.poll() is None for c in workers):
             time.sleep(0.02)
