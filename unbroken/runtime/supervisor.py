@@ -27,6 +27,7 @@ from unbroken.runtime.budget import RecoveryRateExceeded, RecoveryRateLimit
 from unbroken.runtime.faults import FaultSpec
 from unbroken.runtime.pool import ShadowPoolSizer
 from unbroken.runtime.procs import Child, ProcessTable
+from unbroken.runtime.tee import Tee, parse_tee, stream_writer
 from unbroken.runtime.wake import ChildWake
 from unbroken.runtime.watch import Watch
 
@@ -51,8 +52,10 @@ class LaunchOptions:
     nnodes: int = 1
     node_rank: int = 0
     faults: tuple[FaultSpec, ...] = ()
+    tee: str = "0"  # whose output the console shows: all, none or ranks like 0,3 (runtime/tee.py)
 
     def __post_init__(self) -> None:
+        parse_tee(self.tee)  # ValueError naming --tee
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be within 0..nnodes-1, got node_rank={self.node_rank} nnodes={self.nnodes}")
         loopback = self.host in ("127.0.0.1", "localhost", "::1")
@@ -63,7 +66,7 @@ class LaunchOptions:
 
 
 class Supervisor:
-    def __init__(self, cfg: RunConfig, opts: LaunchOptions, *, on_progress=None) -> None:
+    def __init__(self, cfg: RunConfig, opts: LaunchOptions, *, on_progress=None, on_output=None) -> None:
         if cfg.world_size % opts.nnodes:
             raise ValueError(f"world_size ({cfg.world_size}) must be divisible by nnodes ({opts.nnodes})")
         self.cfg, self.opts = cfg, opts
@@ -80,6 +83,7 @@ class Supervisor:
                "NNODES": str(opts.nnodes), "NODE_RANK": str(self.node), "UNBROKEN_RUN_DIR": str(self.run_dir),
                "UNBROKEN_FAULTS": json.dumps([str(f) for f in opts.faults]), "OMP_NUM_THREADS": str(cfg.threads)}
         self.table = ProcessTable(self.run_dir, env, list(opts.script))
+        self.tee = Tee(self.run_dir / "logs", opts.tee, node=self.node, write=on_output or stream_writer())
         self.gen: membership.Generation | None = None
         self.fault_log = membership.FaultLogReader(self.store, on_lost=lambda i, w: self.events.emit(
             "warning", message=f"fault record {i} never written ({w:.1f}s after its index was taken): "
@@ -336,6 +340,7 @@ class Supervisor:
         self.events.emit("recovery_phase", phase="decide", start=t_detect, end=time.time(), step=None)
         self.events.emit("generation", gen=gen.gen, members=gen.members, replaced=list(gen.replaced), cause=gen.cause)
         self.gen = gen
+        self.tee.follow(gen.gen, gen.members)
         self.status = (f"recovering rank {','.join(map(str, sorted(dead)))} (generation {gen.gen})" if dead
                        else f"recovering from a broken link (generation {gen.gen})")
 
@@ -400,16 +405,19 @@ class Supervisor:
             membership.publish(self.store, self.gen)
         else:
             self.gen = membership.read_generation(self.store, 0, 60)
-        for r in range(self.node * self.local, (self.node + 1) * self.local):
-            self._start_worker(r, self.gen.members[r])
-        self.status = "running"
-        try:
+        self.tee.follow(self.gen.gen, self.gen.members)
+        self.tee.start()
+        try:  # from here on, the finally stops whatever was started
+            for r in range(self.node * self.local, (self.node + 1) * self.local):
+                self._start_worker(r, self.gen.members[r])
+            self.status = "running"
             self._loop()
         finally:
             self.status = "stopping"
             if self.leader:
                 self.store.set("shutdown", "1")
             self._drain()
+            self.tee.stop()  # after every process exited: their last lines are all written
             self._leave()
         return {"wall_s": time.time() - t0, "port": self.port}
 
@@ -483,6 +491,7 @@ class Supervisor:
             return True
         else:
             lease.renew(self.store, self.node)
+            self.tee.follow_store(self.store)
         self._replenish()
         return False
 
