@@ -103,6 +103,9 @@ class _Follower:
 
 
 class Tee:
+    """The supervisor's console view of its selected ranks (`selection`: --tee); it owns the
+    thread: start() after generation 0 is known, follow() after each generation, stop() last."""
+
     def __init__(self, log_dir: Path, selection: str, *, node: int, write: Callable[[str], None],
                  poll_s: float = 0.1) -> None:
         self.log_dir, self.node, self.write, self.poll_s = log_dir, node, write, poll_s
