@@ -19,6 +19,7 @@ from unbroken.runtime.resume import load_job
 from unbroken.runtime.run import launch, new_run_dir
 from unbroken.runtime.crash import SoftwareFault
 from unbroken.runtime.supervisor import LaunchError, LaunchOptions
+from unbroken.runtime.tee import check_tee_ranks
 
 BUILTIN_JOB = "unbroken.jobs.tiny_gpt"
 
@@ -79,8 +80,10 @@ def run(
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="this node's index (default NODE_RANK or 0)"),
     inject: Optional[List[str]] = typer.Option(None, "--inject", help="fault, e.g. sigkill:rank=2,step=30,phase=backward"),
     chaos: Optional[str] = typer.Option(None, "--chaos", help="random kills, e.g. seed=1,rate=0.05"),
+    tee: str = typer.Option("0", "--tee", help="whose output to show, each line prefixed [rank N]: a rank, a comma "
+                                               "list (0,3), all or none (logs/PROC.log keep everything)"),
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
-    json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+    json_out: bool = typer.Option(False, "--json", help="print the summary as JSON (the ranks' lines go to stderr)"),
     resume: Optional[Path] = typer.Option(None, "--resume", help="continue the stopped job in this run directory "
                                                                  "from its newest valid checkpoint"),
 ) -> None:
@@ -96,6 +99,7 @@ def run(
     summary = _launch(script=script, config=config, run_dir=resume or run_dir, host=host, port=port,
                       token=_join_token(token, token_file), resume=resume is not None,
                       nnodes=nnodes, node_rank=node_rank, inject=inject, chaos=chaos, progress=not no_progress,
+                      tee=tee, tee_to_stderr=json_out,
                       overrides=dict(world_size=world_size if world_size is not None else _env_int("WORLD_SIZE"),
                                      steps=steps, seed=seed, batch_size=batch_size, lr=lr, strategy=strategy,
                                      parity_group=parity_group, chunk_kb=chunk_kb, checkpoint_every=checkpoint_every,
@@ -128,7 +132,7 @@ def _join_token(flag: str | None, path: Path | None) -> str | None:
 
 
 def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, inject, chaos, progress,
-            overrides: dict, resume: bool = False) -> dict:
+            overrides: dict, resume: bool = False, tee: str = "0", tee_to_stderr: bool = False) -> dict:
     try:
         cfg = build_config(config, **overrides) if not resume else None
         if resume:
@@ -149,9 +153,10 @@ def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, in
             port=port if port is not None else (_env_int("MASTER_PORT") or 0),
             token=token, nnodes=nnodes or _env_int("NNODES") or 1,
             node_rank=node_rank if node_rank is not None else (_env_int("NODE_RANK") or 0),
-            faults=tuple(faults), resume=resume)
+            faults=tuple(faults), resume=resume, tee=tee)
         _check_node_faults(faults, cfg.world_size, opts.nnodes)
-        return launch(cfg, opts, progress=progress)
+        check_tee_ranks(tee, cfg.world_size)
+        return launch(cfg, opts, progress=progress, tee_to_stderr=tee_to_stderr)
     except SoftwareFault as e:
         typer.secho(f"stopped, not retried: {e}", err=True, fg=typer.colors.RED)
         raise typer.Exit(1)

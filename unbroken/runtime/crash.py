@@ -24,6 +24,8 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
+from unbroken.config import ConfigError
+
 _ctx = None  # the ProcessContext of this process, once unbroken.Trainer has started
 _step = None  # () -> the step the process is executing (its last committed step + 1)
 _at_clean_exit = []  # run when the script returns normally (Trainer.finish, if the script did not call it)
@@ -113,6 +115,12 @@ def declare_fatal(ctx, message: str, *, leader: bool, timeout_s: float = 10.0) -
         ctx.store.wait(["fatal"], timedelta(seconds=timeout_s))
     except RuntimeError:
         pass  # the declaring rank died: exit anyway, the crash path reports it
+
+
+class Refused(ConfigError):
+    """A user mistake a worker refused (Trainer._refuse): its message is in the store's `abort`
+    key and the supervisor prints it as the job's one-line error (exit 2). The process exits
+    without printing a traceback: with --tee it would reach the console around that line."""
 
 
 class SoftwareFault(RuntimeError):

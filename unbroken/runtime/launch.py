@@ -57,6 +57,8 @@ def main() -> None:
         crash.clean_exit()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except crash.Refused:  # the supervisor prints its message as the one-line error
+        code = 1
     except BaseException as e:  # noqa: BLE001 - reported through the exit status, the log and the store
         traceback.print_exc()
         crash.record(e)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.text import Text
 
 from unbroken.config import RunConfig
 from unbroken.events import read_events
@@ -22,6 +24,7 @@ from unbroken.runtime.faults import FaultSpec, faults_not_fired
 from unbroken.runtime.jobkey import ensure_job_key
 from unbroken.runtime.resume import record_launch
 from unbroken.runtime.supervisor import LaunchOptions, Supervisor, install_signal_handlers, trust_warning
+from unbroken.runtime.tee import stream_writer
 
 
 def new_run_dir(root: Path = Path("runs")) -> Path:
@@ -40,8 +43,11 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path) -> None:
     atomic_write_json(run_dir / "config.json", cfg.to_dict())
 
 
-def launch(cfg: RunConfig, opts: LaunchOptions, *, console: Console | None = None, progress: bool = True) -> dict:
+def launch(cfg: RunConfig, opts: LaunchOptions, *, console: Console | None = None, progress: bool = True,
+           tee_to_stderr: bool = False) -> dict:
+    """`tee_to_stderr`: the ranks' lines (--tee) go to stderr, e.g. when stdout carries the JSON summary."""
     console = console or Console(stderr=True)
+    tee_stream = sys.stderr if tee_to_stderr else sys.stdout  # the real one: the live bar redirects both
     install_signal_handlers()
     os.umask(0o077)  # everything the job writes (run directory, logs, checkpoints) is its owner's alone
     if opts.node_rank != 0:
@@ -66,7 +72,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, *, console: Console | None = Non
             bar.update(task, completed=info.get("step", 0), description=desc, loss=loss, tps=tps)
 
         try:
-            sup = Supervisor(cfg, opts, on_progress=show)
+            sup = Supervisor(cfg, opts, on_progress=show, on_output=_tee_writer(bar, tee_stream))
         except Exception:
             if not opts.resume:
                 _remove_unstarted(opts.run_dir)  # refused before any process ran: leave nothing behind
@@ -77,6 +83,14 @@ def launch(cfg: RunConfig, opts: LaunchOptions, *, console: Console | None = Non
     summary = summarize(cfg, opts.run_dir, wall_s=time.time() - t0, faults=opts.faults)
     atomic_write_json(opts.run_dir / "summary.json", summary)
     return summary
+
+
+def _tee_writer(bar: Progress, stream):
+    """The ranks' lines: above the live progress bar when both share a terminal (raw writes
+    would be overwritten by its redraws), else straight to `stream`."""
+    if bar.live.is_started and bar.console.is_terminal and stream.isatty():
+        return lambda text: bar.console.print(Text.from_ansi(text.removesuffix("\n")), soft_wrap=True)
+    return stream_writer(stream)
 
 
 def _remove_unstarted(run_dir: Path) -> None:

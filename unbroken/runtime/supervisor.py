@@ -27,6 +27,7 @@ from unbroken.runtime.budget import RecoveryRateExceeded, RecoveryRateLimit
 from unbroken.runtime.faults import FaultSpec
 from unbroken.runtime.pool import ShadowPoolSizer
 from unbroken.runtime.procs import Child, ProcessTable
+from unbroken.runtime.tee import Tee, parse_tee, stream_writer
 from unbroken.runtime.wake import ChildWake
 from unbroken.runtime.watch import Watch
 
@@ -55,8 +56,10 @@ class LaunchOptions:
     node_rank: int = 0
     faults: tuple[FaultSpec, ...] = ()
     resume: bool = False  # generation 0 starts from the newest valid tier-2 checkpoint (runtime/resume.py)
+    tee: str = "0"  # whose output the console shows: all, none or ranks like 0,3 (runtime/tee.py)
 
     def __post_init__(self) -> None:
+        parse_tee(self.tee)  # ValueError naming --tee
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be within 0..nnodes-1, got node_rank={self.node_rank} nnodes={self.nnodes}")
         if self.host not in _LOOPBACK and not self.token:
@@ -76,7 +79,7 @@ def trust_warning(opts: LaunchOptions) -> str | None:
 
 
 class Supervisor:
-    def __init__(self, cfg: RunConfig, opts: LaunchOptions, *, on_progress=None) -> None:
+    def __init__(self, cfg: RunConfig, opts: LaunchOptions, *, on_progress=None, on_output=None) -> None:
         if cfg.world_size % opts.nnodes:
             raise ValueError(f"world_size ({cfg.world_size}) must be divisible by nnodes ({opts.nnodes})")
         self.cfg, self.opts = cfg, opts
@@ -96,6 +99,7 @@ class Supervisor:
                "UNBROKEN_FAULTS": json.dumps([str(f) for f in opts.faults]), "OMP_NUM_THREADS": str(cfg.threads),
                "UNBROKEN_RESUME": "1" if self.resume else "0"}
         self.table = ProcessTable(self.run_dir, env, list(opts.script))
+        self.tee = Tee(self.run_dir / "logs", opts.tee, node=self.node, write=on_output or stream_writer())
         self.gen: membership.Generation | None = None
         self.fault_log = membership.FaultLogReader(self.store, on_lost=lambda i, w: self.events.emit(
             "warning", message=f"fault record {i} never written ({w:.1f}s after its index was taken): "
@@ -354,6 +358,7 @@ class Supervisor:
         self.events.emit("recovery_phase", phase="decide", start=t_detect, end=time.time(), step=None)
         self.events.emit("generation", gen=gen.gen, members=gen.members, replaced=list(gen.replaced), cause=gen.cause)
         self.gen = gen
+        self.tee.follow(gen.gen, gen.members)
         self.status = (f"recovering rank {','.join(map(str, sorted(dead)))} (generation {gen.gen})" if dead
                        else f"recovering from a broken link (generation {gen.gen})")
 
@@ -418,11 +423,13 @@ class Supervisor:
             membership.publish(self.store, self.gen)
         else:
             self.gen = membership.read_generation(self.store, 0, 60)
-        for r in range(self.node * self.local, (self.node + 1) * self.local):
-            self._start_worker(r, self.gen.members[r])
-        self.status = "running"
+        self.tee.follow(self.gen.gen, self.gen.members)
+        self.tee.start()
         interrupted = False
-        try:
+        try:  # from here on, the finally stops whatever was started
+            for r in range(self.node * self.local, (self.node + 1) * self.local):
+                self._start_worker(r, self.gen.members[r])
+            self.status = "running"
             self._loop()
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop now, do not wait for the workers to finish
             interrupted = True
@@ -432,6 +439,7 @@ class Supervisor:
             if self.leader:
                 self.store.set("shutdown", "1")
             self._drain(grace_s=0.0 if interrupted else 10.0)
+            self.tee.stop()  # after every process exited: their last lines are all written
             self._leave()
         return {"wall_s": time.time() - t0, "port": self.port}
 
@@ -502,6 +510,7 @@ class Supervisor:
             return True
         else:
             lease.renew(self.store, self.node)
+            self.tee.follow_store(self.store)
         self._replenish()
         return False
 

@@ -166,7 +166,7 @@ class Trainer(LoopAPI, Persistence):
     def _refuse(self, msg: str) -> None:
         """A user mistake no retry can fix: the supervisor stops the job with `msg` (exit 2)."""
         self.ctx.store.set("abort", msg)
-        raise ConfigError(msg)
+        raise crash.Refused(msg)
 
     # --- start-up ----------------------------------------------------------------------
     def _build_state(self, rank: int) -> None:
