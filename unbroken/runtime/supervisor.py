@@ -12,22 +12,18 @@ import json
 import os
 import signal
 import time
-from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 
 import torch.distributed as dist
 
 from unbroken.config import RunConfig
 from unbroken.events import EventLog
-from unbroken.fsutil import atomic_write_json
-from unbroken.runtime import auth, lease, membership
+from unbroken.runtime import admission, lease, membership
 from unbroken.runtime.crash import CrashJudge
 from unbroken.runtime.budget import RecoveryRateExceeded, RecoveryRateLimit
-from unbroken.runtime.faults import FaultSpec
 from unbroken.runtime.pool import ShadowPoolSizer
 from unbroken.runtime.procs import Child, ProcessTable
-from unbroken.runtime.tee import Tee, parse_tee, stream_writer
+from unbroken.runtime.options import LaunchError, LaunchOptions, trust_warning  # noqa: F401 (re-exported)
+from unbroken.runtime.tee import Tee, stream_writer
 from unbroken.runtime.wake import ChildWake
 from unbroken.runtime.watch import Watch
 
@@ -36,46 +32,6 @@ _LINK_GRACE_S = 0.3  # a crashed member's exit shows within ~0.1 s; errors outli
 _LINK_REGROUPS = 2  # per incident: a second link may break during the first regroup's recovery
 _KILL_ON = ("hang", "stall", "straggler", "health")  # faults whose process is still alive: kill it first
 _QUIET_BEATS = 3  # a node that has not renewed its lease for this many heartbeats holds hang detection
-
-
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-class LaunchError(RuntimeError):
-    """The job cannot start as asked (port in use, join refused, ...)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class LaunchOptions:
-    script: tuple[str, ...] = ("unbroken.jobs.tiny_gpt",)
-    run_dir: Path
-    host: str = "127.0.0.1"
-    port: int = 0
-    token: str | None = None
-    nnodes: int = 1
-    node_rank: int = 0
-    faults: tuple[FaultSpec, ...] = ()
-    resume: bool = False  # generation 0 starts from the newest valid tier-2 checkpoint (runtime/resume.py)
-    tee: str = "0"  # whose output the console shows: all, none or ranks like 0,3 (runtime/tee.py)
-
-    def __post_init__(self) -> None:
-        parse_tee(self.tee)  # ValueError naming --tee
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank must be within 0..nnodes-1, got node_rank={self.node_rank} nnodes={self.nnodes}")
-        if self.host not in _LOOPBACK and not self.token:
-            raise ValueError(f"binding to {self.host} (not loopback) needs a join token: pass --token-file or set UNBROKEN_TOKEN")
-        if self.nnodes > 1 and self.node_rank > 0 and not self.port:
-            raise ValueError("a joining node needs node 0's port: pass --port or MASTER_PORT")
-
-
-def trust_warning(opts: LaunchOptions) -> str | None:
-    """The store is TCPStore: neither authenticated nor encrypted. Said at the start of every
-    job that listens beyond loopback or spans nodes (README: trust boundary)."""
-    if opts.nnodes == 1 and opts.host in _LOOPBACK:
-        return None
-    return (f"the job's store at {opts.host} (TCPStore) is not authenticated or encrypted: anyone who can "
-            "reach it can disturb the job; run multi-node jobs only on a private network (the join token "
-            "admits nodes, it does not protect the store)")
 
 
 class Supervisor:
@@ -121,53 +77,13 @@ class Supervisor:
         self.chain = None  # the retry chain of the recovery in progress (leader)
         self.attempt = None
 
-    # --- store and admission ---------------------------------------------------------
+    # --- store and admission (runtime/admission.py) -----------------------------------
     def _open_store(self) -> dist.Store:
-        o = self.opts
-        try:
-            if self.leader:
-                store, self._listener = membership.listen_store(o.host, o.port, timeout_s=30)
-            else:
-                store = membership.connect_store(o.host, o.port, timeout_s=30)
-        except (RuntimeError, OSError) as e:
-            if self.leader:
-                raise LaunchError(f"cannot listen on {o.host}:{o.port} ({str(e).splitlines()[0][:120]}); "
-                                  "the port is probably in use: choose another with --port, or omit it") from None
-            raise LaunchError(f"cannot reach node 0's store at {o.host}:{o.port}; start node 0 first "
-                              "and check --host/--port") from None
-        self.port = store.port if self.leader else o.port
-        if self.leader:
-            store.set("token_required", "1" if o.token else "0")
-        else:
-            self._join(store)
+        store, self.port, self._listener = admission.open_store(self.opts)
         return store
 
     def _agree_on_config(self) -> None:
-        """Node 0's config is the job's, and whether it resumes: joiners take both (and write the
-        config where their workers read it)."""
-        self.resume = self.opts.resume
-        if self.leader:
-            self.store.set("resume", "1" if self.resume else "0")  # joiners resume when node 0 does
-            self.store.set("config", json.dumps(self.cfg.to_dict()))
-            return
-        self.store.wait(["config"], timedelta(seconds=30))
-        self.resume = self.store.get("resume") == b"1"
-        theirs = RunConfig.from_dict(json.loads(self.store.get("config")))
-        if theirs != self.cfg:
-            self.events.emit("warning", message=f"node {self.node}: using node 0's config (it differs from this "
-                                                "node's flags/file)")
-        self.cfg = theirs
-        atomic_write_json(self.run_dir / "config.json", theirs.to_dict())
-
-    def _join(self, store: dist.Store) -> None:
-        store.wait(["token_required"], timedelta(seconds=30))
-        if store.get("token_required").decode() == "1":
-            try:
-                auth.request_join(store, token=self.opts.token or "", node=self.node, timeout_s=30)
-            except (auth.JoinRefused, TimeoutError) as e:
-                raise LaunchError(str(e)) from None
-        else:
-            store.set(f"joined/{self.node}", "1")
+        self.cfg, self.resume = admission.agree_on_config(self.store, self.cfg, self.opts, self.events)
 
     # --- processes -----------------------------------------------------------------
     def _start_worker(self, rank: int, proc: str) -> Child:
@@ -458,21 +374,7 @@ class Supervisor:
             pass
 
     def _wait_for_nodes(self) -> None:
-        """Admit every other node: by its token's proof (auth.JoinGate), or its word without one."""
-        if self.opts.nnodes == 1:
-            return
-        gate = auth.JoinGate(self.store, token=self.opts.token, nnodes=self.opts.nnodes,
-                             events=self.events) if self.opts.token else None
-        deadline = time.monotonic() + 120
-        while len(self.joined) < self.opts.nnodes - 1:
-            if gate is not None:
-                gate.poll()
-                self.joined = set(gate.admitted)
-            else:
-                self.joined = {n for n in range(1, self.opts.nnodes) if self.store.check([f"joined/{n}"])}
-            if time.monotonic() > deadline:
-                raise LaunchError(f"only {len(self.joined) + 1} of {self.opts.nnodes} nodes joined within 120s")
-            time.sleep(0.05)
+        self.joined = admission.wait_for_nodes(self.store, self.opts, self.events)
 
     def _loop(self) -> None:
         """Sleep until a child exits or the next period: every _FAULT_TICK_S the leader takes

@@ -1,0 +1,86 @@
+"""How a node gets into the job: the store, the join token, node 0's config.
+
+Node 0 hosts the store (listening on exactly the address asked for), judges every other
+node's join attempt (runtime/auth.py) and publishes the config and whether the job
+resumes; a joining node connects, proves it knows the token and takes node 0's config.
+"""
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from unbroken.config import RunConfig
+from unbroken.fsutil import atomic_write_json
+from unbroken.runtime import auth, membership
+from unbroken.runtime.options import LaunchError, LaunchOptions
+
+
+def open_store(opts: LaunchOptions) -> tuple[dist.Store, int, object]:
+    """(store, port, listening socket or None): node 0 hosts it, a joiner connects and joins."""
+    leader = opts.node_rank == 0
+    listener = None
+    try:
+        if leader:
+            store, listener = membership.listen_store(opts.host, opts.port, timeout_s=30)
+        else:
+            store = membership.connect_store(opts.host, opts.port, timeout_s=30)
+    except (RuntimeError, OSError) as e:
+        if leader:
+            raise LaunchError(f"cannot listen on {opts.host}:{opts.port} ({str(e).splitlines()[0][:120]}); "
+                              "the port is probably in use: choose another with --port, or omit it") from None
+        raise LaunchError(f"cannot reach node 0's store at {opts.host}:{opts.port}; start node 0 first "
+                          "and check --host/--port") from None
+    if leader:
+        store.set("token_required", "1" if opts.token else "0")
+    else:
+        _join(store, opts)
+    return store, (store.port if leader else opts.port), listener
+
+
+def _join(store: dist.Store, opts: LaunchOptions) -> None:
+    store.wait(["token_required"], timedelta(seconds=30))
+    if store.get("token_required").decode() == "1":
+        try:
+            auth.request_join(store, token=opts.token or "", node=opts.node_rank, timeout_s=30)
+        except (auth.JoinRefused, TimeoutError) as e:
+            raise LaunchError(str(e)) from None
+    else:
+        store.set(f"joined/{opts.node_rank}", "1")
+
+
+def agree_on_config(store: dist.Store, cfg: RunConfig, opts: LaunchOptions, events) -> tuple[RunConfig, bool]:
+    """Node 0's config is the job's, and whether it resumes: joiners take both (and write the
+    config where their workers read it). Returns (config, resume)."""
+    if opts.node_rank == 0:
+        store.set("resume", "1" if opts.resume else "0")  # joiners resume when node 0 does
+        store.set("config", json.dumps(cfg.to_dict()))
+        return cfg, opts.resume
+    store.wait(["config"], timedelta(seconds=30))
+    theirs = RunConfig.from_dict(json.loads(store.get("config")))
+    if theirs != cfg:
+        events.emit("warning", message=f"node {opts.node_rank}: using node 0's config (it differs from this "
+                                       "node's flags/file)")
+    atomic_write_json(opts.run_dir / "config.json", theirs.to_dict())
+    return theirs, store.get("resume") == b"1"
+
+
+def wait_for_nodes(store: dist.Store, opts: LaunchOptions, events, timeout_s: float = 120.0) -> set[int]:
+    """Node 0: admit every other node, by its token's proof (auth.JoinGate) or its word without one."""
+    if opts.nnodes == 1:
+        return set()
+    gate = auth.JoinGate(store, token=opts.token, nnodes=opts.nnodes, events=events) if opts.token else None
+    joined: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(joined) < opts.nnodes - 1:
+        if gate is not None:
+            gate.poll()
+            joined = set(gate.admitted)
+        else:
+            joined = {n for n in range(1, opts.nnodes) if store.check([f"joined/{n}"])}
+        if time.monotonic() > deadline:
+            raise LaunchError(f"only {len(joined) + 1} of {opts.nnodes} nodes joined within {timeout_s:.0f}s")
+        time.sleep(0.05)
+    return joined
