@@ -13,7 +13,6 @@ import typer
 from unbroken.cli_error import fail
 from unbroken.detect.report import analyze, load_runs
 from unbroken.detect.summary import print_rich, to_markdown
-from unbroken.detect.timeline import draw_timeline
 
 
 
@@ -53,6 +52,8 @@ def report(
     result = analyze(runs)
     result["skipped_lines"] = sum(1 for w in caught if "malformed event line" in str(w.message))
     dest = out or (run_dirs[0] if run_dirs[0].is_dir() else run_dirs[0].parent)
+    from unbroken.detect.timeline import draw_timeline  # matplotlib: loaded only when drawing
+
     try:
         dest.mkdir(parents=True, exist_ok=True)
         _replace(draw_timeline(runs, result, dest / ".timeline.png.tmp.png"), dest / "timeline.png")

@@ -21,6 +21,8 @@ from typing import Any, Iterator
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+
+from unbroken.fsutil import fsync_dir  # noqa: F401 - re-exported for tier2.py
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 FORMAT = "unbroken-tier2/2"
@@ -54,14 +56,6 @@ def list_steps(directory: str | os.PathLike) -> list[int]:
         return []
     steps = [int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
     return sorted(steps)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def sha256_file(path: Path) -> tuple[str, int]:

@@ -26,8 +26,7 @@ import typer
 
 from unbroken.cli_error import fail
 from unbroken.parallel.buffers import decode_words
-from unbroken.protect._tier2_files import fsync_dir, manifest_path, parse_dtype
-from unbroken.protect.tier2 import CheckpointError, latest_valid_step, list_steps, load_checkpoint
+from unbroken.fsutil import fsync_dir
 from unbroken.runtime.jobkey import JobKeyError, read_job_key
 
 FORMATS = ("pt", "dcp")
@@ -110,6 +109,7 @@ def state_dict_from_weights(run_dir: str | os.PathLike) -> dict[str, Any]:
 # --- a tier-2 checkpoint ---------------------------------------------------------------------
 def _manifest_run_id(ckdir: Path, steps: list[int], default: str) -> str:
     """The run id the checkpoints were written under (the run directory's name at the time)."""
+    from unbroken.protect._tier2_files import manifest_path  # DCP: loaded only when needed
     for s in reversed(steps):
         try:
             return str(json.loads(manifest_path(ckdir, s, 0).read_bytes())["run_id"])
@@ -119,6 +119,7 @@ def _manifest_run_id(ckdir: Path, steps: list[int], default: str) -> str:
 
 
 def _pick_step(ckdir: Path, step: int | None, world: int, run_id: str, key: bytes, steps: list[int]) -> int:
+    from unbroken.protect.tier2 import latest_valid_step  # DCP: loaded only when needed
     if step is None:
         found = latest_valid_step(ckdir, world_size=world, run_id=run_id, key=key)  # warns naming each bad step
         if found is None:
@@ -134,6 +135,7 @@ def _pick_step(ckdir: Path, step: int | None, world: int, run_id: str, key: byte
 def _read_shards(ckdir: Path, step: int, world: int, run_id: str, key: bytes,
                  shard: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(every rank's parameter shard, concatenated; rank 0's encoded buffers), signatures and checksums verified."""
+    from unbroken.protect.tier2 import CheckpointError, load_checkpoint, manifest_path  # DCP: loaded only when needed
     shards, words = [], None
     for rank in range(world):
         try:
@@ -153,6 +155,7 @@ def _read_shards(ckdir: Path, step: int, world: int, run_id: str, key: bytes,
 def _checkpoints(run_dir: str | os.PathLike) -> tuple[Path, dict, Path, int, str, bytes, list[int]]:
     """(run dir, layout, checkpoint directory, ranks that wrote checkpoints, their run id, the run's
     key, steps there)."""
+    from unbroken.protect.tier2 import list_steps  # DCP: loaded only when needed
     path = _run_dir(run_dir)
     layout = load_layout(path)
     ckdir = path / "checkpoints"
@@ -182,6 +185,7 @@ def state_dict_from_checkpoint(run_dir: str | os.PathLike, step: int | None = No
 
 
 def _buffers(layout: dict, words: torch.Tensor, where: Path) -> dict[str, torch.Tensor]:
+    from unbroken.protect._tier2_files import parse_dtype  # DCP: loaded only when needed
     specs = [(parse_dtype(d, where / "layout.pt"), tuple(shape)) for _, d, shape in layout["buffers"]]
     nbytes = sum(math.prod(shape) * dtype.itemsize for dtype, shape in specs)
     if words.numel() != (nbytes + 1) // 2:
@@ -281,6 +285,8 @@ def export(
                          "directory (dcp.load(model.state_dict(), checkpoint_id=...)).")] = "pt",
 ) -> None:
     """Write the final weights or a checkpoint as a state_dict the unmodified model loads."""
+    from unbroken.protect.tier2 import CheckpointError  # DCP: loaded only when needed
+
     if fmt not in FORMATS:
         fail(f"unknown --format {fmt!r}: use pt (one torch.save file) or dcp (a torch.distributed.checkpoint "
              "directory)")
