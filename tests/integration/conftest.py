@@ -69,3 +69,42 @@ def reference(tmp_path_factory) -> dict:
     """Failure-free runs (zero1 and ddp) whose final weights every faulted run must equal."""
     root = tmp_path_factory.mktemp("reference")
     return {s: run_job(root / s, *SMALL, "--strategy", s, "--checkpoint-every", "2") for s in ("zero1", "ddp")}
+
+
+# The default suite's budget (~15 min on 2 cores): one end-to-end test per recovery path and
+# door stays in it; these variants of paths already covered there run with `pytest -m slow`.
+SLOW_VARIANTS = {
+    "test_recovery.py::test_zero1_sigkill_at_each_phase_is_bitwise_invisible": {  # kept: 1-4-parity-1,
+        "1-4-backward-0", "1-4-midchunk-2", "1-4-allgather-0", "4-5-forward-0",  # 4-7-midchunk-2, 4-6-allreduce-0
+        "4-5-optimizer-3", "4-6-backward-0", "4-4-optimizer-0", "4-4-parity-1", "4-4-allgather-0"},
+    "test_recovery.py::test_ddp_sigkill_recovers_from_a_replica": {"backward", "allgather"},
+    "test_recovery.py::test_corrupted_parity_chunk_is_detected_and_tier2_used": {"backward"},
+    "test_recovery.py::test_a_survivor_a_step_behind_is_never_the_source": {"ddp-replica"},
+    "test_recovery.py::test_zero1_without_tier1_never_takes_a_peer_shard": {"collerr:rank=0,step=5,phase=reduced-local"},
+    "test_recovery.py::test_two_failures_in_sequence": None,  # sequences: the chaos schedules
+    "test_recovery.py::test_auto_interval_is_chosen_once_and_kills_stay_bitwise": None,
+    "test_recovery_groups.py::test_parity_group_of_two_in_four_ranks": {
+        "1-4-backward-0-1", "2-5-optimizer-3-4", "2-4-allgather-0-4"},
+    "test_recovery_groups.py::test_two_kills_in_one_step_in_two_groups_of_eight_ranks": None,  # 10 processes
+    "test_cli.py::test_four_ranks_twenty_steps_complete_and_are_deterministic": None,
+    "test_cli.py::test_user_script_example_survives_a_kill": None,  # test_byo's shipped ports do it too
+    "test_chaos.py::test_a_schedule_that_cannot_pass_is_reported_with_a_command_that_reproduces_it": None,
+    "test_hardening.py::test_a_whole_node_lost_is_one_incident_and_its_ranks_are_replaced": {"sigstop"},
+    "test_hardening.py::test_back_to_back_failures_grow_an_auto_pool_and_cold_takeovers_are_named": None,
+    "test_hardening.py::test_skipping_a_nan_step_is_deterministic_across_a_kill": None,
+    "test_byo.py::test_shipped_port_changes_few_lines_and_means_the_same": {"nanogpt"},
+    "test_detect_runtime.py::test_process_faults_are_operable_and_recovered_in_place": {
+        "sigstop:rank=2,step=4,phase=optimizer-hang-True", "exception:rank=3,step=4,phase=forward-exception-False"},
+    "test_tee.py::test_a_shadow_that_takes_rank_0_is_shown_as_rank_0": None,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = f"{Path(item.fspath).name}::{item.originalname}"
+        if name not in SLOW_VARIANTS:
+            continue
+        params = SLOW_VARIANTS[name]
+        param = item.callspec.id if hasattr(item, "callspec") else None
+        if params is None or param in params:
+            item.add_marker(pytest.mark.slow)

@@ -341,20 +341,20 @@ class Supervisor:
             self.gen = membership.read_generation(self.store, 0, 60)
         self.tee.follow(self.gen.gen, self.gen.members)
         self.tee.start()
-        interrupted = False
+        finished = False
         try:  # from here on, the finally stops whatever was started
             for r in range(self.node * self.local, (self.node + 1) * self.local):
                 self._start_worker(r, self.gen.members[r])
             self.status = "running"
             self._loop()
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop now, do not wait for the workers to finish
-            interrupted = True
-            raise
+            finished = True
         finally:
             self.status = "stopping"
             if self.leader:
                 self.store.set("shutdown", "1")
-            self._drain(grace_s=0.0 if interrupted else 10.0)
+            # done: the workers are writing their last files, give them a moment; stopped (an error,
+            # Ctrl-C, SIGTERM): nothing they do now matters, stop them at once
+            self._drain(grace_s=10.0 if finished else 0.0)
             self.tee.stop()  # after every process exited: their last lines are all written
             self._leave()
         return {"wall_s": time.time() - t0, "port": self.port}
