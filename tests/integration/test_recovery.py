@@ -36,7 +36,10 @@ def test_zero1_sigkill_at_each_phase_is_bitwise_invisible(tmp_path, reference, k
     # at the last parity point (the interrupted one if its all-gather was reached) and replayed
     target = step - 1 if phase in ("forward", "backward", "allreduce") else step
     oldest = step if (phase == "allgather" and step % k == 0) else (step - 1) // k * k
-    assert (ev["step"], ev["steps_replayed"]) == (target, target - oldest)
+    expected = {(target, target - oldest)}
+    if phase == "allreduce":  # the killed rank's last bucket may already be in its peers' hands:
+        expected.add((step, step - oldest))  # they finish the all-reduce and commit the step
+    assert (ev["step"], ev["steps_replayed"]) in expected
 
 
 @pytest.mark.parametrize("phase", ["backward", "optimizer", "allgather"])

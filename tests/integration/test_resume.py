@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import events, run_job
+from .conftest import _procs_of, events, run_job
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -56,7 +56,9 @@ def test_a_job_that_gave_up_resumes_from_its_checkpoint_bitwise_equal(tmp_path, 
 
 
 @pytest.mark.slow
-def test_a_job_interrupted_with_ctrl_c_resumes_bitwise_equal(tmp_path, reference):
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "node-0-lost"])
+def test_a_job_interrupted_or_lost_resumes_bitwise_equal(tmp_path, reference, how):
+    """Ctrl-C, or node 0's supervisor SIGKILLed (its workers die with it: PR_SET_PDEATHSIG)."""
     run_dir = tmp_path / "job"
     cmd = [sys.executable, "-m", "unbroken.cli", "run", "--no-progress", "--json", "--run-dir", str(run_dir),
            *ARGS, SCRIPT]
@@ -70,12 +72,16 @@ def test_a_job_interrupted_with_ctrl_c_resumes_bitwise_equal(tmp_path, reference
             if len(saved) == 4:
                 break
             time.sleep(0.1)
-        job.send_signal(signal.SIGINT)
+        job.send_signal(how)
         job.communicate(timeout=60)
     finally:
         if job.poll() is None:
             job.kill()
-    assert job.returncode == 130
+    assert job.returncode == (130 if how == signal.SIGINT else -signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while _procs_of(run_dir.resolve()) and time.monotonic() < deadline:  # orphans die with their parent
+        time.sleep(0.1)
+    assert _procs_of(run_dir.resolve()) == []
     again = _cli("--resume", str(run_dir))
     assert again.returncode == 0, again.stderr[-3000:]
     r = _check_resumed(run_dir, json.loads(again.stdout), reference)
