@@ -30,6 +30,26 @@ def _procs_of(run_dir: Path) -> list[int]:
     return pids
 
 
+def spawn_ranks(target, *args, world: int = 2, timeout_s: float = 90) -> list:
+    """Run target(rank, *args, out_queue) in `world` spawned processes; each puts one item on
+    the queue, returned in arrival order. The processes are joined (killed if they hang)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return [out.get(timeout=timeout_s) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
 def run_cli(run_dir: Path, *args: str, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir), "--no-progress", "--json", *args]
     try:

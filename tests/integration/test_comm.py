@@ -7,6 +7,8 @@ from datetime import timedelta
 
 import pytest
 
+from .conftest import spawn_ranks
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -41,18 +43,7 @@ def _member(rank: int, port: int, objs: list, out: mp.Queue) -> None:
 def test_allgather_json_small_and_larger_than_one_slot_and_generation_watch():
     big = "x" * (40 << 10)  # larger than the 16 KiB first-round slot: a second round follows
     objs = [[{"r": 0}, big, [1, 2]], [{"r": 1}, "small", big]]
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_member, args=(r, port, objs, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict((r, (got, seen, latest)) for r, got, seen, latest in (out.get(timeout=90) for _ in procs))
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    results = {r: (got, seen, latest) for r, got, seen, latest in spawn_ranks(_member, _free_port(), objs)}
     for r in range(2):
         got, seen, latest = results[r]
         assert got == [[{"r": 0}, {"r": 1}], [big, "small"], [[1, 2], big]], got
@@ -95,18 +86,7 @@ def _pickle_sender(rank: int, port: int, marker: str, out: mp.Queue) -> None:
 
 def test_a_pickle_payload_in_a_control_message_is_refused_and_never_unpickled(tmp_path):
     marker = tmp_path / "code-ran"
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_pickle_sender, args=(r, port, str(marker), out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=90) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    results = dict(spawn_ranks(_pickle_sender, _free_port(), str(marker)))
     assert results[1] == "sent"
     assert results[0].startswith("refused: recovery status: rank 1 sent"), results[0]
     assert not marker.exists()  # the payload was never unpickled

@@ -14,6 +14,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from .conftest import spawn_ranks
+
 pytestmark = pytest.mark.timeout(120)
 
 N = 1 << 16  # 256 KiB of float32: more than a socket buffer, so a late send cannot hide in the kernel
@@ -100,19 +102,7 @@ def _run(rank: int, port: int, op: str, out: mp.Queue) -> None:
 @pytest.mark.parametrize("op", ["recv", "allreduce"])
 def test_retire_is_a_fence_against_a_delayed_late_sender(op):
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_run, args=(r, master.port, op, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=90) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    results = dict(spawn_ranks(_run, master.port, op))
     assert "error" not in results[0] and "error" not in results[1], results
     r1 = results[1]
     print(f"{op}: fence with one pending op took {r1['fence_ms']:.2f} ms; late send: {results[0]['late_error']}")
