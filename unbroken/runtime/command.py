@@ -88,14 +88,8 @@ def run(
                                                                  "from its newest valid checkpoint"),
 ) -> None:
     """Run a training job under unbroken (torchrun-compatible env vars are honoured)."""
-    changed = [f for f, v in (("a script", script), ("--config", config), ("--run-dir", run_dir),
-                              ("--world-size", world_size), ("--steps", steps), ("--seed", seed),
-                              ("--batch-size", batch_size), ("--lr", lr), ("--strategy", strategy),
-                              ("--parity-group", parity_group), ("--chunk-kb", chunk_kb),
-                              ("--checkpoint-every", checkpoint_every), ("--protect-every", protect_every),
-                              ("--n-layer", n_layer), ("--n-embd", n_embd)) if v]
-    if resume is not None and changed:
-        fail(f"--resume continues the job exactly as it was launched: drop {', '.join(changed)}")
+    if resume is not None:
+        _refuse_job_changes(locals())
     summary = _launch(script=script, config=config, run_dir=resume or run_dir, host=host, port=port,
                       token=_join_token(token, token_file), resume=resume is not None,
                       nnodes=nnodes, node_rank=node_rank, inject=inject, chaos=chaos, progress=not no_progress,
@@ -113,6 +107,20 @@ def run(
         print_summary(summary)
     if "ok" in summary and not summary["ok"]:
         raise typer.Exit(1)
+
+
+# what defines the job: `--resume` takes all of it from the run directory
+_JOB_FLAGS = {"script": "a script", "config": "--config", "run_dir": "--run-dir", "world_size": "--world-size",
+              "steps": "--steps", "seed": "--seed", "batch_size": "--batch-size", "lr": "--lr",
+              "strategy": "--strategy", "parity_group": "--parity-group", "chunk_kb": "--chunk-kb",
+              "checkpoint_every": "--checkpoint-every", "protect_every": "--protect-every",
+              "n_layer": "--n-layer", "n_embd": "--n-embd"}
+
+
+def _refuse_job_changes(given: dict) -> None:
+    changed = [flag for name, flag in _JOB_FLAGS.items() if given.get(name)]
+    if changed:
+        fail(f"--resume continues the job exactly as it was launched: drop {', '.join(changed)}")
 
 
 def _join_token(flag: str | None, path: Path | None) -> str | None:
