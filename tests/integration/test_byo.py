@@ -85,6 +85,7 @@ def test_unreplayable_input_is_a_loud_event_not_a_silent_success(tmp_path):
     ("--tiny-dataset", "fewer than one global batch"),
     pytest.param("--lbfgs", "use one of SGD, Adam, AdamW, RMSprop, Adagrad", marks=pytest.mark.slow),
     ("--steps-disagree", "disagrees with --steps 3"),
+    ("--meta-model", "is on meta, but this rank trains on cpu"),
 ])
 def test_bad_use_is_a_one_line_error_exit_2(tmp_path, flag, needle):
     steps = ["--steps", "3"] if flag == "--steps-disagree" else []

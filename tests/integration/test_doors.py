@@ -57,13 +57,14 @@ def test_the_store_listens_on_loopback_only_and_workers_never_see_the_token(tmp_
     cmd = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir), "--no-progress", "--json", *args]
     sup = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        listening, children = [], {}
+        listening, children, shadows = [], {}, {}
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and sup.poll() is None and len(children) < 4:
+        while time.monotonic() < deadline and sup.poll() is None and (len(children) < 4 or not shadows):
             try:
-                listening = _listening(sup.pid)
-                children = {p: _environ(p) for p in _procs_of(run_dir) if p != sup.pid}
-                children = {p: e for p, e in children.items() if e.get("UNBROKEN_ROLE") == "worker"}
+                listening = _listening(sup.pid) or listening  # (an exited, unreaped process lists none)
+                seen = {p: _environ(p) for p in _procs_of(run_dir) if p != sup.pid}
+                children = {p: e for p, e in seen.items() if e.get("UNBROKEN_ROLE") == "worker"}
+                shadows = {p: e for p, e in seen.items() if e.get("UNBROKEN_ROLE") == "shadow"}
             except OSError:
                 pass
             time.sleep(0.2)
@@ -77,6 +78,10 @@ def test_the_store_listens_on_loopback_only_and_workers_never_see_the_token(tmp_
     assert len(children) == 4, "the workers were not seen while they ran"
     for pid, env_of in children.items():
         assert "UNBROKEN_TOKEN" not in env_of, f"worker {pid} inherited the join token"
+    # torchrun's variables: every process knows its node's size and its slot, shadows too (issue 15)
+    assert sorted(e["LOCAL_RANK"] for e in children.values()) == ["0", "1", "2", "3"]
+    assert [e["LOCAL_RANK"] for e in shadows.values()] == ["0"]  # the pool's first shadow: slot 0
+    assert {e["LOCAL_WORLD_SIZE"] for e in [*children.values(), *shadows.values()]} == {"4"}
     assert json.loads(out)["ok"]
     # what the job wrote is its owner's alone: files 0600, directories 0700
     modes = {p.relative_to(run_dir).as_posix(): p.stat().st_mode & 0o777 for p in [run_dir, *run_dir.rglob("*")]}

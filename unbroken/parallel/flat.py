@@ -42,11 +42,16 @@ class FlatModel:
         for p in self.plist:
             if p.dtype != torch.float32:
                 raise ValueError(f"unbroken trains float32 parameters; got {p.dtype} for a tensor of shape {tuple(p.shape)}")
+        devices = sorted({str(p.device) for p in self.plist})
+        if len(devices) > 1:
+            raise ValueError(f"the trained parameters are on several devices ({', '.join(devices)}): one flat buffer "
+                             "holds them all; move the model to one device first")
+        self.device = self.plist[0].device  # the buffers live where the model does: nothing moves it
         self.n = sum(p.numel() for p in self.plist)
         self.chunks_per_rank, self.chunk_elems = plan_chunks(self.n, world, chunk_elems, multiple)
         self.shard = self.chunks_per_rank * self.chunk_elems
         self.n_pad = self.shard * world
-        self.params = torch.zeros(self.n_pad)
+        self.params = torch.zeros(self.n_pad, device=self.device)
         # A ring of gradient buffers, one per step of the protection interval: the averaged
         # gradient of step s stays in slot s % grad_slots until step s + grad_slots, so a lost
         # shard can be replayed from the last parity point without copying any gradient.
@@ -56,7 +61,7 @@ class FlatModel:
         self.n_avg = self.loss + 1
         self.rank_loss = slice(self.n_avg, self.n_avg + ranks)
         self.buffers = slice(self.n_avg + ranks, self.n_avg + ranks + buffer_words)
-        self._ring = [torch.zeros(self.buffers.stop) for _ in range(grad_slots)]
+        self._ring = [torch.zeros(self.buffers.stop, device=self.device) for _ in range(grad_slots)]
         self.aux = slice(self.n_pad, self.n_pad + AUX_SLOTS - 1)
         self.vote = self.n_pad + AUX_SLOTS - 1
         self.grads = self._ring[0]

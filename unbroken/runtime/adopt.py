@@ -42,6 +42,16 @@ def trained_parameters(model: nn.Module, optimizer) -> tuple[list[tuple[str, nn.
     return named, [group_of[id(p)] for _, p in named]
 
 
+def check_device(named: list[tuple[str, nn.Parameter]], expected: torch.device) -> None:
+    """Every trained parameter must already be on this rank's device: unbroken never moves a
+    user's tensors across devices behind its back (it keeps them as views of its flat buffer)."""
+    for name, p in named:
+        if p.device != expected:
+            raise AdoptionError(
+                f"parameter {name} is on {p.device}, but this rank trains on {expected} (the gloo backend; the "
+                f"CUDA/NCCL path is not available yet): build the model on {expected}, e.g. model.to('{expected}')")
+
+
 def check_options(grad_clip, accumulation_steps) -> None:
     if grad_clip is not None and (isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float))
                                   or not grad_clip > 0):

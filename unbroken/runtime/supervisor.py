@@ -22,6 +22,7 @@ from unbroken.runtime.crash import CrashJudge
 from unbroken.runtime.budget import RecoveryRateExceeded, RecoveryRateLimit
 from unbroken.runtime.pool import ShadowPoolSizer
 from unbroken.runtime.procs import Child, ProcessTable
+from unbroken.runtime.standby import Standby, pick_standby, slot_of_shadow
 from unbroken.runtime.options import LaunchError, LaunchOptions, trust_warning  # noqa: F401 (re-exported)
 from unbroken.runtime.tee import Tee, stream_writer
 from unbroken.runtime.wake import ChildWake
@@ -53,7 +54,8 @@ class Supervisor:
         env = {"MASTER_ADDR": opts.host, "MASTER_PORT": str(self.port), "WORLD_SIZE": str(cfg.world_size),
                "NNODES": str(opts.nnodes), "NODE_RANK": str(self.node), "UNBROKEN_RUN_DIR": str(self.run_dir),
                "UNBROKEN_FAULTS": json.dumps([str(f) for f in opts.faults]), "OMP_NUM_THREADS": str(cfg.threads),
-               "UNBROKEN_RESUME": "1" if self.resume else "0"}
+               "UNBROKEN_RESUME": "1" if self.resume else "0",
+               "LOCAL_WORLD_SIZE": str(self.local)}
         self.table = ProcessTable(self.run_dir, env, list(opts.script))
         self.tee = Tee(self.run_dir / "logs", opts.tee, node=self.node, write=on_output or stream_writer())
         self.gen: membership.Generation | None = None
@@ -95,9 +97,9 @@ class Supervisor:
     def _start_shadow(self, cold: bool = False) -> Child:
         proc = f"n{self.node}-s{self.shadow_seq}"
         self.shadow_seq += 1
-        c = self.table.start(proc, "shadow", {"LOCAL_RANK": "-1"})
+        i = self.store.add(f"shadows/{self.node}/n", 1) - 1  # its index decides its slot (runtime/standby.py)
+        c = self.table.start(proc, "shadow", {"LOCAL_RANK": str(slot_of_shadow(i, self.local))})
         self.watch.spawned(c, None)
-        i = self.store.add(f"shadows/{self.node}/n", 1) - 1
         self.store.set(f"shadows/{self.node}/{i}", proc)
         self.events.emit("process_started", pid=c.pid, role="shadow", proc=proc, cold=cold)
         return c
@@ -257,7 +259,8 @@ class Supervisor:
         self._retry_link(incident)
         for rank, f in sorted(dead.items()):
             self.watch.replaced(members[rank])
-            proc, cold = self._pick_shadow(exclude=set(members.values()), prefer=int(f.get("node", 0)))
+            proc, cold = self._pick_shadow(exclude=set(members.values()), prefer=int(f.get("node", 0)),
+                                           slot=rank % self.local)
             members[rank] = proc
             assigned.append((rank, proc, cold))
         gen = membership.Generation(self.gen.gen + 1, members, tuple(sorted(dead)),
@@ -278,10 +281,11 @@ class Supervisor:
         self.status = (f"recovering rank {','.join(map(str, sorted(dead)))} (generation {gen.gen})" if dead
                        else f"recovering from a broken link (generation {gen.gen})")
 
-    def _pick_shadow(self, exclude: set[str], prefer: int) -> tuple[str, bool]:
-        """A standby shadow: ready ones first, on the failed rank's node first; else a cold start.
-        Cold (the second value) = not ready when assigned: the recovery waits for its start-up."""
-        candidates = []
+    def _pick_shadow(self, exclude: set[str], prefer: int, slot: int) -> tuple[str, bool]:
+        """A standby shadow (runtime/standby.py: ready, on the failed rank's node, at its slot,
+        first); else a cold start. Cold (the second value) = not ready when assigned: the
+        recovery waits for its start-up."""
+        standbys = []
         for node in range(self.opts.nnodes):
             if node != 0 and (self.store.check([f"excluded/{node}"]) or self._node_lost(node)):
                 continue
@@ -289,11 +293,10 @@ class Supervisor:
                 proc = self.store.get(f"shadows/{node}/{i}").decode()
                 if proc in exclude or self.store.check([f"assign/{proc}"]) or self.store.check([f"dead/{proc}"]):
                     continue
-                candidates.append((not self.store.check([f"ready/{proc}"]), node != prefer, proc))
-        if candidates:
-            unready, _, proc = min(candidates)
-        else:
-            unready, proc = True, self._start_shadow(cold=True).proc
+                standbys.append(Standby(proc, node, slot_of_shadow(i, self.local),
+                                        self.store.check([f"ready/{proc}"])))
+        best = pick_standby(standbys, node=prefer, slot=slot)
+        proc, unready = (best.proc, not best.ready) if best else (self._start_shadow(cold=True).proc, True)
         if proc in self.table.children:
             self.table.children[proc].taken = True
         return proc, unready

@@ -140,6 +140,7 @@ class Trainer(LoopAPI, Persistence):
                 raise adopt.AdoptionError(f"scheduler_step must be 'step', 'epoch' or an integer >= 1 (steps per "
                                           f"scheduler step), got {scheduler_step!r}")
             self.named, self.group_of = adopt.trained_parameters(model, optimizer)
+            adopt.check_device(self.named, torch.device("cpu"))
             self.optim = ChunkOptimizer(optimizer)
             if self.optim.has_state():
                 raise adopt.AdoptionError(
@@ -154,9 +155,9 @@ class Trainer(LoopAPI, Persistence):
         optimizer.step = _update_is_unbrokens  # the script's optimizer.step(): the update already happened
 
     def rank_known(self) -> None:
-        """torchrun's variables for the script (a shadow learns its rank only now)."""
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size),
-                          LOCAL_RANK=str(self.rank % max(1, self.world_size // self.ctx.nnodes)))
+        """torchrun's variables for the script (a shadow learns its rank only now; its LOCAL_RANK
+        stays the device slot it was started on: runtime/standby.py)."""
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size))
 
     def _finish_at_exit(self) -> None:
         """The script returned without trainer.finish(): finish for it (final weights, done)."""

@@ -18,6 +18,9 @@ elif flag == "--foreign-scheduler":
     trainer = unbroken.Trainer(model, opt, torch.optim.lr_scheduler.StepLR(other, 1))
 elif flag == "--accumulation-steps=0":
     trainer = unbroken.Trainer(model, opt, accumulation_steps=0)
+elif flag == "--meta-model":  # not on this rank's device: refused, never moved behind the script's back
+    meta = torch.nn.Linear(4, 1, device="meta")
+    trainer = unbroken.Trainer(meta, torch.optim.SGD(meta.parameters(), lr=0.1))
 elif flag == "--lbfgs":
     trainer = unbroken.Trainer(model, torch.optim.LBFGS(model.parameters()))
 else:

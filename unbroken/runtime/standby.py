@@ -1,0 +1,31 @@
+"""Which standby shadow takes a failed rank, and the device slot each shadow is bound to.
+
+A shadow starts bound to a slot of its node (LOCAL_RANK = the slot, as torchrun sets it
+for the process on that GPU), round-robin over the node's slots, so that a script that
+binds its device from LOCAL_RANK before `unbroken.Trainer(...)` blocks works in a shadow
+too. For a failed rank the leader prefers, in order: a shadow that is ready (warm), on
+the failed rank's node, bound to the failed rank's slot (the slot its process freed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def slot_of_shadow(seq: int, local_world: int) -> int:
+    """The slot shadow number `seq` of a node is bound to."""
+    return seq % max(1, local_world)
+
+
+@dataclass(frozen=True)
+class Standby:
+    proc: str
+    node: int
+    slot: int
+    ready: bool
+
+
+def pick_standby(standbys: list[Standby], *, node: int, slot: int) -> Standby | None:
+    """The best standby for a rank lost on `node` at `slot` (None: a cold start is needed)."""
+    if not standbys:
+        return None
+    return min(standbys, key=lambda s: (not s.ready, s.node != node, s.slot != slot, s.proc))
