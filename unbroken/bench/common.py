@@ -60,7 +60,7 @@ def run_job(cfg: RunConfig, run_dir: Path, *, faults: tuple = (), console: Conso
     from unbroken.runtime.run import launch
     from unbroken.runtime.supervisor import LaunchOptions
 
-    opts = LaunchOptions(run_dir=Path(run_dir).resolve(), faults=tuple(faults))
+    opts = LaunchOptions(run_dir=Path(run_dir).resolve(), faults=tuple(faults), tee="none")  # logs stay in run_dir
     return launch(cfg, opts, console=console or Console(stderr=True), progress=False)
 
 

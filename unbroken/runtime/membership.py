@@ -110,7 +110,9 @@ class GenerationWatch:
     supervisor publishes the replacement generation.
     """
 
-    def __init__(self, connect: Callable[[], dist.Store], *, poll_s: float = 5.0) -> None:
+    def __init__(self, connect: Callable[[], dist.Store], *, poll_s: float = 300.0) -> None:
+        # poll_s is a safety net only (generations are published in order, none is skipped):
+        # each timed-out wait is two c10d warning lines in the rank's log, which --tee shows
         self._poll_s = poll_s
         self._cond = threading.Condition()
         self.latest = -1

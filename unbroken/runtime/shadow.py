@@ -14,7 +14,10 @@ from unbroken.runtime import membership
 from unbroken.runtime.context import ProcessContext
 
 
-def wait_for_assignment(ctx: ProcessContext, poll_s: float = 1.0) -> tuple[int, membership.Generation]:
+def wait_for_assignment(ctx: ProcessContext, poll_s: float = 30.0) -> tuple[int, membership.Generation]:
+    """Block until the leader assigns this shadow a rank (the store wakes us at once); every
+    `poll_s` look for the job's end (the supervisor also stops its shadows itself). Each
+    timed-out wait logs two c10d warning lines, shown if this shadow later takes a --tee rank."""
     store = ctx.store
     store.set(f"ready/{ctx.proc}", str(os.getpid()))
     ctx.events.emit("process_started", pid=os.getpid(), role="shadow", proc=ctx.proc, cold=False)
