@@ -33,5 +33,14 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def readable_by_others(path: str | os.PathLike, st: os.stat_result) -> str | None:
+    """A secret file's problem in one line (its mode lets group or others in) and the fix, or None."""
+    import stat
+
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return f"{path} is readable by other users (mode {stat.S_IMODE(st.st_mode):o}); run: chmod 600 {path}"
+    return None
+
+
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())

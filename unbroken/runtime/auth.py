@@ -118,16 +118,16 @@ class JoinGate:
 def read_token_file(path) -> str:
     """The token from a file only its owner can read (0600 or stricter); ValueError otherwise."""
     import os
-    import stat
+
+    from unbroken.fsutil import readable_by_others
 
     try:
         st = os.stat(path)
         text = open(path, encoding="utf-8").read().strip()
     except OSError as e:
         raise ValueError(f"cannot read --token-file {path}: {e.strerror}") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"--token-file {path} is readable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
-                         f"run: chmod 600 {path}")
+    if problem := readable_by_others(path, st):
+        raise ValueError(f"--token-file {problem}")
     if not text:
         raise ValueError(f"--token-file {path} is empty; write the job's token into it")
     return text

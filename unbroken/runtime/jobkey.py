@@ -12,8 +12,9 @@ import hashlib
 import hmac
 import os
 import secrets
-import stat
 from pathlib import Path
+
+from unbroken.fsutil import readable_by_others
 
 KEY_FILE = "job.key"
 
@@ -57,9 +58,8 @@ def read_job_key(run_dir: Path) -> bytes:
     except FileNotFoundError:
         raise JobKeyError(f"{path} is missing: this run directory was not written by this version of "
                           "unbroken (or the file was deleted); its checkpoints cannot be trusted") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise JobKeyError(f"{path} is readable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
-                          f"run: chmod 600 {path}")
+    if problem := readable_by_others(path, st):
+        raise JobKeyError(problem)
     try:
         key = bytes.fromhex(text)
     except ValueError:
