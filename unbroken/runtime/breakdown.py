@@ -80,11 +80,9 @@ def resumes(events: list[Event]) -> list[dict]:
     for before, seg in zip(parts, parts[1:]):
         done = [s for e in before if e.kind == "step" and (s := e.fields.get("step")) is not None]
         restored = [e.fields["step"] for e in seg if e.kind == "tier2_restore" and e.fields.get("reason") == "resume"]
-        if not restored:
-            out.append({"from_step": None, "stopped_after_step": max(done, default=0), "steps_lost": None})
-            continue
-        top = max(done, default=0)
-        out.append({"from_step": min(restored), "stopped_after_step": top, "steps_lost": max(0, top - min(restored))})
+        top, start = max(done, default=0), min(restored, default=None)
+        out.append({"from_step": start, "stopped_after_step": top,
+                    "steps_lost": None if start is None else max(0, top - start)})
     return out
 
 
