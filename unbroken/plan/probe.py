@@ -1,0 +1,126 @@
+"""One rank of a topology measurement: ping-pong per pair, then collective sweeps over the group.
+
+    python -m unbroken.plan.probe --rank R --world N --master HOST:PORT --out FILE [--max-bytes B]
+
+Pair (i, j): a 4-byte ping-pong gives the latency alpha, a 1 MiB one the bandwidth beta (one
+way each: half the round trip). Sweeps: all-reduce, reduce-scatter, all-gather and broadcast
+of 1 KiB, 4 KiB, ... up to --max-bytes (the whole tensor), each timed on every rank between
+barriers; the time of a collective is its slowest rank's. A size whose first run takes over
+--op-budget-s ends that collective's sweep (a thin link would otherwise spend minutes there).
+Rank 0 writes the topology JSON (`plan.topology`); every wait has a timeout.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from unbroken.plan.topology import COLLECTIVES, Topology
+
+PING_BYTES, BW_BYTES = 4, 1 << 20
+
+
+def _timed(fn, pg: dist.ProcessGroup) -> float:
+    """Seconds of fn() on the slowest rank (barrier before, max-reduce after)."""
+    dist.barrier(group=pg)
+    t0 = time.perf_counter()
+    fn()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=pg)
+    return float(dt)
+
+
+def _pingpong(pg, rank: int, a: int, b: int, nbytes: int, reps: int) -> float:
+    """One-way seconds for nbytes between a and b (median of reps round trips / 2); others wait."""
+    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+    times = []
+    for _ in range(reps):
+        def trip() -> None:
+            if rank == a:
+                dist.send(buf, b, group=pg)
+                dist.recv(buf, b, group=pg)
+            elif rank == b:
+                dist.recv(buf, a, group=pg)
+                dist.send(buf, a, group=pg)
+        times.append(_timed(trip, pg) / 2)
+    return statistics.median(times)
+
+
+def _collective(name: str, pg, world: int, nbytes: int):
+    n = max(world, nbytes // 4 // world * world)  # divisible by world (reduce-scatter, all-gather)
+    full, part = torch.ones(n), torch.ones(n // world)
+    if name == "all_reduce":
+        return lambda: dist.all_reduce(full, group=pg)
+    if name == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(part, full, group=pg)
+    if name == "all_gather":
+        return lambda: dist.all_gather_into_tensor(full, part, group=pg)
+    if name == "broadcast":
+        return lambda: dist.broadcast(full, 0, group=pg)
+    raise ValueError(f"unknown collective {name!r}")
+
+
+def sweep_sizes(max_bytes: int) -> list[int]:
+    sizes, s = [], 1024
+    while s <= max_bytes:
+        sizes.append(s)
+        s *= 4
+    return sizes
+
+
+def measure(pg, rank: int, world: int, *, max_bytes: int, op_budget_s: float, reps: int = 3) -> dict:
+    lat = [[0.0] * world for _ in range(world)]
+    bw = [[0.0] * world for _ in range(world)]
+    for a in range(world):
+        for b in range(a + 1, world):
+            alpha = _pingpong(pg, rank, a, b, PING_BYTES, 9)
+            t = _pingpong(pg, rank, a, b, BW_BYTES, reps)
+            lat[a][b] = lat[b][a] = alpha
+            bw[a][b] = bw[b][a] = BW_BYTES / max(t - alpha, 1e-9)
+    sweeps: dict[str, list[list[float]]] = {}
+    for name in COLLECTIVES:
+        rows = sweeps[name] = []
+        for nbytes in sweep_sizes(max_bytes):
+            op = _collective(name, pg, world, nbytes)
+            first = _timed(op, pg)  # warms the buffers and pairs; also the budget check
+            times = [_timed(op, pg) for _ in range(reps if first < op_budget_s / 4 else 1)]
+            rows.append([nbytes, statistics.median(times)])
+            if first > op_budget_s:
+                break
+    return {"latency_s": lat, "bandwidth_Bps": bw, "sweeps": sweeps}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--master", required=True, help="HOST:PORT of rank 0's store")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--max-bytes", type=int, default=64 << 20)
+    ap.add_argument("--op-budget-s", type=float, default=2.0)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--timeout-s", type=float, default=300.0)
+    a = ap.parse_args(argv)
+    host, port = a.master.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), a.world, is_master=a.rank == 0,
+                          timeout=timedelta(seconds=a.timeout_s), wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world,
+                            timeout=timedelta(seconds=a.timeout_s))
+    try:
+        found = measure(dist.group.WORLD, a.rank, a.world, max_bytes=a.max_bytes, op_budget_s=a.op_budget_s)
+        if a.rank == 0:
+            Topology(world=a.world, label=a.label, **found).save(a.out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
