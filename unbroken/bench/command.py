@@ -85,3 +85,23 @@ def overhead(steps: int = typer.Option(40, "--steps", help="steps per run"),
     _finish("overhead", res, ov.table, out_dir)
     plot_overhead(res, Path(out_dir) / "overhead.png")
     Console().print(f"wrote {Path(out_dir) / 'overhead.png'}")
+
+
+def plan(out: Path = _OUT, world: int = typer.Option(4, "--world-size", help="ranks, one network namespace each"),
+         model: str = typer.Option("small", "--model", help="tiny-gpt, small, or key=value,... over ModelConfig"),
+         steps: int = typer.Option(12, "--steps", help="steps per run (the first 2 are not timed)"),
+         rounds: int = typer.Option(2, "--rounds", help="runs of every strategy per wiring, interleaved"),
+         quick: bool = _QUICK) -> None:
+    """The planner's step-time predictions against every strategy measured on four shaped wirings (needs root)."""
+    from unbroken.bench import plan as pl
+    from unbroken.cli_error import fail
+    from unbroken.plan.netns import available
+
+    if world < 2 or steps < 4 or rounds < 1:
+        fail(f"need --world-size >= 2, --steps >= 4, --rounds >= 1; got {world}, {steps}, {rounds}")
+    if available():
+        fail(f"bench plan builds network namespaces: {available()}")
+    res = pl.measure(world=world, model_spec=model, steps=6 if quick else steps, rounds=1 if quick else rounds,
+                     log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
+    pl.plot(res, Path(out) / "plan.png")
+    _finish("plan", res, pl.table, out)

@@ -74,12 +74,12 @@ def sweep_sizes(max_bytes: int) -> list[int]:
     return sizes
 
 
-def measure(pg, rank: int, world: int, *, max_bytes: int, op_budget_s: float, reps: int = 3) -> dict:
+def measure(pg, rank: int, world: int, *, max_bytes: int, op_budget_s: float, reps: int = 5) -> dict:
     lat = [[0.0] * world for _ in range(world)]
     bw = [[0.0] * world for _ in range(world)]
     for a in range(world):
         for b in range(a + 1, world):
-            alpha = _pingpong(pg, rank, a, b, PING_BYTES, 9)
+            alpha = _pingpong(pg, rank, a, b, PING_BYTES, 21)
             t = _pingpong(pg, rank, a, b, BW_BYTES, reps)
             lat[a][b] = lat[b][a] = alpha
             bw[a][b] = bw[b][a] = BW_BYTES / max(t - alpha, 1e-9)
@@ -89,7 +89,9 @@ def measure(pg, rank: int, world: int, *, max_bytes: int, op_budget_s: float, re
         for nbytes in sweep_sizes(max_bytes):
             op = _collective(name, pg, world, nbytes)
             first = _timed(op, pg)  # warms the buffers and pairs; also the budget check
-            times = [_timed(op, pg) for _ in range(reps if first < op_budget_s / 4 else 1)]
+            # small ones are scheduling noise on shared cores: repeat them for ~0.3 s (5 to 40 times)
+            n = 1 if first > op_budget_s / 4 else min(40, max(reps, int(0.3 / max(first, 1e-4))))
+            times = [_timed(op, pg) for _ in range(n)]
             rows.append([nbytes, statistics.median(times)])
             if first > op_budget_s:
                 break

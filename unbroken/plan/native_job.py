@@ -1,6 +1,6 @@
-"""One rank of a strategy measured with PyTorch's own implementation (the planner's ground truth).
+"""One rank of a strategy as PyTorch implements it: the planner's ground truth and its compute profile.
 
-    python -m unbroken.bench.strategy_job --strategy S --rank R --world N --master HOST:PORT \
+    python -m unbroken.plan.native_job --strategy S --rank R --world N --master HOST:PORT \
         --out FILE [--steps 12] [--n-layer 2 --n-embd 128 --seq-len 64 --batch-size 8]
 
     ddp    torch DDP (25 MB buckets, all-reduce overlapped with backward) + AdamW
@@ -10,8 +10,9 @@
 
 The tiny GPT, its batches and AdamW are the built-in job's. Each rank times every step
 (wall, between barriers) and counts its state's tensor bytes (parameters, gradients,
-optimizer state: its own shards for the sharded strategies), its peak RSS and, inside a
-namespace, the bytes its link sent per step. Rank 0 writes all ranks' figures to --out.
+optimizer state: its own shards for the sharded strategies), the peak tensor bytes of one
+more (untimed, profiled) step, its peak RSS and, inside a namespace, the bytes its link
+sent per step. Rank 0 writes all ranks' figures to --out.
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ from unbroken.models.data import VOCAB_SIZE, Corpus, batch_for
 from unbroken.models.gpt import build_model
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+IMPLEMENTATION = {"ddp": "torch DDP + AdamW", "zero1": "torch DDP + ZeroRedundancyOptimizer(AdamW)",
+                  "zero2": "FSDP2 fully_shard(reshard_after_forward=False) + AdamW",
+                  "zero3": "FSDP2 fully_shard(reshard_after_forward=True) + AdamW"}
 WARMUP = 2
 
 
@@ -73,6 +77,21 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str,
     return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
 
 
+def step_peak_bytes(run_step, before: int) -> int:
+    """Peak tensor bytes during one run_step(): the live state before it plus the highest the
+    step's own allocations minus frees climb (torch's profiler records every CPU allocation)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_step()
+    deltas = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    level = top = 0
+    for _, d in deltas:
+        level += d
+        top = max(top, level)
+    return before + top
+
+
 def tx_bytes() -> int | None:
     try:
         return int(Path("/sys/class/net/eth0/statistics/tx_bytes").read_text())
@@ -87,24 +106,30 @@ def train(a: argparse.Namespace) -> dict:
     net, opt = wrap(model, a.strategy, lr=1e-3)
     rank, world = dist.get_rank(), dist.get_world_size()
     times, sent, losses = [], [], []
-    for step in range(1, a.steps + 1):
+
+    def one_step(step: int) -> None:
         x, y = batch_for(corpus, seed=0, step=step, rank=rank, world_size=world, batch_size=a.batch_size,
                          seq_len=cfg.seq_len)
-        dist.barrier()
-        tx0, t0 = tx_bytes(), time.perf_counter()
         loss = model.loss(x, y) if net is model else _ddp_loss(net, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
+        losses.append(float(loss))
+
+    for step in range(1, a.steps + 1):
+        dist.barrier()
+        tx0, t0 = tx_bytes(), time.perf_counter()
+        one_step(step)
         times.append(time.perf_counter() - t0)
         tx1 = tx_bytes()
         if tx0 is not None and tx1 is not None:
             sent.append(tx1 - tx0)
-        losses.append(float(loss))
+    dist.barrier()
+    peak = step_peak_bytes(lambda: one_step(a.steps + 1), state_bytes(model, opt)["total"])  # not timed
     keep = times[WARMUP:]
     return {"step_s": keep, "median_step_s": statistics.median(keep), "loss": losses,
             "bytes_sent_per_step": statistics.median(sent[WARMUP:]) if len(sent) > WARMUP else None,
-            "state_bytes": state_bytes(model, opt),
+            "state_bytes": state_bytes(model, opt), "peak_tensor_bytes": peak,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
@@ -112,6 +137,44 @@ def _ddp_loss(ddp, x, y):
     """The model's loss through DDP's forward (so DDP's hooks see the call)."""
     logits = ddp(x)
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def _argv(strategy: str, model: ModelConfig, batch_size: int, steps: int, out: Path, world: int):
+    def argv(r: int, master: str) -> list[str]:
+        return [sys.executable, "-m", "unbroken.plan.native_job", "--strategy", strategy, "--rank", str(r),
+                "--world", str(world), "--master", master, "--out", str(out), "--steps", str(steps),
+                "--n-layer", str(model.n_layer), "--n-head", str(model.n_head), "--n-embd", str(model.n_embd),
+                "--seq-len", str(model.seq_len), "--batch-size", str(batch_size)]
+    return argv
+
+
+def run(strategy: str, world: int, out: Path, *, model: ModelConfig, batch_size: int, steps: int = 12,
+        net=None, timeout_s: float = 600.0) -> dict:
+    """Train `strategy` on `world` ranks (in `net`'s namespaces, or on loopback); rank 0's file."""
+    from unbroken.plan.ranks import run_ranks
+
+    out = Path(out).resolve()
+    run_ranks(_argv(strategy, model, batch_size, steps, out, world), world, net=net, timeout_s=timeout_s,
+              env={"OMP_NUM_THREADS": "1"}, what=f"native {strategy}")
+    return json.loads(out.read_text())
+
+
+def run_solo(strategy: str, copies: int, out_dir: Path, *, model: ModelConfig, batch_size: int,
+             steps: int = 16, timeout_s: float = 600.0) -> float:
+    """`copies` independent world-1 jobs at once (they share the host as a job's ranks would),
+    communication-free. Returns the median over steps of the slowest copy's step: a synchronous
+    step waits for its slowest rank, and on shared cores the ranks do not keep pace."""
+    from unbroken.plan.ranks import free_port, run_ranks
+
+    out_dir = Path(out_dir).resolve()
+
+    def argv(r: int, _master: str) -> list[str]:
+        one = _argv(strategy, model, batch_size, steps, out_dir / f"solo{r}.json", 1)
+        return one(0, f"127.0.0.1:{free_port()}")
+
+    run_ranks(argv, copies, timeout_s=timeout_s, env={"OMP_NUM_THREADS": "1"}, what=f"solo {strategy}")
+    per_copy = [json.loads((out_dir / f"solo{r}.json").read_text())["ranks"][0]["step_s"] for r in range(copies)]
+    return statistics.median(max(c[i] for c in per_copy) for i in range(min(map(len, per_copy))))
 
 
 def main(argv: list[str] | None = None) -> int:
