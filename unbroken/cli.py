@@ -1,4 +1,4 @@
-"""The `unbroken` command line: run, demo, report, simulate, bench.
+"""The `unbroken` command line: run, demo, report, simulate, plan, bench.
 
 Each subpackage owns its command module; this file only assembles them. User mistakes
 print one line naming the problem and the fix and exit with status 2.
@@ -15,7 +15,8 @@ from unbroken.bench.command import interval, overhead, plan as plan_bench, prote
 from unbroken.bench.detect import detect as detect_bench
 from unbroken.config import ConfigError
 from unbroken.detect.command import report
-from unbroken.runtime.command import demo, run
+from unbroken.plan.command import choose_for_run, plan
+from unbroken.runtime.command import demo, run, set_auto_strategy
 from unbroken.runtime.export import export
 from unbroken.sim.command import simulate
 
@@ -27,6 +28,8 @@ app.command("report")(report)
 app.command("export")(export)
 app.command("simulate")(simulate)
 app.command("chaos")(chaos)
+app.command("plan")(plan)
+set_auto_strategy(choose_for_run)  # the runtime may not import the planner (a tool): cli.py plugs it in
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: print ratios side by side, write bench/results/*.json.")
 app.add_typer(bench_app, name="bench")

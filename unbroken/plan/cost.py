@@ -143,6 +143,6 @@ def choose(predictions: list[Prediction], limit_bytes: float | None) -> Predicti
     fitting = [p for p in predictions if p.fits(limit_bytes)]
     if not fitting:
         least = min(predictions, key=lambda p: p.peak_bytes)
-        raise PlanError(f"no strategy fits in {limit_bytes / 2**30:.3g} GiB per rank; the smallest is {least.strategy} "
-                        f"at {least.peak_bytes / 2**30:.3g} GiB: raise --memory-limit or use more ranks")
+        raise PlanError(f"no strategy fits in {limit_bytes / 1e9:.3g} GB per rank; the smallest is {least.strategy} "
+                        f"at {least.peak_bytes / 1e9:.3g} GB: raise --memory-limit or use more ranks")
     return min(fitting, key=lambda p: p.step_s)

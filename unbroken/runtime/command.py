@@ -1,10 +1,11 @@
 """`unbroken run` and `unbroken demo`: the CLI face of the runtime."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import typer
 from rich.console import Console
@@ -22,6 +23,28 @@ from unbroken.runtime.supervisor import LaunchError, LaunchOptions
 from unbroken.runtime.tee import check_tee_ranks
 
 BUILTIN_JOB = "unbroken.jobs.tiny_gpt"
+
+# `--strategy auto` asks the planner (a tool: the runtime may not import it); cli.py plugs it in
+AutoStrategy = Callable[[RunConfig], "tuple[str, str]"]
+_auto_strategy: list[AutoStrategy] = []
+
+
+def set_auto_strategy(choose: AutoStrategy) -> None:
+    """Who answers `--strategy auto`: choose(cfg) -> (strategy, why)."""
+    _auto_strategy[:] = [choose]
+
+
+def _resolve_auto(overrides: dict, config, nnodes: int | None) -> RunConfig:
+    """The config with the planner's strategy in place of auto."""
+    if (nnodes or _env_int("NNODES") or 1) > 1:
+        raise ConfigError("--strategy auto measures this host's wiring only; for several nodes run `unbroken plan "
+                          "--topology FILE` and pass its choice as --strategy")
+    if not _auto_strategy:
+        raise ConfigError("--strategy auto needs the planner (unbroken.plan), which this entry point did not load")
+    cfg = build_config(config, **{**overrides, "strategy": None})
+    strategy, why = _auto_strategy[0](cfg)
+    typer.secho(f"strategy auto: {strategy} ({why})", err=True)
+    return dataclasses.replace(cfg, strategy=strategy)
 
 
 def _env_int(name: str) -> int | None:
@@ -52,7 +75,8 @@ def run(
     seed: Optional[int] = typer.Option(None, "--seed"),
     batch_size: Optional[int] = typer.Option(None, "--batch-size"),
     lr: Optional[float] = typer.Option(None, "--lr"),
-    strategy: Optional[str] = typer.Option(None, "--strategy", help="zero1 (sharded optimizer, default) or ddp"),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help="zero1 (sharded optimizer, default), ddp, or auto "
+                                                                     "(the planner's pick on this host)"),
     parity_group: Optional[int] = typer.Option(None, "--parity-group"),
     chunk_kb: Optional[int] = typer.Option(None, "--chunk-kb", help="transaction/parity chunk size"),
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="tier-2 checkpoint period (0 = off)"),
@@ -142,7 +166,12 @@ def _join_token(flag: str | None, path: Path | None) -> str | None:
 def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, inject, chaos, progress,
             overrides: dict, resume: bool = False, tee: str = "0", tee_to_stderr: bool = False) -> dict:
     try:
-        cfg = build_config(config, **overrides) if not resume else None
+        if resume:
+            cfg = None
+        elif overrides.get("strategy") == "auto":
+            cfg = _resolve_auto(overrides, config, nnodes)
+        else:
+            cfg = build_config(config, **overrides)
         if resume:
             cfg, script = load_job(run_dir)
         faults = [FaultSpec.parse(s) for s in (inject or [])]
