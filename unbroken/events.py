@@ -42,6 +42,7 @@ KINDS: dict[str, str] = {
     "warning": "message",
     "collective_error": "step, phase, error (a worker saw its group fail)",
     "worker_done": "steps, weights_sha256",
+    "events_missing": "nodes, timeout_s (followers whose events did not reach node 0 at the end: the summary lacks them)",
     "tier2_restore": "step, reason",
     "node_lost": "node, lease_age_s, ranks (a node's lease expired: its supervisor and processes are gone or frozen)",
     "software_fault": "proc, step, error, fingerprint, occurrences (the same exception at the same step again: not retried)",
@@ -106,18 +107,26 @@ class EventLog:
             self._fd = -1
 
 
+def node_events_path(run_dir: Path, node: int) -> Path:
+    """Where node 0's run directory keeps another node's events (runtime/handover.py)."""
+    return run_dir / f"events-node{node}.jsonl"
+
+
+def run_dir_event_files(run_dir: Path) -> list[Path]:
+    """A run directory's own events file, then the other nodes' handed over at the end."""
+    return [run_dir / "events.jsonl", *sorted(run_dir.glob("events-node*.jsonl"))]
+
+
 def read_events(paths: Iterable[str | os.PathLike] | str | os.PathLike) -> list[Event]:
-    """Read one or many events files (or run directories), sorted by time.
+    """Read one or many events files (or run directories: every node's files), sorted by time.
 
     A broken line (a job killed mid-write) is skipped with a warning naming it.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
+    files = [f for p in map(Path, paths) for f in (run_dir_event_files(p) if p.is_dir() else [p])]
     events: list[Event] = []
-    for p in paths:
-        p = Path(p)
-        if p.is_dir():
-            p = p / "events.jsonl"
+    for p in files:
         with open(p, encoding="utf-8", errors="replace") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():

@@ -145,9 +145,10 @@ def test_wrong_token_is_refused_and_sigterm_reaps_everything(tmp_path):
 
 def test_two_nodes_train_together_and_recover_a_rank_on_node_1(tmp_path):
     """Also the join door (issue 14): a wrong token costs node 1 one attempt, not its place;
-    the right one (from a 0600 --token-file) then joins."""
+    the right one (from a 0600 --token-file) then joins. Each node has its own run directory,
+    as on two machines: node 1's events reach node 0's summary, and node 1 gets the same summary."""
     port = _free_port()
-    run_dir = tmp_path / "r"
+    run_dir, run_dir1 = tmp_path / "r", tmp_path / "r1"
     good = tmp_path / "token"
     good.write_text("tok\n")
     good.chmod(0o600)
@@ -156,9 +157,9 @@ def test_two_nodes_train_together_and_recover_a_rank_on_node_1(tmp_path):
     try:
         time.sleep(1.0)
         two = [*SMALL, "--nnodes", "2", "--node-rank", "1", "--port", str(port)]
-        bad = run_cli(run_dir, *two, "--token", "wrong-token", timeout=60, check=False)
+        bad = run_cli(tmp_path / "bad", *two, "--token", "wrong-token", timeout=60, check=False)
         assert bad.returncode == 2 and "wrong join token" in bad.stderr, bad.stderr[-1000:]
-        p1 = run_cli(run_dir, *two, "--token-file", str(good), *kill, timeout=240, check=False)
+        p1 = run_cli(run_dir1, *two, "--token-file", str(good), *kill, timeout=240, check=False)
         out, err = node0.communicate(timeout=240)
     finally:
         if node0.poll() is None:
@@ -166,12 +167,14 @@ def test_two_nodes_train_together_and_recover_a_rank_on_node_1(tmp_path):
     assert node0.returncode == 0, err[-2000:]
     assert p1.returncode == 0, p1.stderr[-2000:]
     summary = json.loads(out)
-    assert summary["ranks_agree"] and summary["ok"]
+    assert summary["ranks_agree"] and summary["ok"], summary
     [rec] = summary["recoveries"]
-    assert rec["rank"] == 3
+    assert rec["rank"] == 3 and rec["path"] == "tier1"  # measured from node 1's events, handed to node 0
+    assert json.loads(p1.stdout) == summary == json.loads((run_dir1 / "summary.json").read_text())
+    assert (run_dir / "events-node1.jsonl").exists() and not (run_dir1 / "weights.pt").exists()
     ref = run_job(tmp_path / "ref", *SMALL)
     assert summary["weights_sha256"] == ref["weights_sha256"]
-    assert _procs_of(run_dir.resolve()) == []
+    assert _procs_of(run_dir.resolve()) == [] and _procs_of(run_dir1.resolve()) == []
     evs = events(run_dir)
     [refused] = [e for e in evs if e["kind"] == "join_refused"]
     assert refused["fields"]["node"] == 1 and refused["fields"]["retry_after_s"] > 0

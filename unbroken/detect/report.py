@@ -55,7 +55,7 @@ def load_runs(paths: Iterable[Path]) -> list[RunLog]:
     for path in paths:
         for f in find_event_files(Path(path)):
             name = f.parent.name if f.name == "events.jsonl" else f.stem
-            parts = _split_runs(read_events(f))
+            parts = _split_runs(read_events(f.parent if f.name == "events.jsonl" else f))  # + other nodes'
             unfired = _not_fired_of(f.parent / "summary.json") if f.name == "events.jsonl" else None
             for i, part in enumerate(parts):  # the summary is the last run's: the one that wrote it
                 runs.append(RunLog(name if len(parts) == 1 else f"{name}#{i}", part,

@@ -72,16 +72,16 @@ def launch(cfg: RunConfig, opts: LaunchOptions, *, console: Console | None = Non
             bar.update(task, completed=info.get("step", 0), description=desc, loss=loss, tps=tps)
 
         try:
-            sup = Supervisor(cfg, opts, on_progress=show, on_output=_tee_writer(bar, tee_stream))
+            sup = Supervisor(cfg, opts, on_progress=show, on_output=_tee_writer(bar, tee_stream),
+                             on_finish=lambda: summarize(cfg, opts.run_dir, wall_s=time.time() - t0, faults=opts.faults))
         except Exception:
             if not opts.resume:
                 _remove_unstarted(opts.run_dir)  # refused before any process ran: leave nothing behind
             raise
-        sup.run()
-    if opts.node_rank != 0:
+        summary = sup.run()["summary"]
+    if summary is None:  # a follower that heard no summary from node 0 (excluded, or node 0 stopped)
         return {"node": opts.node_rank, "wall_s": time.time() - t0}
-    summary = summarize(cfg, opts.run_dir, wall_s=time.time() - t0, faults=opts.faults)
-    atomic_write_json(opts.run_dir / "summary.json", summary)
+    atomic_write_json(opts.run_dir / "summary.json", summary)  # every node's: the whole job's (node 0's)
     return summary
 
 

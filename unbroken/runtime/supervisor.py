@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from unbroken.config import RunConfig
 from unbroken.events import EventLog
-from unbroken.runtime import admission, lease, membership
+from unbroken.runtime import admission, handover, lease, membership
 from unbroken.runtime.crash import CrashJudge
 from unbroken.runtime.budget import RecoveryRateExceeded, RecoveryRateLimit
 from unbroken.runtime.pool import ShadowPoolSizer
@@ -33,10 +33,13 @@ _LINK_GRACE_S = 0.3  # a crashed member's exit shows within ~0.1 s; errors outli
 _LINK_REGROUPS = 2  # per incident: a second link may break during the first regroup's recovery
 _KILL_ON = ("hang", "stall", "straggler", "health")  # faults whose process is still alive: kill it first
 _QUIET_BEATS = 3  # a node that has not renewed its lease for this many heartbeats holds hang detection
+_HANDOVER_S = 30.0  # at the end: the longest wait for a follower's events, or for the leader's summary
 
 
 class Supervisor:
-    def __init__(self, cfg: RunConfig, opts: LaunchOptions, *, on_progress=None, on_output=None) -> None:
+    def __init__(self, cfg: RunConfig, opts: LaunchOptions, *, on_progress=None, on_output=None,
+                 on_finish=None) -> None:
+        """`on_finish()`: the leader's summary of a finished job, made once every node's events are here."""
         if cfg.world_size % opts.nnodes:
             raise ValueError(f"world_size ({cfg.world_size}) must be divisible by nnodes ({opts.nnodes})")
         self.cfg, self.opts = cfg, opts
@@ -44,6 +47,7 @@ class Supervisor:
         self.node = opts.node_rank
         self.local = cfg.world_size // opts.nnodes
         self.on_progress = on_progress or (lambda info: None)
+        self.on_finish = on_finish or (lambda: None)
         self.run_dir = opts.run_dir
         self.events = EventLog(self.run_dir / "events.jsonl", source="supervisor", node=self.node)
         self.store = self._open_store()
@@ -344,7 +348,7 @@ class Supervisor:
             self.gen = membership.read_generation(self.store, 0, 60)
         self.tee.follow(self.gen.gen, self.gen.members)
         self.tee.start()
-        finished = False
+        finished, summary = False, None
         try:  # from here on, the finally stops whatever was started
             for r in range(self.node * self.local, (self.node + 1) * self.local):
                 self._start_worker(r, self.gen.members[r])
@@ -352,15 +356,41 @@ class Supervisor:
             self._loop()
             finished = True
         finally:
-            self.status = "stopping"
+            excluded, self.status = self.status == "excluded", "stopping"
             if self.leader:
                 self.store.set("shutdown", "1")
             # done: the workers are writing their last files, give them a moment; stopped (an error,
             # Ctrl-C, SIGTERM): nothing they do now matters, stop them at once
             self._drain(grace_s=10.0 if finished else 0.0)
             self.tee.stop()  # after every process exited: their last lines are all written
-            self._leave()
-        return {"wall_s": time.time() - t0, "port": self.port}
+            try:
+                summary = self._hand_over(finished and not excluded)
+            finally:
+                self._leave()
+        return {"wall_s": time.time() - t0, "port": self.port, "summary": summary}
+
+    def _hand_over(self, finished: bool) -> dict | None:
+        """Every node's events to the leader, the leader's summary to every node (runtime/handover.py)."""
+        if not self.leader:
+            if not finished:
+                return None
+            try:
+                handover.send_events(self.store, self.node, self.run_dir)
+                return handover.receive_summary(self.store, timeout_s=_HANDOVER_S)
+            except Exception as e:  # noqa: BLE001 - node 0 is gone: its summary cannot come; training is over
+                self.events.emit("warning", message=f"no summary from node 0 ({type(e).__name__}: {e})")
+                return None
+        summary = None
+        try:
+            if finished:
+                followers = sorted(n for n in self.joined if not self._node_lost(n))
+                if missing := handover.collect_events(self.store, followers, self.run_dir, timeout_s=_HANDOVER_S):
+                    self.events.emit("events_missing", nodes=missing, timeout_s=_HANDOVER_S)
+                summary = self.on_finish()
+        finally:
+            if self.opts.nnodes > 1:
+                handover.publish_summary(self.store, summary)
+        return summary
 
     def _leave(self, timeout_s: float = 10.0) -> None:
         """Followers say they are leaving; the leader (whose exit closes the store) waits for
