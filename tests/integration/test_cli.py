@@ -127,10 +127,15 @@ def _free_port() -> int:
 
 
 def test_wrong_token_is_refused_and_sigterm_reaps_everything(tmp_path):
+    """Also: a node that runs another training script than node 0 refuses to join (issue 17)."""
     port = _free_port()
     node0 = _start_node0(tmp_path / "r", port, "right-token")
     try:
         time.sleep(1.0)
+        other = run_cli(tmp_path / "other", "--nnodes", "2", "--node-rank", "1", "--port", str(port),
+                        "--token", "right-token", "--world-size", "4", EXAMPLE, timeout=60, check=False)
+        assert other.returncode == 2 and "run the same script on every node" in other.stderr, other.stderr[-1000:]
+        assert "Traceback" not in other.stderr
         p = run_cli(tmp_path / "r", *SMALL, "--nnodes", "2", "--node-rank", "1", "--port", str(port),
                     "--token", "wrong-token", timeout=60, check=False)
         assert p.returncode == 2 and "wrong join token" in p.stderr
@@ -141,6 +146,8 @@ def test_wrong_token_is_refused_and_sigterm_reaps_everything(tmp_path):
         assert time.time() - t0 < 5
         time.sleep(0.3)
         assert _procs_of((tmp_path / "r").resolve()) == []
+    refused = [e["fields"] for e in events(tmp_path / "r") if e["kind"] == "join_refused"]
+    assert [(f["node"], "tutorial_unbroken.py" in f["why"]) for f in refused] == [(1, True), (1, False)]
 
 
 def test_two_nodes_train_together_and_recover_a_rank_on_node_1(tmp_path):

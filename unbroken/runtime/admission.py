@@ -1,8 +1,9 @@
-"""How a node gets into the job: the store, the join token, node 0's config.
+"""How a node gets into the job: the store, the code it runs, the join token, node 0's config.
 
-Node 0 hosts the store (listening on exactly the address asked for), judges every other
-node's join attempt (runtime/auth.py) and publishes the config and whether the job
-resumes; a joining node connects, proves it knows the token and takes node 0's config.
+Node 0 hosts the store (listening on exactly the address asked for), publishes what code it
+runs (runtime/codeid.py), judges every other node's join attempt (runtime/auth.py) and
+publishes the config and whether the job resumes; a joining node connects, refuses to join
+if it runs other code, proves it knows the token and takes node 0's config.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from unbroken.config import RunConfig
 from unbroken.fsutil import atomic_write_json
-from unbroken.runtime import auth, membership
+from unbroken.runtime import auth, codeid, membership
 from unbroken.runtime.options import LaunchError, LaunchOptions
 
 
@@ -34,6 +35,7 @@ def open_store(opts: LaunchOptions) -> tuple[dist.Store, int, object]:
         raise LaunchError(f"cannot reach node 0's store at {opts.host}:{opts.port}; start node 0 first "
                           "and check --host/--port") from None
     if leader:
+        store.set("code", json.dumps(codeid.identity(opts.script)))
         store.set("token_required", "1" if opts.token else "0")
     else:
         _join(store, opts)
@@ -41,7 +43,12 @@ def open_store(opts: LaunchOptions) -> tuple[dist.Store, int, object]:
 
 
 def _join(store: dist.Store, opts: LaunchOptions) -> None:
-    store.wait(["token_required"], timedelta(seconds=30))
+    store.wait(["code", "token_required"], timedelta(seconds=30))
+    why = codeid.mismatch(codeid.identity(opts.script), json.loads(store.get("code")), opts.node_rank)
+    if why:
+        n = store.add(f"mismatch/{opts.node_rank}/count", 1)
+        store.set(f"mismatch/{opts.node_rank}/{n}", why)  # node 0 records it (wait_for_nodes)
+        raise LaunchError(why)
     if store.get("token_required").decode() == "1":
         try:
             auth.request_join(store, token=opts.token or "", node=opts.node_rank, timeout_s=30)
@@ -73,8 +80,10 @@ def wait_for_nodes(store: dist.Store, opts: LaunchOptions, events, timeout_s: fl
         return set()
     gate = auth.JoinGate(store, token=opts.token, nnodes=opts.nnodes, events=events) if opts.token else None
     joined: set[int] = set()
+    mismatches = {n: 0 for n in range(1, opts.nnodes)}  # per node: refusals already recorded
     deadline = time.monotonic() + timeout_s
     while len(joined) < opts.nnodes - 1:
+        _record_mismatches(store, mismatches, events)
         if gate is not None:
             gate.poll()
             joined = set(gate.admitted)
@@ -84,3 +93,14 @@ def wait_for_nodes(store: dist.Store, opts: LaunchOptions, events, timeout_s: fl
             raise LaunchError(f"only {len(joined) + 1} of {opts.nnodes} nodes joined within {timeout_s:.0f}s")
         time.sleep(0.05)
     return joined
+
+
+def _record_mismatches(store: dist.Store, seen: dict[int, int], events) -> None:
+    """A node that runs other code refused itself: say so in node 0's events, once per attempt."""
+    for n, k in seen.items():
+        count = store.add(f"mismatch/{n}/count", 0)
+        for i in range(k + 1, count + 1):
+            if store.check([f"mismatch/{n}/{i}"]):
+                events.emit("join_refused", node=n, attempt=i, failures=i, retry_after_s=0,
+                            why=store.get(f"mismatch/{n}/{i}").decode(errors="replace")[:400])
+                seen[n] = i

@@ -15,7 +15,8 @@ from rich.table import Table
 from unbroken.cli_error import fail
 from unbroken.config import ConfigError, RunConfig, build_config
 from unbroken.runtime.faults import NODE_KINDS, FaultSpec, chaos_schedule, check_reachable
-from unbroken.runtime import auth
+from unbroken.runtime import auth, cluster_env
+from unbroken.runtime.cluster_env import NodePlace
 from unbroken.runtime.resume import load_job
 from unbroken.runtime.run import launch, new_run_dir
 from unbroken.runtime.crash import SoftwareFault
@@ -36,7 +37,7 @@ def set_auto_strategy(choose: AutoStrategy) -> None:
 
 def _resolve_auto(overrides: dict, config, nnodes: int | None) -> RunConfig:
     """The config with the planner's strategy in place of auto."""
-    if (nnodes or _env_int("NNODES") or 1) > 1:
+    if (nnodes or _place().nnodes or 1) > 1:
         raise ConfigError("--strategy auto measures this host's wiring only; for several nodes run `unbroken plan "
                           "--topology FILE` and pass its choice as --strategy")
     if not _auto_strategy:
@@ -47,14 +48,12 @@ def _resolve_auto(overrides: dict, config, nnodes: int | None) -> RunConfig:
     return dataclasses.replace(cfg, strategy=strategy)
 
 
-def _env_int(name: str) -> int | None:
-    v = os.environ.get(name)
-    if v is None:
-        return None
+def _place() -> NodePlace:
+    """What the launcher's environment (torchrun, Kubernetes/TorchX, Slurm) says about this node."""
     try:
-        return int(v)
-    except ValueError:
-        fail(f"environment variable {name}={v!r} is not an integer")
+        return cluster_env.from_env(os.environ)
+    except cluster_env.ClusterEnvError as e:
+        fail(str(e))
 
 
 def _int_or_auto(flag: str, text: str | None, example: str) -> int | str | None:
@@ -95,13 +94,13 @@ def run(
     n_layer: Optional[int] = typer.Option(None, "--n-layer"),
     n_embd: Optional[int] = typer.Option(None, "--n-embd"),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="run directory (default: a new one under runs/)"),
-    host: Optional[str] = typer.Option(None, "--host", help="store address (default MASTER_ADDR or 127.0.0.1)"),
-    port: Optional[int] = typer.Option(None, "--port", help="store port (default MASTER_PORT or a free one)"),
+    host: Optional[str] = typer.Option(None, "--host", help="store address (default MASTER_ADDR, PET_MASTER_ADDR, the first host of SLURM_JOB_NODELIST, or 127.0.0.1)"),
+    port: Optional[int] = typer.Option(None, "--port", help="store port (default MASTER_PORT, PET_MASTER_PORT, one derived from SLURM_JOB_ID, or a free one)"),
     token: Optional[str] = typer.Option(None, "--token", help="join token for multi-node (visible in ps: prefer "
                                                               "--token-file or UNBROKEN_TOKEN)"),
     token_file: Optional[Path] = typer.Option(None, "--token-file", help="file holding the join token (mode 0600)"),
-    nnodes: Optional[int] = typer.Option(None, "--nnodes", help="number of nodes (default NNODES or 1)"),
-    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="this node's index (default NODE_RANK or 0)"),
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", help="number of nodes (default NNODES, PET_NNODES, SLURM_NNODES or 1)"),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="this node's index (default NODE_RANK, GROUP_RANK, PET_NODE_RANK, SLURM_NODEID or 0)"),
     inject: Optional[List[str]] = typer.Option(None, "--inject", help="fault, e.g. sigkill:rank=2,step=30,phase=backward"),
     chaos: Optional[str] = typer.Option(None, "--chaos", help="random kills, e.g. seed=1,rate=0.05"),
     tee: str = typer.Option("0", "--tee", help="whose output to show, each line prefixed [rank N]: a rank, a comma "
@@ -118,7 +117,7 @@ def run(
                       token=_join_token(token, token_file), resume=resume is not None,
                       nnodes=nnodes, node_rank=node_rank, inject=inject, chaos=chaos, progress=not no_progress,
                       tee=tee, tee_to_stderr=json_out,
-                      overrides=dict(world_size=world_size if world_size is not None else _env_int("WORLD_SIZE"),
+                      overrides=dict(world_size=world_size if world_size is not None else _place().world_size,
                                      steps=steps, seed=seed, batch_size=batch_size, lr=lr, strategy=strategy,
                                      parity_group=parity_group, chunk_kb=chunk_kb, checkpoint_every=checkpoint_every,
                                      shadows=_int_or_auto("--shadows", shadows, "2"), retry_budget=retry_budget,
@@ -183,13 +182,14 @@ def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, in
         if script:
             job = (str(Path(script[0]).resolve()) if script[0].endswith(".py") else script[0], *script[1:])
         _check_faults_reachable(faults, cfg, builtin=job[0] == BUILTIN_JOB)
+        place = _place()
         opts = LaunchOptions(
             script=job,
             run_dir=(run_dir or new_run_dir()).resolve(),
-            host=host or os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            port=port if port is not None else (_env_int("MASTER_PORT") or 0),
-            token=token, nnodes=nnodes or _env_int("NNODES") or 1,
-            node_rank=node_rank if node_rank is not None else (_env_int("NODE_RANK") or 0),
+            host=host or place.host or "127.0.0.1",
+            port=port if port is not None else (place.port or 0),
+            token=token, nnodes=nnodes or place.nnodes or 1,
+            node_rank=node_rank if node_rank is not None else (place.node_rank or 0),
             faults=tuple(faults), resume=resume, tee=tee)
         _check_node_faults(faults, cfg.world_size, opts.nnodes)
         check_tee_ranks(tee, cfg.world_size)
