@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -105,3 +106,25 @@ def plan(out: Path = _OUT, world: int = typer.Option(4, "--world-size", help="ra
                      log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
     pl.plot(res, Path(out) / "plan.png")
     _finish("plan", res, pl.table, out)
+
+
+def multinode(out: Path = _OUT, steps: int = typer.Option(24, "--steps", help="steps per run (the first 2 are not timed)"),
+              rounds: int = typer.Option(2, "--rounds", help="runs of every system per layout, interleaved"),
+              profile: Optional[List[str]] = typer.Option(None, "--profile", help="link profile(s): 1gbit, 10gbit (default both)"),
+              quick: bool = _QUICK) -> None:
+    """Tokens/s and per-rank efficiency for 1x4, 2x2 and 2x4 nodes x ranks on shaped links, next to torchrun + DDP (needs root)."""
+    from unbroken.bench import multinode as mn
+    from unbroken.cli_error import fail
+    from unbroken.plan.netns import available
+
+    profiles = tuple(profile or mn.PROFILES)
+    if unknown := [p for p in profiles if p not in mn.PROFILES]:
+        fail(f"unknown --profile {', '.join(unknown)}; choose from {', '.join(mn.PROFILES)}")
+    if steps < 6 or rounds < 1:
+        fail(f"need --steps >= 6 and --rounds >= 1; got {steps}, {rounds}")
+    if available():
+        fail(f"bench multinode builds network namespaces: {available()}")
+    res = mn.measure(steps=8 if quick else steps, rounds=1 if quick else rounds, profiles=profiles,
+                     log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
+    mn.plot(res, Path(out) / "multinode.png")
+    _finish("multinode", res, mn.table, out)
