@@ -11,7 +11,7 @@ import typer
 
 from unbroken.bench.adoption import adoption
 from unbroken.bench.chaos import chaos
-from unbroken.bench.command import interval, multinode, overhead, plan as plan_bench, protect, recovery, throughput
+from unbroken.bench.command import interval, multinode, overhead, plan as plan_bench, protect, recovery, regroup, throughput
 from unbroken.bench.detect import detect as detect_bench
 from unbroken.config import ConfigError
 from unbroken.detect.command import report
@@ -42,6 +42,7 @@ bench_app.command("interval")(interval)
 bench_app.command("adoption")(adoption)
 bench_app.command("plan")(plan_bench)
 bench_app.command("multinode")(multinode)
+bench_app.command("regroup")(regroup)
 
 
 def main() -> None:

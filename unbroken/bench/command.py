@@ -128,3 +128,22 @@ def multinode(out: Path = _OUT, steps: int = typer.Option(24, "--steps", help="s
                      log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
     mn.plot(res, Path(out) / "multinode.png")
     _finish("multinode", res, mn.table, out)
+
+
+def regroup(out: Path = _OUT, sizes: str = typer.Option("4,8,16,32,64", "--sizes", help="world sizes, comma-separated"),
+            rounds: int = typer.Option(2, "--rounds", help="runs per size, interleaved")) -> None:
+    """Regroup time after a kill from 4 to 64 ranks (oversubscribed), fitted; into multinode.json's regroup_fit."""
+    from unbroken.bench import regroup as rg
+    from unbroken.cli_error import fail
+
+    try:
+        worlds = tuple(int(s) for s in sizes.split(","))
+    except ValueError:
+        fail(f"--sizes must be comma-separated integers, got {sizes!r}")
+    if len(set(worlds)) < 2 or min(worlds) < 2 or rounds < 1:
+        fail(f"need at least two distinct --sizes >= 2 and --rounds >= 1; got {sizes!r}, {rounds}")
+    res = rg.measure(sizes=worlds, rounds=rounds, log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
+    Console().print(rg.table(res))
+    path = Path(out) / "multinode.json"
+    rg.write_into_multinode(res, path)
+    Console().print(f"wrote regroup_fit into {path}")
