@@ -42,6 +42,7 @@ KINDS: dict[str, str] = {
     "warning": "message",
     "collective_error": "step, phase, error (a worker saw its group fail)",
     "worker_done": "steps, weights_sha256",
+    "node_fenced": "node, lease_age_s, fence_after_s (this node could not renew its lease: it stopped its processes and writes nothing more)",
     "events_missing": "nodes, timeout_s (followers whose events did not reach node 0 at the end: the summary lacks them)",
     "tier2_restore": "step, reason",
     "node_lost": "node, lease_age_s, ranks (a node's lease expired: its supervisor and processes are gone or frozen)",
@@ -93,13 +94,19 @@ class EventLog:
         self.source, self.rank, self.node, self.gen = source, rank, node, gen
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.sealed = False
 
     def emit(self, kind: str, *, rank: int | None = None, **fields: Any) -> Event:
         assert kind in KINDS, f"unknown event kind {kind!r}; add it to events.KINDS"
         ev = Event(time=time.time(), kind=kind, rank=self.rank if rank is None else rank,
                    gen=self.gen, node=self.node, source=self.source, fields=fields)
-        os.write(self._fd, (ev.to_json() + "\n").encode())
+        if not self.sealed:
+            os.write(self._fd, (ev.to_json() + "\n").encode())
         return ev
+
+    def seal(self) -> None:
+        """Write nothing more (a fenced node: runtime/fence.py); later emits are dropped."""
+        self.sealed = True
 
     def close(self) -> None:
         if self._fd >= 0:

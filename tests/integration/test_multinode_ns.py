@@ -7,13 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from unbroken.plan.netns import Netns, Wiring, available
 
-from .conftest import SMALL, _procs_of
+from .conftest import SMALL, _procs_of, run_job
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(available() is not None, reason=f"network namespaces: {available()}")]
@@ -21,12 +22,12 @@ pytestmark = [pytest.mark.timeout(300),
 _LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE")
 
 
-def _node_cmd(net: Netns, node: int, run_dir: Path) -> tuple[list[str], dict]:
+def _node_cmd(net: Netns, node: int, run_dir: Path, *extra: str) -> tuple[list[str], dict]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith(("SLURM_", "PET_"))}
     env.update(net.env(node), SLURM_NNODES="2", SLURM_NODEID=str(node), SLURM_JOB_ID="7001",
                SLURM_JOB_NODELIST=f"10.{net.net}.0.[1-2]", UNBROKEN_TOKEN="ns-token")
     cmd = [*net.exec_prefix(node), sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir),
-           "--no-progress", "--json", *SMALL]
+           "--no-progress", "--json", *SMALL, *extra]
     return cmd, env
 
 
@@ -59,4 +60,50 @@ def test_two_slurm_nodes_in_namespaces_train_like_one_node(tmp_path, two_nodes, 
     assert start["fields"]["nodes"] == 2 and start["fields"]["port"] == 15000 + 7001
     [joined] = [e for e in evs if e["kind"] == "node_joined"]
     assert joined["fields"]["node"] == 1
+    assert _procs_of(dirs[0].resolve()) == [] and _procs_of(dirs[1].resolve()) == []
+
+
+def _steps_done(run_dir: Path) -> int:
+    ev = run_dir / "events.jsonl"
+    if not ev.exists():
+        return 0
+    return sum(1 for line in ev.read_text().splitlines() if '"kind":"step"' in line and '"rank":0,' in line)
+
+
+def test_a_partitioned_node_fences_itself_and_its_ranks_are_rebuilt_from_tier_1(tmp_path, two_nodes):
+    """Node 1's link goes down mid-run: node 0 replaces its ranks from tier 1 (parity groups of one
+    rank per node) and finishes bitwise equal to the failure-free run; node 1 stops its processes
+    (fenced) and writes nothing in its run directory after the fence."""
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    procs = []
+    try:
+        for node in (0, 1):
+            cmd, env = _node_cmd(two_nodes, node, dirs[node], "--steps", "40")
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        deadline = time.monotonic() + 120
+        while _steps_done(dirs[0]) < 3 and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.02)
+        subprocess.run([*two_nodes.exec_prefix(1), "ip", "link", "set", "eth0", "down"], check=True, timeout=10)
+        outs = [p.communicate(timeout=200) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    (out0, err0), (_, err1) = outs
+    assert procs[0].returncode == 0, err0[-2000:]
+    summary = json.loads(out0)
+    assert summary["ok"] and summary["steps"] == 40
+    assert summary["weights_sha256"] == run_job(tmp_path / "ref", *SMALL, "--steps", "40")["weights_sha256"]
+    [rec] = summary["recoveries"]
+    assert rec["path"] == "tier1", rec
+    evs0 = [json.loads(x) for x in (dirs[0] / "events.jsonl").read_text().splitlines()]
+    assert [e["fields"]["node"] for e in evs0 if e["kind"] == "node_lost"] == [1]
+    assert procs[1].returncode == 2 and "fenced" in err1 and "Traceback" not in err1, err1[-2000:]
+    evs1 = [json.loads(x) for x in (dirs[1] / "events.jsonl").read_text().splitlines()]
+    assert evs1[-1]["kind"] == "node_fenced"
+    fenced_at = evs1[-1]["time"]
+    late = [str(f) for f in dirs[1].rglob("*") if f.is_file() and f.parent.name != "logs"
+            and f.stat().st_mtime > fenced_at + 0.05]
+    assert late == []  # the console copies in logs/ may still take the killed processes' last lines
     assert _procs_of(dirs[0].resolve()) == [] and _procs_of(dirs[1].resolve()) == []

@@ -191,6 +191,7 @@ def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, in
             token=token, nnodes=nnodes or place.nnodes or 1,
             node_rank=node_rank if node_rank is not None else (place.node_rank or 0),
             faults=tuple(faults), resume=resume, tee=tee)
+        cfg = _one_member_per_node(cfg, opts.nnodes)
         _check_node_faults(faults, cfg.world_size, opts.nnodes)
         check_tee_ranks(tee, cfg.world_size)
         return launch(cfg, opts, progress=progress, tee_to_stderr=tee_to_stderr)
@@ -202,6 +203,16 @@ def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, in
     except KeyboardInterrupt:
         typer.secho("interrupted: every process of the job was stopped", err=True)
         raise typer.Exit(130)
+
+
+def _one_member_per_node(cfg: RunConfig, nnodes: int) -> RunConfig:
+    """Parity groups take one rank per node (parallel/groups.py strides them), so a group has at most
+    `nnodes` members: then a lost node costs each group one member and tier 1 rebuilds it."""
+    if nnodes < 2 or cfg.effective_parity_group <= nnodes:
+        return cfg
+    typer.secho(f"parity group {cfg.parity_group} > {nnodes} nodes: using {nnodes} (one member per node), so that "
+                "losing a whole node is recovered from tier 1", err=True, fg=typer.colors.YELLOW)
+    return cfg.replace(parity_group=nnodes)
 
 
 def _check_faults_reachable(faults: list[FaultSpec], cfg: RunConfig, *, builtin: bool) -> None:

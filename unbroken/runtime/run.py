@@ -73,7 +73,8 @@ def launch(cfg: RunConfig, opts: LaunchOptions, *, console: Console | None = Non
 
         try:
             sup = Supervisor(cfg, opts, on_progress=show, on_output=_tee_writer(bar, tee_stream),
-                             on_finish=lambda: summarize(cfg, opts.run_dir, wall_s=time.time() - t0, faults=opts.faults))
+                             on_finish=lambda done: summarize(cfg, opts.run_dir, wall_s=time.time() - t0, faults=opts.faults,
+                                                              done=done))
         except Exception:
             if not opts.resume:
                 _remove_unstarted(opts.run_dir)  # refused before any process ran: leave nothing behind
@@ -113,15 +114,19 @@ def input_warnings(events) -> list[str]:
             "failure-free run" for s, r in sorted(by_step.items())]
 
 
-def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float, faults: Sequence[FaultSpec] = ()) -> dict:
-    """The run's summary.json from its events; `faults`: the specs injected (--inject, --chaos)."""
+def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float, faults: Sequence[FaultSpec] = (),
+              done: dict[int, dict] | None = None) -> dict:
+    """The run's summary.json from its events; `faults`: the specs injected (--inject, --chaos); `done`:
+    each rank's final hash from the store, for ranks whose node's events did not reach node 0."""
     every = read_events(run_dir)
     events = segments(every)[-1]  # after `--resume`: this launch's own events (generation numbers restart)
     resumed = resumes(every)
     injected = [{"kind": e.kind, "rank": e.rank, "node": e.node, "fields": e.fields}
                 for e in events if e.kind == "fault_injected"]
-    done = [e for e in events if e.kind == "worker_done"]
-    shas = {e.rank: e.fields["weights_sha256"] for e in done}
+    done_events = [e for e in events if e.kind == "worker_done"]
+    shas = {e.rank: e.fields["weights_sha256"] for e in done_events}
+    for r, rec in (done or {}).items():
+        shas.setdefault(r, rec["sha256"])
     steps = [e for e in events if e.kind == "step" and e.rank == 0]
     ever = [e for e in every if e.kind == "step" and e.rank == 0]  # a resumed job's earlier launches too
     last = max(ever, key=lambda e: e.fields["step"]) if ever else None

@@ -8,9 +8,11 @@ keeps its pool of pre-started shadows full.
 """
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import signal
+import threading
 import time
 
 import torch.distributed as dist
@@ -19,6 +21,7 @@ from unbroken.config import RunConfig
 from unbroken.events import EventLog
 from unbroken.runtime import admission, handover, lease, membership
 from unbroken.runtime.crash import CrashJudge
+from unbroken.runtime.fence import FENCE_FRACTION, LeaseFence
 from unbroken.runtime.budget import RecoveryRateExceeded, RecoveryRateLimit
 from unbroken.runtime.pool import ShadowPoolSizer
 from unbroken.runtime.procs import Child, ProcessTable
@@ -33,13 +36,15 @@ _LINK_GRACE_S = 0.3  # a crashed member's exit shows within ~0.1 s; errors outli
 _LINK_REGROUPS = 2  # per incident: a second link may break during the first regroup's recovery
 _KILL_ON = ("hang", "stall", "straggler", "health")  # faults whose process is still alive: kill it first
 _QUIET_BEATS = 3  # a node that has not renewed its lease for this many heartbeats holds hang detection
+_FENCE_EXIT_S = 2.0  # a fenced supervisor whose loop does not wake within this exits from the fence thread
 _HANDOVER_S = 30.0  # at the end: the longest wait for a follower's events, or for the leader's summary
 
 
 class Supervisor:
     def __init__(self, cfg: RunConfig, opts: LaunchOptions, *, on_progress=None, on_output=None,
                  on_finish=None) -> None:
-        """`on_finish()`: the leader's summary of a finished job, made once every node's events are here."""
+        """`on_finish(done)`: the leader's summary of a finished job, made once every node's events are here
+        (`done`: each rank's final weights hash from the store, which even a silent node's ranks left)."""
         if cfg.world_size % opts.nnodes:
             raise ValueError(f"world_size ({cfg.world_size}) must be divisible by nnodes ({opts.nnodes})")
         self.cfg, self.opts = cfg, opts
@@ -47,7 +52,7 @@ class Supervisor:
         self.node = opts.node_rank
         self.local = cfg.world_size // opts.nnodes
         self.on_progress = on_progress or (lambda info: None)
-        self.on_finish = on_finish or (lambda: None)
+        self.on_finish = on_finish or (lambda done: None)
         self.run_dir = opts.run_dir
         self.events = EventLog(self.run_dir / "events.jsonl", source="supervisor", node=self.node)
         self.store = self._open_store()
@@ -82,6 +87,8 @@ class Supervisor:
         self._link_regroups = 0  # link regroups in the incident in progress (reset when a step completes)
         self.chain = None  # the retry chain of the recovery in progress (leader)
         self.attempt = None
+        self.fence: LeaseFence | None = None  # a follower's: stop everything when the lease cannot be renewed
+        self._fence_ack = threading.Event()  # set when the loop took the fence's interrupt
 
     # --- store and admission (runtime/admission.py) -----------------------------------
     def _open_store(self) -> dist.Store:
@@ -329,6 +336,11 @@ class Supervisor:
         self.chain = self.attempt = None
         self.watch.recovered()
 
+    def _done_records(self) -> dict[int, dict]:
+        """Each finished rank's {"sha256", "steps"} as its worker put it in the store (runtime/worker.py)."""
+        return {r: json.loads(self.store.get(f"done/{r}")) for r in range(self.cfg.world_size)
+                if self.store.check([f"done/{r}"])}
+
     def _all_done(self) -> bool:
         return all(self.store.check([f"done/{r}"]) for r in range(self.cfg.world_size))
 
@@ -346,6 +358,7 @@ class Supervisor:
             membership.publish(self.store, self.gen)
         else:
             self.gen = membership.read_generation(self.store, 0, 60)
+            self.fence = LeaseFence(FENCE_FRACTION * self.cfg.node_lease_s, self._fence_now).start()
         self.tee.follow(self.gen.gen, self.gen.members)
         self.tee.start()
         finished, summary = False, None
@@ -355,7 +368,15 @@ class Supervisor:
             self.status = "running"
             self._loop()
             finished = True
+        except KeyboardInterrupt:
+            if self.fence is not None and self.fence.fenced_age_s is not None:
+                self._fence_ack.set()
+                raise LaunchError(self._fence_message()) from None
+            raise
         finally:
+            fenced = self.fence is not None and self.fence.fenced_age_s is not None
+            if self.fence is not None:
+                self.fence.stop()
             excluded, self.status = self.status == "excluded", "stopping"
             if self.leader:
                 self.store.set("shutdown", "1")
@@ -363,11 +384,33 @@ class Supervisor:
             # Ctrl-C, SIGTERM): nothing they do now matters, stop them at once
             self._drain(grace_s=10.0 if finished else 0.0)
             self.tee.stop()  # after every process exited: their last lines are all written
-            try:
-                summary = self._hand_over(finished and not excluded)
-            finally:
-                self._leave()
+            if not fenced:  # a fenced node's link to the store is down: no hand-over, no goodbye
+                try:
+                    summary = self._hand_over(finished and not excluded)
+                finally:
+                    self._leave()
         return {"wall_s": time.time() - t0, "port": self.port, "summary": summary}
+
+    def _fence_message(self) -> str:
+        return (f"node {self.node} could not renew its lease for {self.fence.fenced_age_s:.1f} s (node 0's store "
+                "unreachable): its ranks go to other nodes, so it stopped its processes (fenced); check the "
+                "network between the nodes")
+
+    def _fence_now(self, age_s: float) -> None:
+        """The fence thread: record, stop every process of this node at once, seal the log, wake the loop."""
+        self.events.emit("node_fenced", node=self.node, lease_age_s=round(age_s, 3),
+                         fence_after_s=self.fence.fence_after_s)
+        for child in list(self.table.children.values()):
+            if child.poll() is None:
+                try:
+                    os.kill(child.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.events.seal()
+        _thread.interrupt_main()
+        if not self._fence_ack.wait(_FENCE_EXIT_S):  # the loop is stuck in a store call on the dead link
+            os.write(2, f"error: {self._fence_message()}\n".encode())
+            os._exit(2)
 
     def _hand_over(self, finished: bool) -> dict | None:
         """Every node's events to the leader, the leader's summary to every node (runtime/handover.py)."""
@@ -386,7 +429,7 @@ class Supervisor:
                 followers = sorted(n for n in self.joined if not self._node_lost(n))
                 if missing := handover.collect_events(self.store, followers, self.run_dir, timeout_s=_HANDOVER_S):
                     self.events.emit("events_missing", nodes=missing, timeout_s=_HANDOVER_S)
-                summary = self.on_finish()
+                summary = self.on_finish(self._done_records())
         finally:
             if self.opts.nnodes > 1:
                 handover.publish_summary(self.store, summary)
@@ -445,6 +488,7 @@ class Supervisor:
             return True
         else:
             lease.renew(self.store, self.node)
+            self.fence.renewed()
             self.tee.follow_store(self.store)
         self._replenish()
         return False
