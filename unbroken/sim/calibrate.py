@@ -21,6 +21,7 @@ from unbroken.sim.costs import log2_scale
 from unbroken.sim.errors import SimError, need
 from unbroken.sim.overhead import OVERHEAD_FILE, OverheadCalibration, overhead_from_dict
 from unbroken.sim.policies import Policy, Unbroken
+from unbroken.sim.regroup_fit import MULTINODE_FILE, RegroupFit, regroup_fit_from_dict
 
 DEFAULT_RANKS = 4
 RECOVERY_FILE = "recovery.json"
@@ -139,6 +140,7 @@ class Calibrations:
     recovery: Calibration | None = None
     overhead: OverheadCalibration | None = None
     overhead_missing: str | None = None
+    regroup: RegroupFit | None = None  # `unbroken bench regroup`'s fit (multinode.json)
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -146,11 +148,14 @@ class Calibrations:
 
 
 def _kind(d: Any, origin: str) -> str:
-    """'recovery' or 'overhead', by the keys of a benchmark's JSON."""
+    """'recovery', 'overhead' or 'regroup', by the keys of a benchmark's JSON."""
     if not isinstance(d, dict) or "baseline" in d or "unbroken" in d:
         return "recovery"  # calibration_from_dict names what is wrong with a non-object
-    need("ratio" in d, f"{origin}: neither the recovery benchmark's JSON ('baseline', 'unbroken') nor the "
-         "overhead benchmark's ('ratio' per strategy and world size); pass one of those files")
+    if "regroup_fit" in d:
+        return "regroup"
+    need("ratio" in d, f"{origin}: neither the recovery benchmark's JSON ('baseline', 'unbroken'), the "
+         "overhead benchmark's ('ratio' per strategy and world size) nor multinode.json with 'regroup_fit'; "
+         "pass one of those files")
     return "overhead"
 
 
@@ -163,7 +168,10 @@ def load_calibrations(paths: list[str | Path]) -> Calibrations:
         p = Path(raw)
         if p.is_dir():
             files = [(k, p / name, _read_json(p / name))
-                     for k, name in (("recovery", RECOVERY_FILE), ("overhead", OVERHEAD_FILE)) if (p / name).is_file()]
+                     for k, name in (("recovery", RECOVERY_FILE), ("overhead", OVERHEAD_FILE))
+                     if (p / name).is_file()]
+            if (p / MULTINODE_FILE).is_file() and "regroup_fit" in (d := _read_json(p / MULTINODE_FILE)):
+                files.append(("regroup", p / MULTINODE_FILE, d))
             need(bool(files), f"--calibrate {str(p)!r}: the directory holds neither {RECOVERY_FILE} nor "
                  f"{OVERHEAD_FILE}; run `unbroken bench recovery` / `unbroken bench overhead` first")
             if not (p / OVERHEAD_FILE).is_file():
@@ -175,11 +183,11 @@ def load_calibrations(paths: list[str | Path]) -> Calibrations:
             need(kind not in found, f"--calibrate: two {kind} files ({found[kind][0] if kind in found else ''}, "
                  f"{f}); pass one")
             found[kind] = (f, d)
-    rec = found.get("recovery")
-    ov = found.get("overhead")
+    rec, ov, rg = found.get("recovery"), found.get("overhead"), found.get("regroup")
     return Calibrations(recovery=None if rec is None else calibration_from_dict(rec[1], str(rec[0])),
                         overhead=None if ov is None else overhead_from_dict(ov[1], str(ov[0])),
-                        overhead_missing=None if ov else missing)
+                        overhead_missing=None if ov else missing,
+                        regroup=None if rg is None else regroup_fit_from_dict(rg[1], str(rg[0])))
 
 
 def _unbroken_phases(pol: Unbroken, cal: Calibration) -> dict[str, Any]:

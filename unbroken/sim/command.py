@@ -25,6 +25,7 @@ from unbroken.sim.engine import run_policy
 from unbroken.sim.errors import SimError, need
 from unbroken.sim.eventlog import run_events, write_events
 from unbroken.sim.montecarlo import Summary, monte_carlo, sweep
+from unbroken.sim.regroup_fit import apply_regroup_fit
 from unbroken.sim.net import break_even_row, describe, overhead_grid, unbroken_ettr_at, write_document
 from unbroken.sim.policies import (OVERHEAD_SOURCES, Policy, ReplicaHeal, Unbroken, apply_settings, check_overhead,
                                    make_policy, parse_policies)
@@ -77,6 +78,10 @@ def _calibrate(policies: dict[str, Policy], cal: Calibrations, sources: dict[str
         _say(f"calibration: {note}")
     if cal.recovery is not None:
         policies = {n: apply_calibration(p, cal.recovery) for n, p in policies.items()}
+    if cal.regroup is not None and "unbroken" in policies:  # the fitted curve wins over the breakdown's log2 scaling
+        policies["unbroken"] = apply_regroup_fit(policies["unbroken"], cal.regroup)
+        _say(f"calibration: unbroken's regroup from {cal.regroup.source}: {cal.regroup.a_s:.3f} s + "
+             f"{cal.regroup.b_s:.4f} s x {'log2 N' if cal.regroup.model == 'log2' else 'N'}")
     if cal.overhead is not None and "unbroken" in policies:
         policies["unbroken"] = dataclasses.replace(policies["unbroken"], overhead=cal.overhead.overhead)
         sources["unbroken"] = cal.overhead.provenance()

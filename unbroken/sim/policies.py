@@ -256,6 +256,8 @@ class Unbroken:
     detect_s: float = 10.0
     decide_s: float = 1.0
     regroup_per_log2_s: float = 1.0
+    regroup_base_s: float = 0.0  # with regroup_per_rank_s: a fit of `unbroken bench regroup` (sim/regroup_fit.py)
+    regroup_per_rank_s: float = 0.0
     rebuild_bench_s_per_gb: float | None = None
     bench_gbps: float = 1.0
     protect_every: int = 1
@@ -268,7 +270,7 @@ class Unbroken:
     def __post_init__(self) -> None:
         check_overhead("unbroken.overhead", self.overhead)
         _non_negative("unbroken", detect_s=self.detect_s, decide_s=self.decide_s,
-                      regroup_per_log2_s=self.regroup_per_log2_s)
+                      regroup_per_log2_s=self.regroup_per_log2_s, regroup_per_rank_s=self.regroup_per_rank_s)
         _positive("unbroken", bench_gbps=self.bench_gbps)
         if self.rebuild_bench_s_per_gb is not None:
             _non_negative("unbroken", rebuild_bench_s_per_gb=self.rebuild_bench_s_per_gb)
@@ -278,6 +280,11 @@ class Unbroken:
         need(isinstance(self.parity_group, int) and self.parity_group >= 2,
              f"unbroken.parity_group must be an integer >= 2, got {self.parity_group!r}")
         _check_interval("unbroken", self.tier2_interval_s)
+
+    def regroup_s(self, gpus: int) -> float:
+        """base + per_log2 * log2 N + per_rank * N, floored at 0 (a fitted intercept may be negative)."""
+        return max(0.0, self.regroup_base_s + self.regroup_per_log2_s * log2_scale(gpus)
+                   + self.regroup_per_rank_s * gpus)
 
     def rebuild_s(self, w: Workload) -> float:
         if self.rebuild_bench_s_per_gb is None:
@@ -290,7 +297,7 @@ class Unbroken:
              f"unbroken.parity_group ({self.parity_group}) needs that many nodes; the cluster has "
              f"{scale.nodes}; use --parity-group {max(2, min(4, scale.nodes))}")
         tier1 = (("detect", self.detect_s), ("decide", self.decide_s),
-                 ("regroup", self.regroup_per_log2_s * log2_scale(scale.gpus)), ("rebuild", self.rebuild_s(w)))
+                 ("regroup", self.regroup_s(scale.gpus)), ("rebuild", self.rebuild_s(w)))
         sched = _tier2_schedule(scale, self.protect_every * w.step_s, 0.0, self.tier2_interval_s)
         return Resolved(name=self.name, schedule=sched, tier1=tier1,
                         tier2=self.restart.phases(scale.gpus, w.storage_s), path="tier1",
