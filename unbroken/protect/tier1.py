@@ -3,8 +3,8 @@
 A parity group has k members, each with C chunks (C a multiple of k-1). Window w
 spans rows w*k .. w*k+k-1; row w*k+s has its parity on member s and one data chunk
 from every other member. So each member stores C/(k-1) parity chunks: memory
-overhead 1/(k-1), no member holds more than its share. The full build is one BXOR
-all-reduce per batch of windows. Per-step deltas travel by one gloo all-to-all per
+overhead 1/(k-1), no member holds more than its share. The full build is one XOR
+all-reduce per batch of windows (gloo's BXOR, or the exchange path where there is none). Per-step deltas travel by one gloo all-to-all per
 window: member j sends its delta for row (w, s) straight to holder s and receives the
 k-1 deltas for its own row, so each rank moves exactly its protected bytes per step
 (a BXOR all-reduce moved ~2k/(k-1) times that, and took twice as long here). Windows are
@@ -23,8 +23,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-import torch.distributed as dist
 
 from unbroken.comm.group import Comm, Pending
 from unbroken.protect.chunks import ChunkedState
@@ -104,7 +102,7 @@ class Tier1:
                     c = lay.chunk(j, w, s)
                     self.crcs[c] = self.state.crc(c)
                     self._pack_with_crc(c, buf[i, s])
-            comm.allreduce(buf, op=dist.ReduceOp.BXOR, what=f"parity build windows {w0}+")
+            comm.xor_allreduce(buf, what=f"parity build windows {w0}+")
             self.parity[w0:w0 + len(ws)].copy_(buf[:, j])
         self.txn.parity_ver[:] = step
         return time.perf_counter() - t0
