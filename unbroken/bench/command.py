@@ -15,8 +15,9 @@ _QUICK = typer.Option(False, "--quick", help="smoke run: fewer steps and repeats
 _DEVICE = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (nccl, one rank per GPU)")
 
 
-def _backend(device: str) -> str:
-    """The backend a benchmark's runs use on `device`; a device this host lacks is one line, exit 2."""
+def _backend(device: str, ranks: int, fix: str) -> str:
+    """The backend a benchmark's runs of up to `ranks` ranks use on `device`; a device this host lacks,
+    or fewer GPUs than ranks (NCCL: one rank per GPU), is one line naming `fix`, exit 2."""
     import torch
 
     if device not in ("cpu", "cuda"):
@@ -24,6 +25,9 @@ def _backend(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda needs CUDA, but torch.cuda.is_available() is False on this host; "
              "run without --device (the CPU)")
+    if device == "cuda" and ranks > torch.cuda.device_count():
+        fail(f"--device cuda runs one rank per GPU: {ranks} ranks, but {torch.cuda.device_count()} GPU(s) "
+             f"visible; {fix}")
     return "nccl" if device == "cuda" else "gloo"
 
 
@@ -63,7 +67,9 @@ def protect(quick: bool = _QUICK, out: Path = _OUT) -> None:
 
 def recovery(quick: bool = _QUICK, out: Path = _OUT, device: str = _DEVICE) -> None:
     """torchrun restart-all + Young/Daly checkpoints vs unbroken in place, same job and SIGKILL schedule."""
-    backend = _backend(device)
+    from unbroken.config import RunConfig
+
+    backend = _backend(device, RunConfig().world_size, "the recovery benchmark runs the default world size")
     from unbroken.bench import recovery as rc
 
     res = _on_device(rc.measure(quick=quick, plot_path=Path(out) / "recovery.png", backend=backend), backend)
@@ -94,13 +100,13 @@ def overhead(steps: int = typer.Option(40, "--steps", help="steps per run"),
              out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="for overhead.json and overhead.png"),
              device: str = _DEVICE) -> None:
     """Failure-free cost: unbroken (protection off, and default) vs native PyTorch, tokens/s ratio with 95% CI."""
-    backend = _backend(device)  # before the imports: a refusal is immediate
+    sizes, names = _int_list(worlds, "--worlds"), _strategies(strategies)
+    backend = _backend(device, max(sizes), "pass --worlds with at most that many")  # before the slow imports
     from unbroken.bench import overhead as ov
     from unbroken.bench.plot import plot_overhead
 
     if rounds < 1:
         raise typer.BadParameter(f"--rounds must be >= 1, got {rounds}")
-    sizes, names = _int_list(worlds, "--worlds"), _strategies(strategies)
     try:
         ov.validate(steps=steps, worlds=sizes, strategies=names)
     except ValueError as e:  # a ConfigError, or --steps too short to have steady steps

@@ -61,7 +61,7 @@ SEED = 0
 
 
 # --- configurations -----------------------------------------------------------------------------
-def variant_config(variant: str, strategy: str, world: int, steps: int, backend: str = "gloo") -> RunConfig:
+def variant_config(variant: str, strategy: str, world: int, steps: int, backend: str = "auto") -> RunConfig:
     """The RunConfig of one variant (native uses it for the model, batches, schedule and backend only)."""
     if variant == "default":
         return RunConfig(strategy=strategy, world_size=world, steps=steps, backend=backend)
@@ -231,7 +231,7 @@ def _unbroken_records(run_dir: Path) -> tuple[list[dict], object]:
 
 
 def run_variant(variant: str, strategy: str, world: int, *, steps: int, run_dir: Path, peer: dict,
-                console: Console, backend: str = "gloo") -> dict:
+                console: Console, backend: str = "auto") -> dict:
     """One run of one variant: {"records": rank 0's steps, "wall_s", "protect_every_chosen"}."""
     cfg = variant_config(variant, strategy, world, steps, backend)
     if variant == "native":
@@ -246,7 +246,7 @@ def run_variant(variant: str, strategy: str, world: int, *, steps: int, run_dir:
 
 
 def measure_cell(strategy: str, world: int, *, steps: int, rounds: int, root: Path, console: Console,
-                 runs_log: list[dict], backend: str = "gloo") -> dict:
+                 runs_log: list[dict], backend: str = "auto") -> dict:
     """All rounds of one (strategy, world), interleaved native, off, default, native, ..."""
     peer = native_job.peer_for(strategy)
     runs: dict[str, list] = {v: [] for v in VARIANTS}
@@ -276,7 +276,7 @@ def validate(*, steps: int, worlds: list[int], strategies: list[str]) -> None:
 
 
 def measure(*, steps: int, rounds: int, worlds: list[int], strategies: list[str] | None = None,
-            console: Console | None = None, backend: str = "gloo") -> dict:
+            console: Console | None = None, backend: str = "auto") -> dict:
     console = console or Console(stderr=True)
     strategies = list(strategies or STRATEGIES)
     validate(steps=steps, worlds=worlds, strategies=strategies)  # before the first run, not after the last

@@ -123,7 +123,7 @@ def _protected_bytes(run_dir: Path) -> int | None:
 
 
 def measure(*, quick: bool, console: Console | None = None, plot_path: Path | None = None,
-            backend: str = "gloo") -> dict:
+            backend: str = "auto") -> dict:
     console = console or Console(stderr=True)
     spec = QUICK if quick else FULL
     steps, kills = spec["steps"], spec["kills"]

@@ -251,15 +251,16 @@ class Comm:
         """The group a tensor's collective runs on: NCCL for CUDA tensors when there is one."""
         return self.dev_pg if self.dev_pg is not None and t.is_cuda else self.pg
 
-    def _issue(self, op: Callable[[], dist.Work], what: str) -> dist.Work:
+    def _issue(self, t: torch.Tensor, op: Callable[[dist.ProcessGroup], dist.Work], what: str) -> dist.Work:
         """Issue one op. gloo's send/recv touch the socket at once: on a link already closed
         (a dead peer, a retired generation) they raise there, not in wait(). Either way it
         is a failed collective, never a bare RuntimeError escaping recovery."""
         if self._retired:
             raise CollectiveError(f"{what}: generation {self.gen} is retired; its group takes no more ops")
+        pg = self._pg(t)
         try:
-            work = op()
-            return work if self.dev_pg is None else _DeviceAware(work)
+            work = op(pg)
+            return work if pg is self.pg else _DeviceAware(work)
         except RuntimeError as e:
             raise CollectiveError(f"{what} failed at issue in generation {self.gen}: "
                                   f"{str(e).splitlines()[0][:200]}") from e
@@ -272,25 +273,25 @@ class Comm:
         """Issue an all-reduce and return at once; `finish()` it later (ops complete in issue order)."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        return self.start(self._issue(lambda: self._pg(t).allreduce([t], opts), what), what)
+        return self.start(self._issue(t, lambda pg: pg.allreduce([t], opts), what), what)
 
     def alltoall_start(self, out: torch.Tensor, inp: torch.Tensor, what: str = "all-to-all") -> "Pending":
         """inp[s] goes to rank s, out[m] comes from rank m (first dimension = world); one op."""
-        return self.start(self._issue(lambda: self._pg(inp).alltoall_base(out, inp, [], [], dist.AllToAllOptions()), what),
-                          what)
+        opts = dist.AllToAllOptions()
+        return self.start(self._issue(inp, lambda pg: pg.alltoall_base(out, inp, [], [], opts), what), what)
 
     def send_start(self, t: torch.Tensor, dst: int, tag: int, what: str = "send") -> "Pending":
         """Point-to-point send of a contiguous tensor; `finish()` it later."""
-        return self.start(self._issue(lambda: self._pg(t).send([t], dst, tag), what), what)
+        return self.start(self._issue(t, lambda pg: pg.send([t], dst, tag), what), what)
 
     def recv_start(self, t: torch.Tensor, src: int, tag: int, what: str = "recv") -> "Pending":
         """Point-to-point receive into a contiguous tensor; `finish()` it later."""
-        return self.start(self._issue(lambda: self._pg(t).recv([t], src, tag), what), what)
+        return self.start(self._issue(t, lambda pg: pg.recv([t], src, tag), what), what)
 
     def broadcast(self, t: torch.Tensor, src: int, what: str = "broadcast") -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
-        self._wait(self._issue(lambda: self._pg(t).broadcast([t], opts), what), what)
+        self._wait(self._issue(t, lambda pg: pg.broadcast([t], opts), what), what)
 
     def reduce(self, t: torch.Tensor, dst: int, op: dist.ReduceOp, what: str = "reduce") -> None:
         self.finish(self.reduce_start(t, dst, op, what))
@@ -298,14 +299,14 @@ class Comm:
     def reduce_start(self, t: torch.Tensor, dst: int, op: dist.ReduceOp, what: str = "reduce") -> "Pending":
         opts = dist.ReduceOptions()
         opts.reduceOp, opts.rootRank, opts.rootTensor = op, dst, 0
-        return self.start(self._issue(lambda: self._pg(t).reduce([t], opts), what), what)
+        return self.start(self._issue(t, lambda pg: pg.reduce([t], opts), what), what)
 
     def gather_start(self, rows: torch.Tensor | None, mine: torch.Tensor, dst: int, what: str = "gather") -> "Pending":
         """Every rank's `mine` lands in row r of `rows` (world, *mine.shape) on `dst` (None elsewhere)."""
         opts = dist.GatherOptions()
         opts.rootRank = dst
         outs = [[rows[r] for r in range(self.world)]] if rows is not None else []
-        return self.start(self._issue(lambda: self._pg(mine).gather(outs, [mine], opts), what), what)
+        return self.start(self._issue(mine, lambda pg: pg.gather(outs, [mine], opts), what), what)
 
     # --- XOR / AND: the backend's bitwise reduce ops, or the exchange path (comm/bitwise.py) ---
     def bitwise_path(self, t: torch.Tensor) -> str:
@@ -337,7 +338,7 @@ class Comm:
         """`out` is (world * n,) and `mine` is out's slice for this rank (n,)."""
         n = mine.numel()
         outs = [out[i * n:(i + 1) * n] for i in range(self.world)]
-        self._wait(self._issue(lambda: self._pg(mine).allgather([outs], [mine]), what), what)
+        self._wait(self._issue(mine, lambda pg: pg.allgather([outs], [mine]), what), what)
 
     def allgather_json(self, obj: object, what: str = "allgather_json") -> list:
         """Small metadata exchange as JSON — never pickle: a peer's bytes must not be able to
