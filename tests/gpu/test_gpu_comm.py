@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import functools
 import multiprocessing as mp
-import socket
 from datetime import timedelta
 
 import pytest
 
 from tests.integration.conftest import spawn_ranks
+from unbroken.bench.common import free_port
 
 from .need import GPUS, gpus
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _member(rank: int, port: int, world: int, out: mp.Queue) -> None:
@@ -62,7 +56,7 @@ def _member(rank: int, port: int, world: int, out: mp.Queue) -> None:
 @pytest.mark.parametrize("world", [pytest.param(1, marks=gpus(1)), pytest.param(2, marks=gpus(2)),
                                    pytest.param(max(GPUS, 3), marks=gpus(max(GPUS, 3)))])
 def test_nccl_comm_xor_and_sum_and_control_messages(world):
-    results = dict(spawn_ranks(_member, _free_port(), world, world=world, timeout_s=150))
+    results = dict(spawn_ranks(_member, free_port(), world, world=world, timeout_s=150))
     for r in range(world):
         assert isinstance(results[r], dict), results[r]
         assert all(results[r].values()), {k: v for k, v in results[r].items() if not v}

@@ -3,22 +3,16 @@ BXOR/BAND, over real gloo groups of 2-4 processes: bitwise the same, for any siz
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from datetime import timedelta
 
 import pytest
 
+from unbroken.bench.common import free_port
 from .conftest import spawn_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
 DTYPES = ("int32", "int64", "uint8", "int16", "float32", "bfloat16", "float64", "bool")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_tensor(seed: int, rank: int, dtype_name: str, n: int):
@@ -107,5 +101,5 @@ def _member(rank: int, port: int, out: mp.Queue) -> None:
 
 
 def test_exchange_xor_and_equal_gloo_bitwise_ops_in_groups_of_2_3_and_4():
-    results = dict(spawn_ranks(_member, _free_port(), world=4, timeout_s=150))
+    results = dict(spawn_ranks(_member, free_port(), world=4, timeout_s=150))
     assert results == {r: "ok" for r in range(4)}, results
