@@ -47,3 +47,41 @@ def test_fold_equals_numpy_bitwise_reduce(rows, cols, op, seed):
 def test_an_unknown_op_is_refused():
     with pytest.raises(ValueError, match="one of xor, and"):
         fold(torch.zeros(2, 2, dtype=torch.int32), "or")
+
+
+def test_comm_refuses_an_unknown_backend_or_bitwise_mode_before_connecting():
+    import torch.distributed as dist
+
+    from unbroken.comm.group import Comm
+
+    with pytest.raises(ValueError, match="backend must be one of gloo, nccl, got 'mpi'"):
+        Comm(dist.HashStore(), rank=0, world=1, gen=0, timeout_s=5, backend="mpi")
+    with pytest.raises(ValueError, match="bitwise_reduce must be one of auto, exchange, got 'native'"):
+        Comm(dist.HashStore(), rank=0, world=1, gen=0, timeout_s=5, bitwise_reduce="native")
+
+
+@pytest.mark.skipif(torch.distributed.is_nccl_available(), reason="checks a torch build without NCCL")
+def test_an_nccl_group_without_nccl_fails_its_rendezvous_naming_the_fix():
+    import torch.distributed as dist
+
+    from unbroken.comm.group import CollectiveError, Comm
+
+    with pytest.raises(CollectiveError, match="this torch build has no NCCL; use --backend gloo"):
+        Comm(dist.HashStore(), rank=0, world=1, gen=0, timeout_s=5, backend="nccl")
+
+
+def test_a_one_rank_group_routes_cpu_tensors_to_gloo_and_honours_the_switch():
+    import torch.distributed as dist
+
+    from unbroken.comm.group import Comm
+
+    native = Comm(dist.HashStore(), rank=0, world=1, gen=0, timeout_s=5)
+    forced = Comm(dist.HashStore(), rank=0, world=1, gen=0, timeout_s=5, bitwise_reduce="exchange")
+    t = torch.arange(5, dtype=torch.int32)
+    assert native.bitwise_path(t) == "native" and forced.bitwise_path(t) == "exchange"
+    for comm in (native, forced):
+        x = t.clone()
+        comm.xor_reduce(x, 0, what="one-rank xor")
+        comm.and_allreduce(x, what="one-rank and")
+        assert x.equal(t)  # the XOR / AND of one rank's tensor is itself
+        comm.retire()

@@ -72,11 +72,12 @@ class Tier1:
         self.state, self.layout, self.member, self.txn = state, layout, member, txn
         self.snap = snap  # the state as of the last parity point (txn.snap_ver): what parity encodes
         shape = state.chunk_shape
-        self.parity = torch.zeros((layout.n_windows, *shape), dtype=torch.int32)
+        dev = state.device
+        self.parity = torch.zeros((layout.n_windows, *shape), dtype=torch.int32, device=dev)
         # Rotating per-window buffers of k slots: outgoing slot s = our delta for holder s,
         # incoming slot m = member m's delta for our row (our own slot of each stays unused).
-        self._windows = torch.zeros((PIPELINE + 1, layout.k, *shape), dtype=torch.int32)
-        self._incoming = torch.zeros((PIPELINE + 1, layout.k, *shape), dtype=torch.int32)
+        self._windows = torch.zeros((PIPELINE + 1, layout.k, *shape), dtype=torch.int32, device=dev)
+        self._incoming = torch.zeros((PIPELINE + 1, layout.k, *shape), dtype=torch.int32, device=dev)
         self.bytes_protected = state.n_chunks * state.chunk_bytes
         assert state.trailer_words >= layout.k, "ChunkedState needs a trailer of k words for checksums"
         self.crcs = [0] * state.n_chunks  # CRC-32C of our chunks as the parity knows them
@@ -96,7 +97,7 @@ class Tier1:
         lay, j = self.layout, self.member
         for w0 in range(0, lay.n_windows, _BUILD_BATCH_WINDOWS):
             ws = range(w0, min(w0 + _BUILD_BATCH_WINDOWS, lay.n_windows))
-            buf = torch.zeros((len(ws), lay.k, *self.state.chunk_shape), dtype=torch.int32)
+            buf = torch.zeros((len(ws), lay.k, *self.state.chunk_shape), dtype=torch.int32, device=self.state.device)
             for s in lay.holders(j):
                 for i, w in enumerate(ws):
                     c = lay.chunk(j, w, s)
@@ -143,7 +144,8 @@ class Tier1:
         """
         lay, j = self.layout, self.member
         if out is None:
-            out = torch.zeros((lay.n_windows, lay.k - 1, *self.state.chunk_shape), dtype=torch.int32)
+            out = torch.zeros((lay.n_windows, lay.k - 1, *self.state.chunk_shape), dtype=torch.int32,
+                              device=self.state.device)
         for w in range(lay.n_windows):
             for idx, s in enumerate(lay.holders(lost)):
                 if s == j:

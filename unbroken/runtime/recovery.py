@@ -362,7 +362,8 @@ def _decode_input(tr: RecoveryInputs, status: list[dict], lost: int, *, rows_at:
     groups = owned.groups
     pv = [status[r]["parity_ver"] for r in groups.ranks(groups.group_of(tr.rank))]
     rows = rows_at is not None
-    buf = torch.zeros((owned.layout.n_windows, k if rows else k - 1, *owned.state.chunk_shape), dtype=torch.int32)
+    buf = torch.zeros((owned.layout.n_windows, k if rows else k - 1, *owned.state.chunk_shape), dtype=torch.int32,
+                      device=owned.state.device)
     if tr.rank != lost:
         owned.tier1.decode_contribution(groups.member_of(lost), pv, out=buf[:, :k - 1])
         if rows:
