@@ -18,7 +18,7 @@ timeout 300 "$py" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider 2>&1 | t
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "+ unbroken bench overhead --device cuda (worlds: $gpus)"
-timeout 240 "$py" -m unbroken.cli bench overhead --device cuda --worlds "$gpus" --steps 12 --rounds 1 \
+timeout 300 "$py" -m unbroken.cli bench overhead --device cuda --worlds "$gpus" --steps 12 --rounds 1 \
     --out-dir "$out" || status=1
 
 if [ "$gpus" -ge 4 ]; then  # the recovery benchmark runs 4 ranks, one per GPU
