@@ -1,7 +1,7 @@
 """unbroken: keep PyTorch training productive while hardware fails.
 
 Public API: `unbroken.Trainer` (inside a script launched by `unbroken run`),
-`unbroken.current_config()`, `unbroken.RunConfig`, and the `unbroken` CLI.
+`unbroken.current_config()`, `unbroken.device()`, `unbroken.RunConfig`, and the `unbroken` CLI.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from unbroken.config import ModelConfig, RunConfig
 if TYPE_CHECKING:
     from unbroken.runtime.worker import Trainer
 
-__all__ = ["ModelConfig", "RunConfig", "Trainer", "current_config"]
+__all__ = ["ModelConfig", "RunConfig", "Trainer", "current_config", "device"]
 __version__ = "0.1.0"
 
 
@@ -26,6 +26,13 @@ def current_config() -> RunConfig:
     if not run_dir:
         raise RuntimeError("not running under `unbroken run` (UNBROKEN_RUN_DIR is not set)")
     return RunConfig.from_dict(json.loads((Path(run_dir) / "config.json").read_text()))
+
+
+def device():
+    """The torch.device this rank trains on (CPU under gloo, the LOCAL_RANK GPU under nccl): build the model there."""
+    from unbroken.runtime.devices import rank_device
+
+    return rank_device(current_config().backend)
 
 
 def __getattr__(name: str):

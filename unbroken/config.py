@@ -14,6 +14,8 @@ from typing import Any
 
 STRATEGIES = ("zero1", "ddp")
 NONFINITE_POLICIES = ("stop", "skip")
+BACKENDS = ("auto", "gloo", "nccl")  # auto: nccl when CUDA is available, else gloo (runtime/devices.py)
+BITWISE_REDUCE = ("auto", "exchange")  # XOR/AND: the backend's BXOR/BAND where it has them, or always exchange
 
 
 class ConfigError(ValueError):
@@ -87,6 +89,8 @@ class RunConfig:
     exclude_after_faults: int = 3
     exclude_window_s: float = 3600.0
     threads: int = 1
+    backend: str = "auto"  # the data collectives' backend; control traffic stays on the store and gloo
+    bitwise_reduce: str = "auto"  # "exchange": XOR/AND by all-to-all/gather + local op even where gloo has BXOR
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def __post_init__(self) -> None:
@@ -144,6 +148,10 @@ class RunConfig:
         _need(self.exclude_after_faults >= 1, f"exclude_after_faults must be >= 1, got {self.exclude_after_faults!r}")
         _need(self.exclude_window_s > 0, f"exclude_window_s must be > 0, got {self.exclude_window_s!r}")
         _need(self.threads >= 1, f"threads must be >= 1, got {self.threads!r}")
+        _need(self.backend in BACKENDS,
+              f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}; e.g. --backend gloo")
+        _need(self.bitwise_reduce in BITWISE_REDUCE,
+              f"bitwise_reduce must be one of {', '.join(BITWISE_REDUCE)}, got {self.bitwise_reduce!r}")
         if isinstance(self.model, dict):  # from JSON/TOML
             object.__setattr__(self, "model", ModelConfig(**_known(ModelConfig, self.model, "model.")))
 

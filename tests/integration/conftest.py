@@ -98,6 +98,7 @@ SLOW_VARIANTS = {
         "1-4-backward-0", "1-4-midchunk-2", "1-4-allgather-0", "4-5-forward-0",  # 4-7-midchunk-2, 4-6-allreduce-0
         "4-5-optimizer-3", "4-6-backward-0", "4-4-optimizer-0", "4-4-parity-1", "4-4-allgather-0"},
     "test_recovery.py::test_ddp_sigkill_recovers_from_a_replica": {"backward", "allgather"},
+    "test_recovery_exchange.py::test_a_kill_recovers_bitwise_with_xor_and_by_exchange": {"midchunk-2"},
     "test_recovery.py::test_corrupted_parity_chunk_is_detected_and_tier2_used": {"backward"},
     "test_recovery.py::test_a_survivor_a_step_behind_is_never_the_source": {"ddp-replica"},
     "test_recovery.py::test_zero1_without_tier1_never_takes_a_peer_shard": {"collerr:rank=0,step=5,phase=reduced-local"},

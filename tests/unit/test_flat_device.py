@@ -27,3 +27,11 @@ def test_a_model_on_another_device_is_refused_naming_the_parameter_and_the_fix()
     with pytest.raises(AdoptionError, match=r"m0.weight is on meta, but this rank trains on cpu.*model.to\('cpu'\)"):
         check_device(named, torch.device("cpu"))
     check_device(_named(nn.Linear(3, 2)), torch.device("cpu"))  # the rank's own device: accepted
+
+
+def test_protected_state_on_several_devices_is_refused():
+    from unbroken.protect.chunks import ChunkedState
+
+    with pytest.raises(ValueError, match="on one device"):
+        ChunkedState([torch.zeros(4), torch.zeros(4, device="meta")], 2)
+    assert ChunkedState([torch.zeros(4), torch.zeros(4)], 2).device == torch.device("cpu")

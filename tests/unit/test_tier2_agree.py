@@ -46,7 +46,8 @@ class FakeComm:
         self.calls = 0
 
     def for_rank(self, rank: int):
-        return SimpleNamespace(allreduce=lambda t, op, what: self._allreduce(rank, t, op))
+        return SimpleNamespace(allreduce=lambda t, op, what: self._allreduce(rank, t, op),
+                               and_allreduce=lambda t, what: self._allreduce(rank, t, dist.ReduceOp.BAND))
 
     def _allreduce(self, rank: int, t: torch.Tensor, op) -> None:
         self.slots[rank] = int(t)

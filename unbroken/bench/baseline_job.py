@@ -42,6 +42,7 @@ from unbroken.config import RunConfig  # noqa: E402
 from unbroken.fsutil import atomic_write_bytes  # noqa: E402
 from unbroken.models import VOCAB_SIZE, Corpus, batch_for  # noqa: E402
 from unbroken.models.gpt import build_model  # noqa: E402
+from unbroken.runtime.devices import bind_rank_device, group_backend  # noqa: E402
 from unbroken.jobs.recipe import WarmupCosine as Schedule  # noqa: E402  (lr_at only: the same schedule)
 
 LOG_NAME = "baseline.jsonl"
@@ -126,18 +127,21 @@ def train(cfg: RunConfig, run_dir: Path, every: int, kills: set[tuple[int, int]]
     rank, world = dist.get_rank(), dist.get_world_size()
     log = Log(run_dir / LOG_NAME, rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     log("process_start", t=T_PROCESS, pid=os.getpid())
-    model = build_model(cfg.model, VOCAB_SIZE, seed=cfg.seed)
+    device = bind_rank_device(cfg.backend)  # the CPU, or under nccl this rank's GPU
+    model = build_model(cfg.model, VOCAB_SIZE, seed=cfg.seed).to(device)
     opt = make_optimizer(model, cfg, optimizer)
     sched = Schedule(lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
     ckpt = latest_checkpoint(run_dir)
     start = load_checkpoint(ckpt, model, opt) if ckpt else 0
-    ddp = DistributedDataParallel(model)  # broadcasts rank 0's weights: all ranks agree
+    # broadcasts rank 0's weights: all ranks agree
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     corpus = Corpus.embedded()
     log("ready", loaded_step=start)
     t_prev = time.perf_counter()
     for step in range(start + 1, cfg.steps + 1):
         x, y = batch_for(corpus, seed=cfg.seed, step=step, rank=rank, world_size=world,
                          batch_size=cfg.batch_size, seq_len=cfg.model.seq_len)
+        x, y = x.to(device), y.to(device)
         logits = ddp(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         if (rank, step) in kills and claim_kill(run_dir, rank, step):
@@ -151,6 +155,8 @@ def train(cfg: RunConfig, run_dir: Path, every: int, kills: set[tuple[int, int]]
             g["lr"] = sched.lr_at(step)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # a step's time is its kernels', not their launch's
         now = time.perf_counter()
         if rank == 0:
             log("step", step=step, loss=round(float(loss.detach()), 6), step_s=round(now - t_prev, 4),
@@ -162,7 +168,7 @@ def train(cfg: RunConfig, run_dir: Path, every: int, kills: set[tuple[int, int]]
             log("checkpoint_saved", step=step, save_s=round(time.perf_counter() - t0, 4), bytes=nbytes)
             t_prev = time.perf_counter()  # the next step's time is its own, the save is logged apart
     if rank == 0:
-        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+        digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
         log("done", steps=cfg.steps, weights_sha256=digest)
 
 
@@ -179,7 +185,7 @@ def main() -> None:
         raise SystemExit("--optimizer zero saves no checkpoints (its state is sharded); pass --checkpoint-every 0")
     cfg = RunConfig.from_dict(json.loads((a.run_dir / "config.json").read_text()))
     torch.set_num_threads(cfg.threads)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.collective_timeout_s))
+    dist.init_process_group(group_backend(cfg.backend), timeout=timedelta(seconds=cfg.collective_timeout_s))
     try:
         train(cfg, a.run_dir, a.checkpoint_every, {parse_kill(k) for k in a.kill}, a.optimizer)
         dist.barrier()  # no rank tears gloo down while a peer still has work in flight (it aborts)

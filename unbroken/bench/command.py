@@ -8,10 +8,36 @@ import typer
 from rich.console import Console
 
 from unbroken.bench.common import RESULTS_DIR, write_result
+from unbroken.cli_error import fail
 from unbroken.bench.interval import interval  # noqa: F401  (the command lives with its benchmark)
 
 _OUT = typer.Option(RESULTS_DIR, "--out", help="directory for NAME.json (and NAME.png)")
 _QUICK = typer.Option(False, "--quick", help="smoke run: fewer steps and repeats")
+_DEVICE = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (nccl, one rank per GPU)")
+
+
+def _backend(device: str, ranks: int, fix: str) -> str:
+    """The backend a benchmark's runs of up to `ranks` ranks use on `device`; a device this host lacks,
+    or fewer GPUs than ranks (NCCL: one rank per GPU), is one line naming `fix`, exit 2."""
+    import torch
+
+    if device not in ("cpu", "cuda"):
+        fail(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda needs CUDA, but torch.cuda.is_available() is False on this host; "
+             "run without --device (the CPU)")
+    if device == "cuda" and ranks > torch.cuda.device_count():
+        fail(f"--device cuda runs one rank per GPU: {ranks} ranks, but {torch.cuda.device_count()} GPU(s) "
+             f"visible; {fix}")
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def _on_device(res: dict, backend: str) -> dict:
+    """The result with the device its figures were measured on."""
+    import torch
+
+    name = torch.cuda.get_device_name(0) if backend == "nccl" else "cpu"
+    return {**res, "device": name, "backend": backend}
 
 
 def _finish(name: str, res: dict, table, out: Path) -> None:
@@ -40,11 +66,14 @@ def protect(quick: bool = _QUICK, out: Path = _OUT) -> None:
     _finish("protect", res, pr.table, out)
 
 
-def recovery(quick: bool = _QUICK, out: Path = _OUT) -> None:
+def recovery(quick: bool = _QUICK, out: Path = _OUT, device: str = _DEVICE) -> None:
     """torchrun restart-all + Young/Daly checkpoints vs unbroken in place, same job and SIGKILL schedule."""
+    from unbroken.config import RunConfig
+
+    backend = _backend(device, RunConfig().world_size, "the recovery benchmark runs the default world size")
     from unbroken.bench import recovery as rc
 
-    res = rc.measure(quick=quick, plot_path=Path(out) / "recovery.png")
+    res = _on_device(rc.measure(quick=quick, plot_path=Path(out) / "recovery.png", backend=backend), backend)
     _finish("recovery", res, rc.table, out)
 
 
@@ -70,19 +99,20 @@ def overhead(steps: int = typer.Option(40, "--steps", help="steps per run"),
              worlds: str = typer.Option("2,4", "--worlds", help="world sizes, comma-separated"),
              strategies: str = typer.Option("", "--strategies", help="comma-separated; default: every strategy"),
              out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="for overhead.json and overhead.png"),
-             ) -> None:
+             device: str = _DEVICE) -> None:
     """Failure-free cost: unbroken (protection off, and default) vs native PyTorch, tokens/s ratio with 95% CI."""
+    sizes, names = _int_list(worlds, "--worlds"), _strategies(strategies)
+    backend = _backend(device, max(sizes), "pass --worlds with at most that many")  # before the slow imports
     from unbroken.bench import overhead as ov
     from unbroken.bench.plot import plot_overhead
 
     if rounds < 1:
         raise typer.BadParameter(f"--rounds must be >= 1, got {rounds}")
-    sizes, names = _int_list(worlds, "--worlds"), _strategies(strategies)
     try:
         ov.validate(steps=steps, worlds=sizes, strategies=names)
     except ValueError as e:  # a ConfigError, or --steps too short to have steady steps
         raise typer.BadParameter(str(e)) from None
-    res = ov.measure(steps=steps, rounds=rounds, worlds=sizes, strategies=names)
+    res = _on_device(ov.measure(steps=steps, rounds=rounds, worlds=sizes, strategies=names, backend=backend), backend)
     _finish("overhead", res, ov.table, out_dir)
     plot_overhead(res, Path(out_dir) / "overhead.png")
     Console().print(f"wrote {Path(out_dir) / 'overhead.png'}")

@@ -89,7 +89,7 @@ def _time_rebuild(comm: Comm, t1: Tier1, *, lost: int, repeats: int) -> tuple[li
         else:
             buf = t1.decode_contribution(lost, versions)
         t_decode = time.perf_counter()
-        comm.reduce(buf, dst=lost, op=dist.ReduceOp.BXOR, what=f"decode of member {lost}")
+        comm.xor_reduce(buf, dst=lost, what=f"decode of member {lost}")
         t_reduce = time.perf_counter()
         if me == lost:
             t1.install_decoded(buf, versions)

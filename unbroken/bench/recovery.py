@@ -56,9 +56,13 @@ def measure_save_s(cfg: RunConfig, repeats: int = 3) -> dict:
     from unbroken.models import VOCAB_SIZE
     from unbroken.models.gpt import build_model
 
-    model = build_model(cfg.model, VOCAB_SIZE, seed=cfg.seed)
+    from unbroken.runtime.devices import rank_device
+
+    device = rank_device(cfg.backend, local_rank=0)  # a save from the GPU includes its copy to the host
+    model = build_model(cfg.model, VOCAB_SIZE, seed=cfg.seed).to(device)
     opt = job.make_optimizer(model, cfg)
-    model.loss(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)).backward()
+    x = torch.zeros(1, 8, dtype=torch.long, device=device)
+    model.loss(x, x).backward()
     opt.step()  # populate exp_avg / exp_avg_sq: the checkpoint has its real size
     times, nbytes = [], 0
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-save-") as tmp:
@@ -118,11 +122,12 @@ def _protected_bytes(run_dir: Path) -> int | None:
     return built[0].fields["bytes"] * (k - 1) if built and k >= 2 else None
 
 
-def measure(*, quick: bool, console: Console | None = None, plot_path: Path | None = None) -> dict:
+def measure(*, quick: bool, console: Console | None = None, plot_path: Path | None = None,
+            backend: str = "auto") -> dict:
     console = console or Console(stderr=True)
     spec = QUICK if quick else FULL
     steps, kills = spec["steps"], spec["kills"]
-    cfg = RunConfig(steps=steps)
+    cfg = RunConfig(steps=steps, backend=backend)
     save = measure_save_s(cfg)
     console.log(f"recovery: one checkpoint save takes {save['save_s']:.3f}s ({save['bytes'] / 1e6:.1f} MB)")
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-recovery-") as tmp:

@@ -1,10 +1,13 @@
-"""One generation's gloo process group, with collectives that never wait forever.
+"""One generation's process group, with collectives that never wait forever.
 
 Every collective is issued async and polled: it finishes, fails (a peer died),
 runs past its deadline, or is abandoned because the supervisor published a newer
 generation. Retiring a group is a fence: when `retire()` returns, every op it issued has
 ended and no byte can land in a buffer it was given (or AbandonedOpsStuck is raised).
 The group object is never destroyed; `retired` keeps old ones referenced until exit.
+With backend "nccl" a second, NCCL group carries the CUDA tensors' collectives; control
+traffic (CPU tensors: votes, JSON, flags) stays on gloo. XOR/AND reductions use gloo's
+BXOR/BAND where the group has them, else the exchange path of comm/bitwise.py.
 """
 from __future__ import annotations
 
@@ -20,12 +23,17 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from unbroken.comm import bitwise
+
+BACKENDS = ("gloo", "nccl")
+
 
 class Pending:
     """An issued collective: done when `done` is set; `error` holds its exception, if any."""
 
     def __init__(self, what: str) -> None:
         self.what, self.done, self.error = what, threading.Event(), []
+        self.after: Callable[[], object] | None = None  # run by finish() once the op succeeded
 
 
 class BadControlMessage(ValueError):
@@ -70,9 +78,17 @@ class Comm:
     """Collectives for `rank` of `world` in generation `gen` over `store` (prefix applied by caller)."""
 
     def __init__(self, store: dist.Store, *, rank: int, world: int, gen: int, timeout_s: float,
-                 interrupted: Callable[[], bool] | None = None, fence_s: float = 5.0) -> None:
+                 interrupted: Callable[[], bool] | None = None, fence_s: float = 5.0,
+                 backend: str = "gloo", bitwise_reduce: str = "auto") -> None:
         if fence_s <= 0:
             raise ValueError(f"Comm fence_s must be > 0 seconds, got {fence_s!r}; e.g. 5.0")
+        if backend not in BACKENDS:
+            raise ValueError(f"Comm backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if bitwise_reduce not in bitwise.BITWISE_MODES:
+            raise ValueError(f"Comm bitwise_reduce must be one of {', '.join(bitwise.BITWISE_MODES)}, "
+                             f"got {bitwise_reduce!r}")
+        self.backend, self.bitwise_reduce = backend, bitwise_reduce
+        self.dev_pg = None  # the NCCL group for CUDA tensors (backend "nccl")
         self.rank, self.world, self.gen, self.timeout_s, self.fence_s = rank, world, gen, timeout_s, fence_s
         self._interrupted = interrupted or (lambda: False)
         self.waited_s = 0.0  # total time spent inside collectives (straggler evidence)
@@ -94,6 +110,8 @@ class Comm:
                 box.append(dist.ProcessGroupGloo(store, self.rank, self.world, timedelta(seconds=self.timeout_s)))
                 after = _socket_fds()
                 self._sockets = {fd: link for fd, link in after.items() if before.get(fd) != link}
+                if self.backend == "nccl":
+                    self.dev_pg = _nccl_group(store, self.rank, self.world, self.timeout_s)
             except BaseException as e:  # noqa: BLE001 - handed to the caller in finish()
                 p.error.append(e)
             finally:
@@ -144,10 +162,15 @@ class Comm:
                 "sockets being shut down: it may still write into a buffer the next generation reuses")
 
     def _shutdown(self) -> None:
-        try:
-            self.pg.shutdown()
-        except Exception:  # noqa: BLE001 - best effort: a group that cannot shut down is left alone
-            pass
+        # NCCL first: abort() ends its ops stuck on a dead peer, which the fence waits for
+        for pg in (self.dev_pg, self.pg):
+            try:
+                if pg is self.dev_pg and pg is not None:
+                    pg.abort()
+                elif pg is not None:
+                    pg.shutdown()
+            except Exception:  # noqa: BLE001 - best effort: a group that cannot shut down is left alone
+                pass
 
     def drop_links(self) -> None:
         """Shut down this group's connected sockets: to gloo (here and at the peers) it looks
@@ -217,19 +240,27 @@ class Comm:
         if p.error:
             raise CollectiveError(f"{p.what} failed in generation {self.gen}: "
                                   f"{str(p.error[0]).splitlines()[0][:200]}") from p.error[0]
+        if p.after is not None:
+            p.after()
 
     def _wait(self, work: dist.Work, what: str) -> None:
         self.finish(self.start(work, what))
 
     # --- collectives ---------------------------------------------------------------
-    def _issue(self, op: Callable[[], dist.Work], what: str) -> dist.Work:
+    def _pg(self, t: torch.Tensor):
+        """The group a tensor's collective runs on: NCCL for CUDA tensors when there is one."""
+        return self.dev_pg if self.dev_pg is not None and t.is_cuda else self.pg
+
+    def _issue(self, t: torch.Tensor, op: Callable[[dist.ProcessGroup], dist.Work], what: str) -> dist.Work:
         """Issue one op. gloo's send/recv touch the socket at once: on a link already closed
         (a dead peer, a retired generation) they raise there, not in wait(). Either way it
         is a failed collective, never a bare RuntimeError escaping recovery."""
         if self._retired:
             raise CollectiveError(f"{what}: generation {self.gen} is retired; its group takes no more ops")
+        pg = self._pg(t)
         try:
-            return op()
+            work = op(pg)
+            return work if pg is self.pg else _DeviceAware(work)
         except RuntimeError as e:
             raise CollectiveError(f"{what} failed at issue in generation {self.gen}: "
                                   f"{str(e).splitlines()[0][:200]}") from e
@@ -242,25 +273,25 @@ class Comm:
         """Issue an all-reduce and return at once; `finish()` it later (ops complete in issue order)."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        return self.start(self._issue(lambda: self.pg.allreduce([t], opts), what), what)
+        return self.start(self._issue(t, lambda pg: pg.allreduce([t], opts), what), what)
 
     def alltoall_start(self, out: torch.Tensor, inp: torch.Tensor, what: str = "all-to-all") -> "Pending":
         """inp[s] goes to rank s, out[m] comes from rank m (first dimension = world); one op."""
-        return self.start(self._issue(lambda: self.pg.alltoall_base(out, inp, [], [], dist.AllToAllOptions()), what),
-                          what)
+        opts = dist.AllToAllOptions()
+        return self.start(self._issue(inp, lambda pg: pg.alltoall_base(out, inp, [], [], opts), what), what)
 
     def send_start(self, t: torch.Tensor, dst: int, tag: int, what: str = "send") -> "Pending":
         """Point-to-point send of a contiguous tensor; `finish()` it later."""
-        return self.start(self._issue(lambda: self.pg.send([t], dst, tag), what), what)
+        return self.start(self._issue(t, lambda pg: pg.send([t], dst, tag), what), what)
 
     def recv_start(self, t: torch.Tensor, src: int, tag: int, what: str = "recv") -> "Pending":
         """Point-to-point receive into a contiguous tensor; `finish()` it later."""
-        return self.start(self._issue(lambda: self.pg.recv([t], src, tag), what), what)
+        return self.start(self._issue(t, lambda pg: pg.recv([t], src, tag), what), what)
 
     def broadcast(self, t: torch.Tensor, src: int, what: str = "broadcast") -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
-        self._wait(self._issue(lambda: self.pg.broadcast([t], opts), what), what)
+        self._wait(self._issue(t, lambda pg: pg.broadcast([t], opts), what), what)
 
     def reduce(self, t: torch.Tensor, dst: int, op: dist.ReduceOp, what: str = "reduce") -> None:
         self.finish(self.reduce_start(t, dst, op, what))
@@ -268,13 +299,46 @@ class Comm:
     def reduce_start(self, t: torch.Tensor, dst: int, op: dist.ReduceOp, what: str = "reduce") -> "Pending":
         opts = dist.ReduceOptions()
         opts.reduceOp, opts.rootRank, opts.rootTensor = op, dst, 0
-        return self.start(self._issue(lambda: self.pg.reduce([t], opts), what), what)
+        return self.start(self._issue(t, lambda pg: pg.reduce([t], opts), what), what)
+
+    def gather_start(self, rows: torch.Tensor | None, mine: torch.Tensor, dst: int, what: str = "gather") -> "Pending":
+        """Every rank's `mine` lands in row r of `rows` (world, *mine.shape) on `dst` (None elsewhere)."""
+        opts = dist.GatherOptions()
+        opts.rootRank = dst
+        outs = [[rows[r] for r in range(self.world)]] if rows is not None else []
+        return self.start(self._issue(mine, lambda pg: pg.gather(outs, [mine], opts), what), what)
+
+    # --- XOR / AND: the backend's bitwise reduce ops, or the exchange path (comm/bitwise.py) ---
+    def bitwise_path(self, t: torch.Tensor) -> str:
+        """How XOR/AND of `t` runs here: "native" (gloo's BXOR/BAND) or "exchange" (NCCL has neither)."""
+        return "native" if self.bitwise_reduce == "auto" and self._pg(t) is self.pg else "exchange"
+
+    def xor_allreduce(self, t: torch.Tensor, what: str = "xor all-reduce") -> None:
+        if self.bitwise_path(t) == "native":
+            self.allreduce(t, dist.ReduceOp.BXOR, what)
+        else:
+            bitwise.allreduce(self, t, "xor", what)
+
+    def and_allreduce(self, t: torch.Tensor, what: str = "and all-reduce") -> None:
+        if self.bitwise_path(t) == "native":
+            self.allreduce(t, dist.ReduceOp.BAND, what)
+        else:
+            bitwise.allreduce(self, t, "and", what)
+
+    def xor_reduce_start(self, t: torch.Tensor, dst: int, what: str = "xor reduce") -> "Pending":
+        """`dst`'s `t` becomes the XOR of every rank's `t` once the op is finished (`finish()`)."""
+        if self.bitwise_path(t) == "native":
+            return self.reduce_start(t, dst, dist.ReduceOp.BXOR, what)
+        return bitwise.reduce_start(self, t, dst, "xor", what)
+
+    def xor_reduce(self, t: torch.Tensor, dst: int, what: str = "xor reduce") -> None:
+        self.finish(self.xor_reduce_start(t, dst, what))
 
     def allgather_into(self, out: torch.Tensor, mine: torch.Tensor, what: str = "allgather") -> None:
         """`out` is (world * n,) and `mine` is out's slice for this rank (n,)."""
         n = mine.numel()
         outs = [out[i * n:(i + 1) * n] for i in range(self.world)]
-        self._wait(self._issue(lambda: self.pg.allgather([outs], [mine]), what), what)
+        self._wait(self._issue(mine, lambda pg: pg.allgather([outs], [mine]), what), what)
 
     def allgather_json(self, obj: object, what: str = "allgather_json") -> list:
         """Small metadata exchange as JSON — never pickle: a peer's bytes must not be able to
@@ -304,6 +368,29 @@ class Comm:
 
     def barrier(self, what: str = "barrier") -> None:
         self.allreduce(torch.zeros(1), what=what)
+
+
+class _DeviceAware:
+    """A work of a group that may run on CUDA: NCCL's wait() only orders the caller's stream, so
+    the waiter thread polls is_completed() (the kernel has finished: any stream may read)."""
+
+    def __init__(self, work: dist.Work) -> None:
+        self.work = work
+
+    def wait(self) -> None:
+        while not self.work.is_completed():
+            time.sleep(0.0002)
+        self.work.wait()  # raises the op's error, if any
+
+
+def _nccl_group(store: dist.Store, rank: int, world: int, timeout_s: float):
+    """The NCCL group for a generation's CUDA tensors, on its own key prefix (communicators are
+    created lazily at the first collective; abort() ends them on a dead peer)."""
+    if not dist.is_nccl_available():
+        raise RuntimeError("backend nccl: this torch build has no NCCL; use --backend gloo or a CUDA build of torch")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=timeout_s)
+    return dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world, opts)
 
 
 def _parse_json(raw: bytes, rank: int, what: str) -> object:

@@ -46,7 +46,8 @@ class OwnedState:
                               ranks=world, buffer_words=buffers.words)
         self.lo, self.hi = self.flat.shard_range(rank if sharded else 0)
         n = self.hi - self.lo
-        self.opt_state = {name: torch.zeros(n) for name in optim.state_names}
+        dev = self.flat.device  # all of a rank's state lives where its model does
+        self.opt_state = {name: torch.zeros(n, device=dev) for name in optim.state_names}
         self._runs = _group_runs(self.flat.plist, group_of, self.lo, self.hi)
         self.reset_state()
         trailer = self.k if self.k >= 2 else 0
@@ -62,12 +63,12 @@ class OwnedState:
         self.txn = TxnLog(self.state.n_chunks, self.layout.n_windows if self.layout else 0)
         self.tier1, self.snap = None, None
         if self.layout:
-            self.snap = ChunkedState([torch.zeros(n) for _ in self.state.tensors], self.flat.chunk_elems,
+            self.snap = ChunkedState([torch.zeros(n, device=dev) for _ in self.state.tensors], self.flat.chunk_elems,
                                      trailer_words=trailer)
             self.tier1 = Tier1(self.state, self.layout, self.member, self.txn, self.snap)
         self.next_parity = self.protect_every  # the next step whose update brings parity up to date
         self.log_from = 1  # the first step whose averaged gradient our ring is known to hold
-        self._shard_copy = torch.zeros(n) if sharded else None
+        self._shard_copy = torch.zeros(n, device=dev) if sharded else None
 
     def reset_state(self) -> None:
         """The optimizer state of a fresh optimizer (zeros; Adagrad's initial accumulator)."""

@@ -19,10 +19,13 @@ class ChunkedState:
             if t.dim() != 1 or t.numel() != n or t.element_size() != 4 or not t.is_contiguous():
                 raise ValueError(f"protected tensor {i} must be 1-D, contiguous, 4-byte dtype and {n} elements; "
                                  f"got shape {tuple(t.shape)} dtype {t.dtype}")
+        if len({t.device for t in tensors}) > 1:
+            raise ValueError(f"protected tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
         if chunk_elems < 1 or n % chunk_elems:
             raise ValueError(f"chunk size {chunk_elems} must divide the protected length {n}")
         self.tensors = tensors
         self.words = [t.view(torch.int32) for t in tensors]
+        self.device = tensors[0].device  # where packed chunks, parity and decode buffers are allocated
         self.chunk_elems = chunk_elems
         self.n_chunks = n // chunk_elems
         self.data_words = len(tensors) * chunk_elems
@@ -57,12 +60,12 @@ class ChunkedState:
         ~25 GB/s here, 6x zlib's CRC-32; it runs on every chunk of every step)."""
         sl, crc = self._sl(c), 0
         for w in self.words:
-            crc = google_crc32c.extend(crc, w[sl].numpy())
+            crc = google_crc32c.extend(crc, w[sl].cpu().numpy())  # .cpu(): no copy for host memory
         return _signed(crc)
 
     @staticmethod
     def crc_of_packed(buf: torch.Tensor, data_words: int) -> int:
-        return _signed(google_crc32c.value(buf[:data_words].numpy()))
+        return _signed(google_crc32c.value(buf[:data_words].cpu().numpy()))
 
     def xor_with(self, c: int, other: "ChunkedState", out: torch.Tensor) -> torch.Tensor:
         """out[:data_words] = chunk c here XOR chunk c of `other` (same layout): one pass, no packing."""

@@ -3,8 +3,8 @@
 A parity group has k members, each with C chunks (C a multiple of k-1). Window w
 spans rows w*k .. w*k+k-1; row w*k+s has its parity on member s and one data chunk
 from every other member. So each member stores C/(k-1) parity chunks: memory
-overhead 1/(k-1), no member holds more than its share. The full build is one BXOR
-all-reduce per batch of windows. Per-step deltas travel by one gloo all-to-all per
+overhead 1/(k-1), no member holds more than its share. The full build is one XOR
+all-reduce per batch of windows (gloo's BXOR, or the exchange path where there is none). Per-step deltas travel by one gloo all-to-all per
 window: member j sends its delta for row (w, s) straight to holder s and receives the
 k-1 deltas for its own row, so each rank moves exactly its protected bytes per step
 (a BXOR all-reduce moved ~2k/(k-1) times that, and took twice as long here). Windows are
@@ -23,8 +23,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-import torch.distributed as dist
 
 from unbroken.comm.group import Comm, Pending
 from unbroken.protect.chunks import ChunkedState
@@ -74,11 +72,12 @@ class Tier1:
         self.state, self.layout, self.member, self.txn = state, layout, member, txn
         self.snap = snap  # the state as of the last parity point (txn.snap_ver): what parity encodes
         shape = state.chunk_shape
-        self.parity = torch.zeros((layout.n_windows, *shape), dtype=torch.int32)
+        dev = state.device
+        self.parity = torch.zeros((layout.n_windows, *shape), dtype=torch.int32, device=dev)
         # Rotating per-window buffers of k slots: outgoing slot s = our delta for holder s,
         # incoming slot m = member m's delta for our row (our own slot of each stays unused).
-        self._windows = torch.zeros((PIPELINE + 1, layout.k, *shape), dtype=torch.int32)
-        self._incoming = torch.zeros((PIPELINE + 1, layout.k, *shape), dtype=torch.int32)
+        self._windows = torch.zeros((PIPELINE + 1, layout.k, *shape), dtype=torch.int32, device=dev)
+        self._incoming = torch.zeros((PIPELINE + 1, layout.k, *shape), dtype=torch.int32, device=dev)
         self.bytes_protected = state.n_chunks * state.chunk_bytes
         assert state.trailer_words >= layout.k, "ChunkedState needs a trailer of k words for checksums"
         self.crcs = [0] * state.n_chunks  # CRC-32C of our chunks as the parity knows them
@@ -98,13 +97,13 @@ class Tier1:
         lay, j = self.layout, self.member
         for w0 in range(0, lay.n_windows, _BUILD_BATCH_WINDOWS):
             ws = range(w0, min(w0 + _BUILD_BATCH_WINDOWS, lay.n_windows))
-            buf = torch.zeros((len(ws), lay.k, *self.state.chunk_shape), dtype=torch.int32)
+            buf = torch.zeros((len(ws), lay.k, *self.state.chunk_shape), dtype=torch.int32, device=self.state.device)
             for s in lay.holders(j):
                 for i, w in enumerate(ws):
                     c = lay.chunk(j, w, s)
                     self.crcs[c] = self.state.crc(c)
                     self._pack_with_crc(c, buf[i, s])
-            comm.allreduce(buf, op=dist.ReduceOp.BXOR, what=f"parity build windows {w0}+")
+            comm.xor_allreduce(buf, what=f"parity build windows {w0}+")
             self.parity[w0:w0 + len(ws)].copy_(buf[:, j])
         self.txn.parity_ver[:] = step
         return time.perf_counter() - t0
@@ -145,7 +144,8 @@ class Tier1:
         """
         lay, j = self.layout, self.member
         if out is None:
-            out = torch.zeros((lay.n_windows, lay.k - 1, *self.state.chunk_shape), dtype=torch.int32)
+            out = torch.zeros((lay.n_windows, lay.k - 1, *self.state.chunk_shape), dtype=torch.int32,
+                              device=self.state.device)
         for w in range(lay.n_windows):
             for idx, s in enumerate(lay.holders(lost)):
                 if s == j:

@@ -1,7 +1,8 @@
 """Tier 2: asynchronous persistent checkpoints, atomic and checksummed, one DCP directory per rank.
 
-The training thread only copies tensors into preallocated buffers; a background thread
-writes them with `torch.distributed.checkpoint` and commits a checksummed manifest.
+The training thread only starts copying tensors into preallocated host buffers (from a
+GPU: pinned, async on a side stream, protect/staging.py); a background thread waits for the
+copy and writes them with `torch.distributed.checkpoint` and commits a checksummed manifest.
 no_dist=True is what makes DCP safe off the training thread: without it DCP plans the
 save with gather/scatter collectives from the calling thread (checked in the tests). Layout:
 
@@ -30,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from unbroken.fsutil import atomic_write_bytes
+from unbroken.protect.staging import HostStaging
 from unbroken.protect._tier2_files import (DIR_MODE, FILE_MODE, FORMAT, CheckpointError, VerifiedReader,
                                            check_key, fsync_dir, list_steps, make_private_dir, manifest_hmac,
                                            manifest_path, parse_dtype, read_manifest, remove_rank_entries,
@@ -74,6 +76,7 @@ class CheckpointWriter:
         self.rank, self.world_size, self.run_id = rank, world_size, run_id
         self.strategy, self.keep, self.events, self.wait_timeout = str(strategy), keep, events, wait_timeout
         self._buffers: dict[str, torch.Tensor] = {}
+        self._staging = HostStaging()
         self._thread: threading.Thread | None = None
         self._inflight: int | None = None
         self._error: tuple[int, BaseException] | None = None
@@ -125,19 +128,12 @@ class CheckpointWriter:
         self._thread.start()
 
     def _snapshot(self, tensors: dict[str, torch.Tensor]) -> None:
-        buffers: dict[str, torch.Tensor] = {}
-        for name, t in tensors.items():
-            buf = self._buffers.get(name)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                # pinned host memory makes the copy from an accelerator a plain DMA
-                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                                  pin_memory=t.device.type == "cuda")
-            buf.copy_(t.detach())
-            buffers[name] = buf
-        self._buffers = buffers
+        self._staging.copy(tensors)  # from a GPU the copy is still in flight: _run waits for it
+        self._buffers = self._staging.buffers
 
     def _run(self, step: int, generation: int, meta: dict, start: float) -> None:
         try:
+            self._staging.ready(self.wait_timeout)
             path, nbytes = self._write(step, generation, meta)
             with self._lock:
                 self._committed.add(step)
@@ -233,7 +229,7 @@ class CheckpointWriter:
         finally:
             if self._thread is None:
                 self._closed = True
-                self._buffers = {}
+                self._buffers, self._staging = {}, HostStaging()
 
     def __enter__(self) -> "CheckpointWriter":
         return self

@@ -48,8 +48,8 @@ def check_device(named: list[tuple[str, nn.Parameter]], expected: torch.device) 
     for name, p in named:
         if p.device != expected:
             raise AdoptionError(
-                f"parameter {name} is on {p.device}, but this rank trains on {expected} (the gloo backend; the "
-                f"CUDA/NCCL path is not available yet): build the model on {expected}, e.g. model.to('{expected}')")
+                f"parameter {name} is on {p.device}, but this rank trains on {expected} (gloo: the CPU; nccl: the "
+                f"GPU of LOCAL_RANK, see unbroken.device()): build the model there, e.g. model.to('{expected}')")
 
 
 def check_options(grad_clip, accumulation_steps) -> None:

@@ -20,6 +20,7 @@ from unbroken.runtime.cluster_env import NodePlace
 from unbroken.runtime.resume import load_job
 from unbroken.runtime.run import launch, new_run_dir
 from unbroken.runtime.crash import SoftwareFault
+from unbroken.runtime.devices import resolve_backend
 from unbroken.runtime.supervisor import LaunchError, LaunchOptions
 from unbroken.runtime.tee import check_tee_ranks
 
@@ -88,6 +89,8 @@ def run(
     on_nonfinite: Optional[str] = typer.Option(None, "--on-nonfinite",
                                                help="a gradient that stays NaN/Inf after the retries: stop "
                                                     "(default) or skip the step"),
+    backend: Optional[str] = typer.Option(None, "--backend", help="data collectives: auto (nccl when CUDA is "
+                                                                  "available, else gloo), gloo or nccl"),
     protect_every: Optional[str] = typer.Option(None, "--protect-every",
                                                 help="bring tier-1 parity up to date every K steps (1 = every step, "
                                                      "or auto)"),
@@ -123,7 +126,7 @@ def run(
                                      shadows=_int_or_auto("--shadows", shadows, "2"), retry_budget=retry_budget,
                                      max_recoveries_per_hour=max_recoveries_per_hour, on_nonfinite=on_nonfinite,
                                      protect_every=_int_or_auto("--protect-every", protect_every, "8"),
-                                     model_n_layer=n_layer, model_n_embd=n_embd))
+                                     model_n_layer=n_layer, model_n_embd=n_embd, backend=backend))
     if json_out:
         print(json.dumps(summary, indent=2, default=str))
     elif "steps" in summary:
@@ -136,7 +139,7 @@ def run(
 _JOB_FLAGS = {"script": "a script", "config": "--config", "run_dir": "--run-dir", "world_size": "--world-size",
               "steps": "--steps", "seed": "--seed", "batch_size": "--batch-size", "lr": "--lr",
               "strategy": "--strategy", "parity_group": "--parity-group", "chunk_kb": "--chunk-kb",
-              "checkpoint_every": "--checkpoint-every", "protect_every": "--protect-every",
+              "checkpoint_every": "--checkpoint-every", "protect_every": "--protect-every", "backend": "--backend",
               "n_layer": "--n-layer", "n_embd": "--n-embd"}
 
 
@@ -193,6 +196,7 @@ def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, in
             faults=tuple(faults), resume=resume, tee=tee)
         cfg = _one_member_per_node(cfg, opts.nnodes)
         _check_node_faults(faults, cfg.world_size, opts.nnodes)
+        cfg = resolve_backend(cfg, nnodes=opts.nnodes)
         check_tee_ranks(tee, cfg.world_size)
         return launch(cfg, opts, progress=progress, tee_to_stderr=tee_to_stderr)
     except SoftwareFault as e:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 
 import torch
-import torch.distributed as dist
 
 from unbroken.fsutil import atomic_write_bytes
 from unbroken.runtime import adopt
@@ -84,7 +83,7 @@ class Persistence:
         mask = step_mask(self.ckpt.committed_steps(), newest, every)
         if self.owned.sharded and self.world_size > 1:
             agreed = torch.tensor([mask], dtype=torch.int64)
-            self.comm.allreduce(agreed, op=dist.ReduceOp.BAND, what=f"tier-2 common step (<= {newest})")
+            self.comm.and_allreduce(agreed, what=f"tier-2 common step (<= {newest})")
             mask = int(agreed)
         common = newest_in_mask(mask, newest, every)
         if common is not None:

@@ -267,7 +267,7 @@ def _rebuild_sharded(tr: RecoveryInputs, status: list[dict], new_ranks: list[int
     transfers = _start_log_transfers(tr, status, new_ranks, oldest + 1, c_max, log_src)
     lost = mine_lost[0] if mine_lost else None
     if lost is not None:
-        tr.group.reduce(buf, dst=owned.groups.member_of(lost), op=dist.ReduceOp.BXOR, what=f"tier-1 decode of rank {lost}")
+        tr.group.xor_reduce(buf, dst=owned.groups.member_of(lost), what=f"tier-1 decode of rank {lost}")
     for p in transfers:
         tr.comm.finish(p)
     if not _install_and_vote(tr, buf, pv, lost, rows_at=point):
@@ -345,8 +345,8 @@ def _rebuild_overlapped(tr: RecoveryInputs, status: list[dict], lost_by_group: d
     if mine_lost:
         d.lost = mine_lost[0]
         d.pv, d.buf = _decode_input(tr, status, d.lost, rows_at=point)
-        d.pending = tr.group.reduce_start(d.buf, dst=owned.groups.member_of(d.lost), op=dist.ReduceOp.BXOR,
-                                          what=f"tier-1 decode of rank {d.lost}")
+        d.pending = tr.group.xor_reduce_start(d.buf, dst=owned.groups.member_of(d.lost),
+                                              what=f"tier-1 decode of rank {d.lost}")
         if tr.rank == d.lost:
             d.expected = owned.flat.params[owned.lo:owned.hi].clone()
     tr.st.deferred = d  # not None: the checksum vote is due (every rank votes, lost member or not)
@@ -362,7 +362,8 @@ def _decode_input(tr: RecoveryInputs, status: list[dict], lost: int, *, rows_at:
     groups = owned.groups
     pv = [status[r]["parity_ver"] for r in groups.ranks(groups.group_of(tr.rank))]
     rows = rows_at is not None
-    buf = torch.zeros((owned.layout.n_windows, k if rows else k - 1, *owned.state.chunk_shape), dtype=torch.int32)
+    buf = torch.zeros((owned.layout.n_windows, k if rows else k - 1, *owned.state.chunk_shape), dtype=torch.int32,
+                      device=owned.state.device)
     if tr.rank != lost:
         owned.tier1.decode_contribution(groups.member_of(lost), pv, out=buf[:, :k - 1])
         if rows:

@@ -35,7 +35,7 @@ from unbroken.config import ConfigError
 from unbroken.protect.txn import StepScalars
 from unbroken.protect.interval import memory_budget_bytes, ring_slots
 from unbroken.runtime.autok import IntervalTuner
-from unbroken.runtime import adopt, crash, membership
+from unbroken.runtime import adopt, crash, devices, membership
 from unbroken.runtime.determinism import FORWARD, InputFingerprints, seed_everything
 from unbroken.runtime.loop import LoopAPI
 from unbroken.runtime.persist import Persistence
@@ -140,7 +140,7 @@ class Trainer(LoopAPI, Persistence):
                 raise adopt.AdoptionError(f"scheduler_step must be 'step', 'epoch' or an integer >= 1 (steps per "
                                           f"scheduler step), got {scheduler_step!r}")
             self.named, self.group_of = adopt.trained_parameters(model, optimizer)
-            adopt.check_device(self.named, torch.device("cpu"))
+            adopt.check_device(self.named, devices.bind_rank_device(self.cfg.backend))
             self.optim = ChunkOptimizer(optimizer)
             if self.optim.has_state():
                 raise adopt.AdoptionError(
@@ -216,7 +216,8 @@ class Trainer(LoopAPI, Persistence):
             if self.owned.tier1 is not None:
                 secs = self.owned.rebuild_parity(self.group, 0)
                 self.ctx.events.emit("parity_built", bytes=self.owned.tier1.parity_bytes, seconds=round(secs, 4),
-                                     protect_every=self.owned.protect_every,
+                                     protect_every=self.owned.protect_every, xor=self.group.bitwise_path(
+                                         self.owned.tier1.parity),
                                      snapshot_bytes=self.owned.snapshot_bytes,
                                      gradient_log_bytes=self.owned.gradient_log_bytes,
                                      protected_bytes=self.owned.state.n_chunks * self.owned.state.chunk_bytes)
@@ -297,8 +298,9 @@ class Trainer(LoopAPI, Persistence):
         # request at a time, and nothing else (heartbeats, fault reports) may queue behind it.
         pg_store = membership.connect_store(self.ctx.host, self.ctx.port, timeout_s=cfg.collective_timeout_s)
         self._pg_stores.append(pg_store)
+        kinds = dict(backend=devices.group_backend(cfg.backend), bitwise_reduce=cfg.bitwise_reduce)
         self.comm = Comm(membership.group_store(pg_store, gen.gen), rank=self.rank, world=self.world_size,
-                         gen=gen.gen, timeout_s=cfg.collective_timeout_s, interrupted=stale)
+                         gen=gen.gen, timeout_s=cfg.collective_timeout_s, interrupted=stale, **kinds)
         k = self.owned.k
         if k < 2 or k == self.world_size:
             self.group = self.comm
@@ -306,7 +308,7 @@ class Trainer(LoopAPI, Persistence):
             groups = self.owned.groups
             self.group = Comm(membership.group_store(pg_store, gen.gen, f"parity{groups.group_of(self.rank)}"),
                               rank=groups.member_of(self.rank), world=k, gen=gen.gen,
-                              timeout_s=cfg.collective_timeout_s, interrupted=stale)
+                              timeout_s=cfg.collective_timeout_s, interrupted=stale, **kinds)
 
     # --- the loop ------------------------------------------------------------------------
     def step(self, closure: Callable[..., torch.Tensor]) -> float | None:
