@@ -29,7 +29,7 @@ class SplitConfig:
     psl_client_batch: int = 1
     serial_batch: int = 16
     epochs: float = 2.0
-    lr: float = 0.05
+    lr: float = 0.02
     momentum: float = 0.9
     hidden: int = 128
     p_drop: float = 0.0

@@ -67,7 +67,6 @@ class CurveLog:
 
 
 def main(spec_path: str) -> None:
-    started = time.time()
     spec = json.loads(Path(spec_path).read_text())
     cfg, method, out = SplitConfig.from_dict(spec["config"]), spec["method"], Path(spec["out"])
     split = data.load(cfg.dataset, cfg.data_dir)
@@ -91,7 +90,6 @@ def main(spec_path: str) -> None:
         buf = io.BytesIO()
         torch.save(trainer.module.state_dict(), buf)
         atomic_write_bytes(out / "final.pt", buf.getvalue())
-        atomic_write_json(out / "job.json", {"startup_s": (log.t0 or started) - started, "method": method})
 
 
 if __name__ == "__main__":
