@@ -3,11 +3,11 @@ label-aware clusters, one `unbroken run` rank per cluster) on one non-IID split 
 Fashion-MNIST across 256 logical clients, in one run: time to a target accuracy (the
 serialized baseline's final accuracy, floored to a point, minus one point), final accuracy,
 participation; then GCPSL with client dropouts and a cluster worker SIGKILLed mid-round,
-checked against the naive in-process reference. Writes bench/results/split.json + split.png.
+checked bitwise against the failure-free run. Every method's clients drop out of a round
+with probability 2%. Writes bench/results/split.json + split.png.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import tempfile
 from pathlib import Path
@@ -26,7 +26,7 @@ from unbroken.split.plan import rounds
 
 GCPSL = tuple(m for m in METHODS if m.startswith("gcpsl"))
 SPEEDUP_GOAL, ACCURACY_SLACK = 3.0, 0.01
-FAULT_P_DROP = 0.05
+P_DROP = 0.02  # every method's clients drop out of a round with this chance
 
 
 def _inprocess(method: str, split, cfg: SplitConfig) -> dict:
@@ -41,13 +41,14 @@ def _cluster_job(method: str, split, cfg: SplitConfig, work: Path) -> dict:
     fed = train.federation(split, cfg, method)
     res = run_gcpsl(cfg, method, work / method, cluster_of=fed.cluster_of)
     return {"curve": res.curve, "startup_s": res.startup_s, "job_wall_s": res.wall_s,
+            "weights_sha256": res.summary.get("weights_sha256"),
             "participation": account(rounds(method, fed, cfg), fed, cfg.samples_per_round)}
 
 
-def fault_run(split, cfg: SplitConfig, work: Path) -> dict:
-    """GCPSL label-aware with dropouts; rank 1 SIGKILLed after its round's local training,
-    before the merge; the merged weights compared with the in-process reference."""
-    cfg = dataclasses.replace(cfg, p_drop=FAULT_P_DROP)
+def fault_run(split, cfg: SplitConfig, work: Path, clean: dict) -> dict:
+    """GCPSL label-aware again, rank 1 SIGKILLed mid-run after its round's local training,
+    before the merge: compared bitwise with the failure-free run `clean`, and with the naive
+    in-process reference (clusters one after another; float rounding differs)."""
     method = "gcpsl-label"
     fed = train.federation(split, cfg, method)
     kill_round = max(1, cfg.rounds(len(fed.labels)) // 2)
@@ -55,12 +56,12 @@ def fault_run(split, cfg: SplitConfig, work: Path) -> dict:
     res = run_gcpsl(cfg, method, work / "fault", inject=(kill,), cluster_of=fed.cluster_of)
     _, ref = train.run(method, split, cfg, fed)
     diff = max(float((res.state[k] - v).abs().max()) for k, v in ref.state_dict().items())
-    part = account(rounds(method, fed, cfg), fed, cfg.samples_per_round)
-    return {"method": method, "inject": kill, "p_drop": FAULT_P_DROP,
-            "recoveries": len(res.summary.get("recoveries", [])), "steps_lost": res.summary.get("steps_lost"),
-            "rounds_completed": len(res.curve.points), "rounds_planned": cfg.rounds(len(fed.labels)),
-            "dropped_client_rounds": part["dropped_client_rounds"], "participation": _share(part),
-            "final_accuracy": res.curve.final, "max_abs_diff_vs_reference": diff}
+    return {"method": method, "inject": kill, "recoveries": len(res.summary.get("recoveries", [])),
+            "steps_lost": res.summary.get("steps_lost"), "rounds_completed": len(res.curve.points),
+            "rounds_planned": cfg.rounds(len(fed.labels)), "final_accuracy": res.curve.final,
+            "weights_sha256": res.summary.get("weights_sha256"),
+            "same_weights_as_failure_free": res.summary.get("weights_sha256") == clean["weights_sha256"],
+            "max_abs_diff_vs_inprocess_reference": diff}
 
 
 def _share(part: dict) -> dict:
@@ -94,7 +95,7 @@ def measure(cfg: SplitConfig, work: Path, *, with_fault: bool = True) -> dict:
         "size_balanced_participation_gt_random": part["gcpsl-size"]["samples"] > part["gcpsl-random"]["samples"],
     }
     if with_fault:
-        res["fault"] = fault_run(split, cfg, work)
+        res["fault"] = fault_run(split, cfg, work, runs["gcpsl-label"])
     return res
 
 
@@ -134,8 +135,8 @@ def split(quick: bool = typer.Option(False, "--quick", help="smoke run: digits, 
           epochs: float = typer.Option(2.0, "--epochs", help="sample budget of every method"),
           out: Path = typer.Option(RESULTS_DIR, "--out", help="directory for split.json and split.png")) -> None:
     """GCPSL vs serialized / PSL / GPSL: time to target, accuracy, participation; a killed cluster worker."""
-    cfg = (SplitConfig(dataset="digits", clients=32, batch=16, hidden=64, epochs=epochs) if quick
-           else SplitConfig(epochs=epochs))
+    cfg = (SplitConfig(dataset="digits", clients=32, batch=16, merge_every=4, hidden=64, epochs=epochs,
+                       p_drop=P_DROP) if quick else SplitConfig(epochs=epochs, p_drop=P_DROP))
     with tempfile.TemporaryDirectory(prefix="bench-split-") as tmp:
         res = measure(cfg, Path(tmp), with_fault=not quick)
     console = Console()

@@ -7,7 +7,6 @@ import numpy as np
 from unbroken.split.errors import SplitInputError
 
 METHODS = ("random", "size", "label")
-_SLACK = 1.05  # label-aware: a cluster may exceed the mean size by 5% to improve its class mix
 
 
 def assign(counts: np.ndarray, n_clusters: int, method: str, seed: int) -> np.ndarray:
@@ -55,24 +54,35 @@ def _size_balanced(sizes: np.ndarray, n_clusters: int) -> np.ndarray:
     return out
 
 
-def _label_aware(counts: np.ndarray, n_clusters: int) -> np.ndarray:
-    """Biggest client first, into the cluster (among those under the size cap) whose class mix
-    then lies closest (L1) to the pooled mix; the emptiest cluster when none is under the cap.
-    An empty cluster is filled first, so every cluster gets a client."""
-    sizes = counts.sum(1)
-    pooled = counts.sum(0) / counts.sum()
-    cap = _SLACK * sizes.sum() / n_clusters
+def _label_aware(counts: np.ndarray, n_clusters: int, passes: int = 4) -> np.ndarray:
+    """Every cluster aims at the same class counts, target = pooled counts / clusters (so both
+    its class mix and its size match). Biggest client first, into the cluster whose distance
+    (L1, in samples) to its target shrinks most; then moves of single clients while one
+    shrinks the total distance. Starting with one client per cluster keeps none empty."""
+    counts = counts.astype(np.float64)
+    target = counts.sum(0) / n_clusters
     hist = np.zeros((n_clusters, counts.shape[1]))
     out = np.empty(len(counts), dtype=np.int64)
-    for n_seen, i in enumerate(np.argsort(-sizes, kind="stable")):
-        load = hist.sum(1)
-        if n_seen < n_clusters:
-            c = n_seen
-        else:
-            after = hist + counts[i]
-            dist = np.abs(after / after.sum(1, keepdims=True) - pooled).sum(1)
-            dist[load + sizes[i] > cap] = np.inf
-            c = int(np.argmin(dist)) if np.isfinite(dist).any() else int(np.argmin(load))
+    for n_seen, i in enumerate(np.argsort(-counts.sum(1), kind="stable")):
+        gain = np.abs(hist + counts[i] - target).sum(1) - np.abs(hist - target).sum(1)
+        c = n_seen if n_seen < n_clusters else int(np.argmin(gain))
         out[i] = c
         hist[c] += counts[i]
+    for _ in range(passes):
+        moved = False
+        for i in range(len(counts)):
+            a = out[i]
+            if (out == a).sum() == 1:
+                continue
+            before = np.abs(hist[a] - target).sum() + np.abs(hist - target).sum(1)
+            after = np.abs(hist[a] - counts[i] - target).sum() + np.abs(hist + counts[i] - target).sum(1)
+            delta = after - before
+            delta[a] = 0.0
+            b = int(np.argmin(delta))
+            if delta[b] < -1e-9:
+                out[i], moved = b, True
+                hist[a] -= counts[i]
+                hist[b] += counts[i]
+        if not moved:
+            break
     return out

@@ -36,7 +36,7 @@ def train_cmd(method: str = typer.Option("gcpsl-label", "--method", help=" | ".j
               clients: int = typer.Option(256, "--clients"), clusters: int = typer.Option(4, "--clusters"),
               alpha: float = typer.Option(0.5, "--alpha", help="Dirichlet label skew (smaller = more skewed)"),
               size_sigma: float = typer.Option(1.0, "--size-sigma", help="log-normal client size skew"),
-              merge_every: int = typer.Option(8, "--merge-every", help="local steps between cluster merges"),
+              merge_every: int = typer.Option(32, "--merge-every", help="local steps between cluster merges"),
               batch: int = typer.Option(64, "--batch", help="global-sampling batch per worker step"),
               epochs: float = typer.Option(2.0, "--epochs"), lr: float = typer.Option(0.02, "--lr"),
               p_drop: float = typer.Option(0.0, "--p-drop", help="a client's chance to drop out of a round"),
@@ -68,6 +68,9 @@ def train_cmd(method: str = typer.Option("gcpsl-label", "--method", help=" | ".j
         res = run_gcpsl(cfg, method, out / method, inject=tuple(inject or ()), cluster_of=fed.cluster_of)
         curve, extra = res.curve, {"recoveries": len(res.summary.get("recoveries", [])), "job_wall_s": res.wall_s}
     else:
+        import torch
+
+        torch.set_num_threads(1)  # one worker's share, as each cluster worker runs
         curve, _ = train.run(method, split, cfg, fed)
         extra = {}
     result = {"method": method, "config": cfg.to_dict(), "final_accuracy": curve.final,

@@ -24,7 +24,7 @@ class SplitConfig:
     alpha: float = 0.5
     size_sigma: float = 1.0
     clusters: int = 4
-    merge_every: int = 8
+    merge_every: int = 32
     batch: int = 64
     psl_client_batch: int = 1
     serial_batch: int = 16
