@@ -54,14 +54,19 @@ def fault_run(split, cfg: SplitConfig, work: Path, clean: dict) -> dict:
     kill_round = max(1, cfg.rounds(len(fed.labels)) // 2)
     kill = f"sigkill:rank=1,step={kill_round},phase=backward"
     res = run_gcpsl(cfg, method, work / "fault", inject=(kill,), cluster_of=fed.cluster_of)
-    _, ref = train.run(method, split, cfg, fed)
+    torch.set_num_threads(1)
+    ref_curve, ref = train.run(method, split, cfg, fed)
     diff = max(float((res.state[k] - v).abs().max()) for k, v in ref.state_dict().items())
     return {"method": method, "inject": kill, "recoveries": len(res.summary.get("recoveries", [])),
             "steps_lost": res.summary.get("steps_lost"), "rounds_completed": len(res.curve.points),
             "rounds_planned": cfg.rounds(len(fed.labels)), "final_accuracy": res.curve.final,
             "weights_sha256": res.summary.get("weights_sha256"),
             "same_weights_as_failure_free": res.summary.get("weights_sha256") == clean["weights_sha256"],
-            "max_abs_diff_vs_inprocess_reference": diff}
+            "max_abs_diff_vs_inprocess_reference": diff, "reference_curve": ref_curve}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
 
 
 def _share(part: dict) -> dict:
@@ -95,7 +100,16 @@ def measure(cfg: SplitConfig, work: Path, *, with_fault: bool = True) -> dict:
         "size_balanced_participation_gt_random": part["gcpsl-size"]["samples"] > part["gcpsl-random"]["samples"],
     }
     if with_fault:
-        res["fault"] = fault_run(split, cfg, work, runs["gcpsl-label"])
+        res["fault"] = fault = fault_run(split, cfg, work, runs["gcpsl-label"])
+        ref = fault.pop("reference_curve")
+        # where the speedup comes from: batches + global sampling (GPSL, one process) and parallel
+        # clusters (the same GCPSL rounds, clusters one after another in one process)
+        res["one_process_gcpsl_label"] = {"time_to_target_s": ref.time_to(target), "final_accuracy": ref.final,
+                                          "train_s": ref.points[-1][1]}
+        res["decomposition"] = {
+            "gpsl_one_process_vs_serialized": _ratio(tt["serialized"], tt["gpsl"]),
+            "gcpsl_label_4_workers_vs_one_process": _ratio(ref.time_to(target), tt["gcpsl-label"]),
+            "gcpsl_label_one_process_vs_serialized": _ratio(tt["serialized"], ref.time_to(target))}
     return res
 
 
@@ -142,7 +156,8 @@ def split(quick: bool = typer.Option(False, "--quick", help="smoke run: digits, 
     console = Console()
     console.print(table(res))
     if "fault" in res:
-        console.print({k: v for k, v in res["fault"].items() if k != "participation"})
+        console.print(res["fault"])
+        console.print({"one_process_gcpsl_label": res["one_process_gcpsl_label"], **res["decomposition"]})
     path = write_result("split", res, out)
     plot(res, Path(out) / "split.png")
     console.print(f"wrote {path} and {Path(out) / 'split.png'}")

@@ -108,7 +108,11 @@ def cifar10(root: str | Path) -> Split:
 
 def digits(val_share: float = 0.2, seed: int = 0) -> Split:
     """scikit-learn's bundled 8x8 digits (1797 images), a seeded train/validation split."""
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise SplitInputError("--dataset digits needs scikit-learn: pip install scikit-learn (or the test "
+                              "extra: pip install -e '.[test]')") from None
 
     d = load_digits()
     order = np.random.default_rng(seed).permutation(len(d.target))
