@@ -45,9 +45,9 @@ def train_cmd(method: str = typer.Option("gcpsl-label", "--method", help=" | ".j
               inject: Optional[List[str]] = typer.Option(None, "--inject", help="GCPSL: a fault for `unbroken run`"),
               out: Path = typer.Option(Path("runs/split"), "--out", help="directory for result.json (and the job)"),
               ) -> None:
-    """Train one method; print final accuracy, training time and participation; write OUT/result.json."""
+    """Train one method; print final accuracy, training time and participation; write OUT/METHOD.json."""
     from unbroken.split import data, train
-    from unbroken.split.launch import run_gcpsl
+    from unbroken.split.launch import JobFailed, run_gcpsl
     from unbroken.split.participation import account
     from unbroken.split.plan import rounds
 
@@ -65,7 +65,13 @@ def train_cmd(method: str = typer.Option("gcpsl-label", "--method", help=" | ".j
     except SplitInputError as e:
         fail(str(e))
     if method.startswith("gcpsl"):
-        res = run_gcpsl(cfg, method, out / method, inject=tuple(inject or ()), cluster_of=fed.cluster_of)
+        try:
+            res = run_gcpsl(cfg, method, out / method, inject=tuple(inject or ()), cluster_of=fed.cluster_of)
+        except JobFailed as e:
+            if e.rc == 2:  # the runtime refused the input (a fault spec that can never fire, ...)
+                fail(str(e))
+            typer.secho(f"error: {e}", err=True, fg=typer.colors.RED)
+            raise typer.Exit(1) from None
         curve, extra = res.curve, {"recoveries": len(res.summary.get("recoveries", [])), "job_wall_s": res.wall_s}
     else:
         import torch

@@ -23,6 +23,14 @@ from unbroken.split.train import Curve
 TIMEOUT_S = 600.0
 
 
+class JobFailed(RuntimeError):
+    """The `unbroken run` job failed: its exit status and the last line it printed."""
+
+    def __init__(self, message: str, rc: int) -> None:
+        super().__init__(message)
+        self.rc = rc
+
+
 @dataclass(frozen=True)
 class JobResult:
     curve: Curve
@@ -62,6 +70,8 @@ def _run(cmd: list[str], log: Path, timeout_s: float) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher's session: supervisor, workers, shadows
             proc.wait(timeout=30)
-            raise RuntimeError(f"the GCPSL job ran past {timeout_s:.0f} s; see {log}") from None
+            raise JobFailed(f"the GCPSL job ran past {timeout_s:.0f} s; see {log}", 1) from None
     if rc != 0:
-        raise RuntimeError(f"the GCPSL job exited {rc}; see {log}")
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        last = lines[-1].strip() if lines else "(no output)"
+        raise JobFailed(f"the GCPSL job exited {rc}: {last} (full log: {log})", rc)
