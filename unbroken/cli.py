@@ -19,6 +19,7 @@ from unbroken.plan.command import choose_for_run, plan
 from unbroken.runtime.command import demo, run, set_auto_strategy
 from unbroken.runtime.export import export
 from unbroken.sim.command import simulate
+from unbroken.split.command import register as register_split
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Keep PyTorch training productive while hardware fails.")
@@ -43,6 +44,7 @@ bench_app.command("adoption")(adoption)
 bench_app.command("plan")(plan_bench)
 bench_app.command("multinode")(multinode)
 bench_app.command("regroup")(regroup)
+register_split(app, bench_app)
 
 
 def main() -> None:
