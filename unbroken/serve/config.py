@@ -14,8 +14,8 @@ def _need(cond: bool, msg: str) -> None:
 
 
 def serve_model() -> ModelConfig:
-    """The served base model: the repo's tiny GPT, shrunk so that a 2-core box can run a fleet."""
-    return ModelConfig(n_layer=2, n_head=4, n_embd=128, seq_len=64)
+    """The served base model: the repo's tiny GPT (ModelConfig's defaults, ~3.2M parameters)."""
+    return ModelConfig()
 
 
 def base_model_id(model: ModelConfig, seed: int = BASE_SEED) -> str:
