@@ -50,15 +50,15 @@ class _Req:
 
 
 def simulate(cfg: ServeConfig, adapters: AdapterSet, arrivals: list[Arrival], costs: Costs,
-             *, slo_s: float, horizon_s: float | None = None) -> tuple[Outcome, dict]:
-    """Predict one server's outcome for these arrivals; requests unfinished by `horizon_s` (default:
-    last arrival + 60 s, as the real replay's timeout) count as starved. Returns (outcome, stats)."""
+             *, slo_s: float, timeout_s: float = 20.0) -> tuple[Outcome, dict]:
+    """Predict one server's outcome for these arrivals; a request not finished `timeout_s` after it
+    was sent fails, as in the real replay (and counts as starved). Returns (outcome, stats)."""
     wall = time.perf_counter()
     rank = dict(zip(adapters.names, adapters.ranks))
     loads: list[float] = []
     cache = AdapterCache(cfg.slots, lambda name, slot: loads.append(costs.load + costs.load_rank * rank[name]))
     reqs = [_Req(a.t + costs.http / 2, a.adapter, rank[a.adapter], a.prompt_len, a.gen_len, a.gen_len) for a in arrivals]
-    horizon = horizon_s if horizon_s is not None else (arrivals[-1].t + 60.0 if arrivals else 0.0)
+    horizon = arrivals[-1].t + timeout_s if arrivals else 0.0
     pending, waiting, running = deque(reqs), deque(), []
     now, iterations = 0.0, 0
     while (pending or waiting or running) and now < horizon:
@@ -85,7 +85,7 @@ def simulate(cfg: ServeConfig, adapters: AdapterSet, arrivals: list[Arrival], co
         running = keep
     out = summarize([a.t for a in arrivals], [r.finish for r in reqs],
                     [r.start - r.arrival if r.start == r.start else np.inf for r in reqs],
-                    [r.gen for r in reqs], [r.finish == r.finish and r.finish <= horizon for r in reqs],
+                    [r.gen for r in reqs], [r.finish - a.t <= timeout_s for r, a in zip(reqs, arrivals)],
                     starve_s=cfg.starve_s, slo_s=slo_s)
     model = serve_model()
     stats = {"iterations": iterations, "adapter_loads": cache.loads, "evictions": cache.evictions,
