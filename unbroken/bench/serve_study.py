@@ -27,7 +27,7 @@ from unbroken.serve.fleet import Fleet
 from unbroken.serve.outcome import Outcome, summarize
 from unbroken.serve.perfmodel import TARGETS, PerfModel, features, twin_dataset
 from unbroken.serve.placement import greedy, random_placement, round_robin, servers_used
-from unbroken.serve.profile import fit_costs
+from unbroken.serve.profile import fit_costs, write_profile_adapters
 from unbroken.serve.router import Router, build_router_app
 from unbroken.serve.twin import simulate
 from unbroken.serve.workload import AdapterSet, from_trace, generate
@@ -37,7 +37,9 @@ SLO_S = 2.0  # p95 end-to-end latency bound
 TIMEOUT_S = 20.0
 FLEET = 3
 N_ADAPTERS = 24
-LOADS = {"low": 2.0, "medium": 4.0, "high": 6.0}  # requests/s offered to the whole fleet
+# requests/s offered to the whole fleet, as multiples of one server's capacity (the twin's, for the
+# flat adapter set): the box's speed varies with what else runs on it, so absolute rates would not
+LOAD_FACTORS = {"low": 0.5, "medium": 1.0, "high": 1.6}
 SKEWS = {"flat": 0.6, "skewed": 1.2}  # Zipf alpha of adapter popularity
 # held out: never used to fit the twin (profiling uses synthetic batches only)
 VALIDATION = [("conv", 8, 1.2, 2.0), ("poisson", 16, 0.6, 3.0), ("bursty", 12, 1.0, 2.5), ("code", 24, 0.8, 3.5)]
@@ -96,8 +98,21 @@ def validate_twin(url: str, costs, duration: float, console: Console) -> dict:
             "twin_speedup": statistics.median(r["speedup"] for r in rows)}
 
 
-def train_forest(costs, duration: float, n_train: int) -> tuple[PerfModel, dict]:
-    kw = dict(slo_s=SLO_S, duration_s=duration, max_adapters=N_ADAPTERS, max_rate=LOADS["high"])
+def capacity(costs, duration: float) -> float:
+    """The highest rate (req/s) one server takes with the flat adapter set, by the twin: p95 within
+    the SLO, nothing starved (bisection)."""
+    adapters = AdapterSet.zipf(N_ADAPTERS, SKEWS["flat"], seed=7)
+    lo, hi = 0.1, 50.0
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        out, _ = simulate(CFG, adapters, generate(adapters, rate=mid, duration_s=3 * duration, seed=5), costs,
+                          slo_s=SLO_S, timeout_s=TIMEOUT_S)
+        lo, hi = (mid, hi) if out.p95_s <= SLO_S and out.starved == 0 else (lo, mid)
+    return lo
+
+
+def train_forest(costs, duration: float, n_train: int, max_rate: float) -> tuple[PerfModel, dict]:
+    kw = dict(slo_s=SLO_S, duration_s=duration, max_adapters=N_ADAPTERS, max_rate=max_rate)
     x, y = twin_dataset(CFG, costs, n=n_train, seed=1, **kw)
     xt, yt = twin_dataset(CFG, costs, n=max(40, n_train // 5), seed=2, **kw)
     model = PerfModel.train(x, y)
@@ -122,11 +137,11 @@ def placements(model: PerfModel, adapters: AdapterSet, rate: float, seed: int) -
             "round_robin": round_robin(adapters, FLEET), "random": random_placement(adapters, FLEET, seed)}
 
 
-def run_fleet_study(model: PerfModel, urls: list[str], duration: float, console: Console) -> dict:
+def run_fleet_study(model: PerfModel, urls: list[str], loads: dict, duration: float, console: Console) -> dict:
     router = Router({})
     scenarios = {}
     with BackgroundApp(build_router_app(router), free_port()) as rurl:
-        for li, (load, rate) in enumerate(LOADS.items()):
+        for li, (load, rate) in enumerate(loads.items()):
             for si, (skew, alpha) in enumerate(SKEWS.items()):
                 adapters = AdapterSet.zipf(N_ADAPTERS, alpha, seed=7)
                 arrivals = generate(adapters, rate=rate, duration_s=duration, seed=300 + 10 * li + si)
@@ -182,16 +197,20 @@ def run_study(duration: float, train_runs: int, out_dir: Path) -> None:
                 AdapterSet.zipf(n, alpha, seed=100 + i) for i, (_, n, alpha, _) in enumerate(VALIDATION)]:
             for name, rank in zip(a.names, a.ranks):
                 write_adapter(adir, name, model=serve_model(), rank=rank, seed=sum(map(ord, name)) * 31 + rank)
+        write_profile_adapters(adir)
         with Fleet(adir, [free_port() for _ in range(FLEET)], CFG, log_dir=Path(tmp)) as urls:
             console.print("profiling one server and fitting the twin's costs")
             costs = fit_costs(CFG, server_url=urls[0])
             console.print(f"  costs: {json.dumps({k: round(v, 6) for k, v in costs.as_dict().items()})}")
             twin_check = validate_twin(urls[0], costs, duration, console)
+            cap = capacity(costs, duration)
+            loads = {k: round(f * cap, 2) for k, f in LOAD_FACTORS.items()}
+            console.print(f"one server's capacity (twin): {cap:.2f} req/s; fleet loads {loads}")
             console.print(f"training the random forest on {train_runs} twin runs")
-            model, rf = train_forest(costs, duration, train_runs)
+            model, rf = train_forest(costs, duration, train_runs, max_rate=1.2 * loads["high"])
             rf["rf_error_vs_real"] = rf_vs_real(model, twin_check)
-            console.print(f"fleet of {FLEET}: {len(LOADS)} loads x {len(SKEWS)} skews x {len(METHODS)} placements")
-            scenarios = run_fleet_study(model, urls, duration, console)
+            console.print(f"fleet of {FLEET}: {len(loads)} loads x {len(SKEWS)} skews x {len(METHODS)} placements")
+            scenarios = run_fleet_study(model, urls, loads, duration, console)
     saving = {k: 1 - row["greedy"]["servers"] / row["round_robin"]["servers"] for k, row in scenarios.items()}
     result = {
         "twin_error_throughput": twin_check["twin_error_throughput"], "twin_error_p50": twin_check["twin_error_p50"],
@@ -204,7 +223,8 @@ def run_study(duration: float, train_runs: int, out_dir: Path) -> None:
         "greedy_slo_at_least_round_robin": {k: row["greedy"]["slo"] >= row["round_robin"]["slo"]
                                             for k, row in scenarios.items()},
         "twin_check": twin_check, "costs": costs.as_dict(), "scenarios": scenarios,
-        "setup": {"fleet": FLEET, "adapters": N_ADAPTERS, "loads_req_s": LOADS, "skews_zipf_alpha": SKEWS,
+        "server_capacity_req_s": cap,
+        "setup": {"fleet": FLEET, "adapters": N_ADAPTERS, "loads_req_s": loads, "load_factors": LOAD_FACTORS, "skews_zipf_alpha": SKEWS,
                   "slo_s": SLO_S, "timeout_s": TIMEOUT_S, "duration_s": duration, "serve_config": vars(CFG),
                   "model": vars(serve_model())},
         "wall_s": time.perf_counter() - t0}
