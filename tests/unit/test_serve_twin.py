@@ -14,7 +14,7 @@ from unbroken.serve.twin import Costs, simulate
 from unbroken.serve.workload import GEN_MAX, PROMPT_MAX, AdapterSet, Arrival, from_trace, generate
 
 torch.set_num_threads(1)
-COSTS = Costs(base=0.01, row=0.001, token=1e-4, lora=1e-6, load=0.002, load_rank=1e-5, http=0.004)
+COSTS = Costs(base=0.01, row=0.001, token=1e-4, lora=1e-6, load=0.002, http=0.004)
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +77,15 @@ def test_trace_rescaled_to_rate_and_zipf_popularity():
 class _Capacity:
     """A stand-in model: a server keeps up while its rate is under 3 req/s."""
 
-    def predict(self, adapters, rate):
-        return {"starved": 0.0 if rate < 3 else 0.5, "p95_s": 0.5, "throughput_tok_s": rate}
+    def predict(self, adapters, rate, lengths):
+        return {"p_ok": 1.0 if rate < 3 else 0.0}
 
 
 def test_greedy_packs_by_the_model_and_baselines_spread():
     s = AdapterSet.zipf(12, 1.0, seed=0)
     cfg = ServeConfig()
     for rate, want in ((2.0, 1), (5.0, 2), (8.0, 3)):
-        p = greedy(_Capacity(), cfg, s, rate, 4, slo_s=1.0)
+        p = greedy(_Capacity(), cfg, s, rate, 4, lengths=(10.0, 8.0))
         assert servers_used(p) == want and sorted(sum(p, [])) == sorted(s.names)
     assert servers_used(round_robin(s, 3)) == 3 and sorted(sum(random_placement(s, 3, 0), [])) == sorted(s.names)
 
@@ -98,3 +98,17 @@ def test_forest_learns_the_twin():
     pred = PerfModel.train(x, y).predict_many(xt)
     err = np.mean(np.abs(pred[:, 0] - yt[:, 0]) / yt[:, 0])
     assert err < 0.25, err
+
+
+def test_profile_fit_recovers_known_costs():
+    from unbroken.serve.profile import fit
+
+    rng = np.random.default_rng(0)
+    log = []
+    for _ in range(300):
+        b, length, r, n = int(rng.integers(1, 9)), int(rng.integers(2, 64)), int(rng.choice([0, 4, 16])), int(rng.integers(0, 3))
+        t = COSTS.iteration(b, length, r) + n * COSTS.load
+        log.append((b, length, r, n, t * (1 + 0.01 * rng.standard_normal())))
+    got = fit(log, [0.003, 0.004, 0.005])
+    assert abs(got.token - COSTS.token) / COSTS.token < 0.05 and abs(got.base - COSTS.base) / COSTS.base < 0.1
+    assert abs(got.load - COSTS.load) / COSTS.load < 0.2 and got.http == 0.004

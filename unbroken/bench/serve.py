@@ -10,7 +10,7 @@ from unbroken.cli_error import fail
 
 
 def serve(duration: float = typer.Option(12.0, "--duration", help="seconds of load per real run"),
-          train_runs: int = typer.Option(300, "--train-runs", help="twin runs the random forest learns from"),
+          train_runs: int = typer.Option(2000, "--train-runs", help="twin runs the random forest learns from"),
           out_dir: Path = typer.Option(Path("bench/results"), "--out-dir")) -> None:
     """Multi-adapter serving: digital twin, random forest and placement, measured on a real fleet."""
     if not 0 < duration <= 120 or train_runs < 20:

@@ -25,7 +25,7 @@ from unbroken.serve.client import replay
 from unbroken.serve.config import ServeConfig, serve_model
 from unbroken.serve.fleet import Fleet
 from unbroken.serve.outcome import Outcome, summarize
-from unbroken.serve.perfmodel import TARGETS, PerfModel, features, twin_dataset
+from unbroken.serve.perfmodel import PerfModel, mean_lengths, twin_dataset
 from unbroken.serve.placement import greedy, random_placement, round_robin, servers_used
 from unbroken.serve.profile import fit_costs, write_profile_adapters
 from unbroken.serve.router import Router, build_router_app
@@ -88,7 +88,8 @@ def validate_twin(url: str, costs, duration: float, console: Console) -> dict:
         real, real_wall = _real(url, arrivals)
         _drain([url])
         twin, stats = simulate(CFG, adapters, arrivals, costs, slo_s=SLO_S, timeout_s=TIMEOUT_S)
-        rows.append({"workload": kind, "adapters": n, "alpha": alpha, "rate": rate, "real": real.as_dict(),
+        rows.append({"workload": kind, "adapters": n, "alpha": alpha, "rate": rate, "duration_s": duration,
+                     "real": real.as_dict(),
                      "twin": twin.as_dict(), "error_throughput": _rel(twin.throughput_tok_s, real.throughput_tok_s),
                      "error_p50": _rel(twin.p50_s, real.p50_s), "speedup": real_wall / stats["wall_s"]})
         console.print(f"  twin check {kind:8s} n={n:2d} rate={rate}: throughput real {real.throughput_tok_s:6.1f} "
@@ -120,20 +121,22 @@ def train_forest(costs, duration: float, n_train: int, max_rate: float) -> tuple
     err = np.abs(pred[:, 0] - yt[:, 0]) / np.maximum(yt[:, 0], 1e-9)
     return model, {"train_runs": len(x), "test_runs": len(xt), "rf_error": float(np.mean(err)),
                    "rf_mae_starved": float(np.mean(np.abs(pred[:, 1] - yt[:, 1]))),
-                   "rf_mae_p95_s": float(np.mean(np.abs(pred[:, 2] - yt[:, 2])))}
+                   "rf_mae_slo": float(np.mean(np.abs(pred[:, 2] - yt[:, 2])))}
 
 
 def rf_vs_real(model: PerfModel, twin_check: dict) -> float:
     errs = []
     for row in twin_check["configs"]:
         i = VALIDATION.index((row["workload"], row["adapters"], row["alpha"], row["rate"]))
-        pred = model.predict(AdapterSet.zipf(row["adapters"], row["alpha"], seed=100 + i), row["rate"])
+        adapters = AdapterSet.zipf(row["adapters"], row["alpha"], seed=100 + i)
+        arrivals = _arrivals(row["workload"], adapters, row["rate"], row["duration_s"], seed=200 + i)
+        pred = model.predict(adapters, row["rate"], mean_lengths(arrivals))
         errs.append(_rel(pred["throughput_tok_s"], row["real"]["throughput_tok_s"]))
     return statistics.mean(errs)
 
 
-def placements(model: PerfModel, adapters: AdapterSet, rate: float, seed: int) -> dict[str, list[list[str]]]:
-    return {"greedy": greedy(model, CFG, adapters, rate, FLEET, slo_s=SLO_S),
+def placements(model: PerfModel, adapters: AdapterSet, rate: float, lengths, seed: int) -> dict[str, list[list[str]]]:
+    return {"greedy": greedy(model, CFG, adapters, rate, FLEET, lengths=lengths),
             "round_robin": round_robin(adapters, FLEET), "random": random_placement(adapters, FLEET, seed)}
 
 
@@ -146,7 +149,7 @@ def run_fleet_study(model: PerfModel, urls: list[str], loads: dict, duration: fl
                 adapters = AdapterSet.zipf(N_ADAPTERS, alpha, seed=7)
                 arrivals = generate(adapters, rate=rate, duration_s=duration, seed=300 + 10 * li + si)
                 row = {}
-                for method, p in placements(model, adapters, rate, seed=li * 10 + si).items():
+                for method, p in placements(model, adapters, rate, mean_lengths(arrivals), seed=li * 10 + si).items():
                     router.set_placement({a: [urls[s]] for s, hosted in enumerate(p) for a in hosted})
                     out, _ = _real(rurl, arrivals)
                     _drain(urls)
@@ -200,7 +203,8 @@ def run_study(duration: float, train_runs: int, out_dir: Path) -> None:
         write_profile_adapters(adir)
         with Fleet(adir, [free_port() for _ in range(FLEET)], CFG, log_dir=Path(tmp)) as urls:
             console.print("profiling one server and fitting the twin's costs")
-            costs = fit_costs(CFG, server_url=urls[0])
+            costs = fit_costs(urls[0])
+            _drain(urls)
             console.print(f"  costs: {json.dumps({k: round(v, 6) for k, v in costs.as_dict().items()})}")
             twin_check = validate_twin(urls[0], costs, duration, console)
             cap = capacity(costs, duration)

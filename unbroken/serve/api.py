@@ -78,6 +78,11 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(text=engine.metrics.render(engine), content_type="text/plain")
 
 
+async def iterations(request: web.Request) -> web.Response:
+    """The recent iterations [rows, padded length, largest rank, adapter loads, seconds] (profiling)."""
+    return web.json_response({"iterations": list(request.app[ENGINE].iteration_log)})
+
+
 async def health(request: web.Request) -> web.Response:
     return web.json_response({"ok": True, "base": request.app[ENGINE].base})
 
@@ -87,7 +92,8 @@ def build_app(engine: Engine) -> web.Application:
     app = web.Application(client_max_size=1 << 20)
     app[ENGINE] = engine
     app.add_routes([web.post("/v1/completions", completions), web.get("/v1/models", models),
-                    web.get("/metrics", metrics), web.get("/health", health)])
+                    web.get("/metrics", metrics), web.get("/health", health),
+                    web.get("/v1/iterations", iterations)])
     app.cleanup_ctx.append(_engine_thread)
     return app
 

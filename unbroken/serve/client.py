@@ -22,6 +22,7 @@ class Result:
     ttft_s: float | None
     queue_s: float | None
     tokens: int
+    server_e2e_s: float | None = None  # the same request's latency inside the server
 
 
 def prompt_of(n: int) -> str:
@@ -53,6 +54,6 @@ async def _replay(url: str, arrivals: list[Arrival], timeout_s: float, max_infli
                 e2e = time.perf_counter() - sent
             m = out.get("metrics", {}) if status == 200 else {}
             return Result(a, status, sent - t0, e2e, m.get("ttft_s"), m.get("queue_s"),
-                          out.get("usage", {}).get("completion_tokens", 0) if status == 200 else 0)
+                          out.get("usage", {}).get("completion_tokens", 0) if status == 200 else 0, m.get("e2e_s"))
 
         return list(await asyncio.gather(*(one(a) for a in arrivals)))

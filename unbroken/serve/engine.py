@@ -74,6 +74,9 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self.iterations = 0
+        # the recent iterations as (rows, padded length, largest rank, adapter loads, seconds): what
+        # the twin's costs are fitted to (GET /v1/iterations)
+        self.iteration_log: deque[tuple[int, int, int, int, float]] = deque(maxlen=8192)
 
     # -- requests --------------------------------------------------------------------------
     def check_adapter(self, name: str) -> int:
@@ -103,6 +106,7 @@ class Engine:
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> bool:
         """One iteration: admit what fits, decode one token for every running request. False if idle."""
+        t0, loads0 = time.perf_counter(), self.cache.loads
         self._admit()
         if not self.running:
             return False
@@ -127,6 +131,7 @@ class Engine:
             else:
                 self._finish(r)
         self.running = keep
+        self.iteration_log.append((len(batch), int(lens.max()), self.table.rank, self.cache.loads - loads0, now - t0))
         return True
 
     def serve(self, stop: threading.Event) -> None:

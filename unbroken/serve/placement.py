@@ -1,5 +1,5 @@
 """Adapter placement onto a fleet: greedy (fewest servers such that the performance model predicts
-no starvation, p95 within the SLO and memory within the limit), round-robin and random."""
+no starvation, 95% of requests within the SLO bound and memory within the limit), round-robin and random."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,6 +8,8 @@ from unbroken.serve.config import ServeConfig, memory_bytes, serve_model
 from unbroken.serve.workload import AdapterSet
 
 Placement = list[list[str]]  # per server, the adapters it hosts
+# how sure the model must be that a server keeps up (more likely than not)
+P_OK = 0.5
 
 
 def round_robin(adapters: AdapterSet, servers: int) -> Placement:
@@ -26,25 +28,25 @@ def random_placement(adapters: AdapterSet, servers: int, seed: int) -> Placement
 
 
 def fits(model, cfg: ServeConfig, adapters: AdapterSet, names: list[str], total_rate: float, *,
-         slo_s: float, max_starved: float = 0.01) -> bool:
+         lengths: tuple[float, float]) -> bool:
     """Does one server hosting `names` keep up, by the model's prediction?"""
     if memory_bytes(serve_model(), cfg.max_batch, cfg.slots, cfg.max_rank) > cfg.memory_mb * 2**20:
         return False
     share = sum(adapters.popularity[adapters.names.index(n)] for n in names)
-    pred = model.predict(adapters.subset(names), total_rate * share)
-    return pred["starved"] <= max_starved and pred["p95_s"] <= slo_s
+    pred = model.predict(adapters.subset(names), total_rate * share, lengths)
+    return pred["p_ok"] >= P_OK  # no starvation and p95 within the SLO bound, with a margin
 
 
 def greedy(model, cfg: ServeConfig, adapters: AdapterSet, total_rate: float, max_servers: int, *,
-           slo_s: float) -> Placement:
-    """Most popular adapter first, each onto the first open server that still fits (first-fit
+           lengths: tuple[float, float]) -> Placement:
+    """`lengths`: the workload's mean prompt and output lengths. Most popular adapter first, each onto the first open server that still fits (first-fit
     decreasing); a new server only when none does. With every server open and none fitting, the
     adapter goes where the predicted load is lowest."""
     order = sorted(adapters.names, key=lambda n: -adapters.popularity[adapters.names.index(n)])
     out: Placement = []
     for name in order:
         for hosted in out:
-            if fits(model, cfg, adapters, hosted + [name], total_rate, slo_s=slo_s):
+            if fits(model, cfg, adapters, hosted + [name], total_rate, lengths=lengths):
                 hosted.append(name)
                 break
         else:

@@ -18,7 +18,7 @@ from unbroken.serve.workload import AdapterSet, Arrival
 @dataclass(frozen=True)
 class Costs:
     """Seconds: an iteration of B rows padded to L tokens whose largest adapter rank is r costs
-    base + row*B + token*B*L + lora*B*L*r; loading an adapter of rank r costs load + load_rank*r;
+    base + row*B + token*B*L + lora*B*L*r; loading an adapter into a slot costs `load`;
     `http` is a request's round trip outside the engine (client, HTTP, event loop)."""
 
     base: float
@@ -26,7 +26,6 @@ class Costs:
     token: float
     lora: float
     load: float
-    load_rank: float
     http: float
 
     def iteration(self, b: int, length: int, rank: int) -> float:
@@ -56,7 +55,7 @@ def simulate(cfg: ServeConfig, adapters: AdapterSet, arrivals: list[Arrival], co
     wall = time.perf_counter()
     rank = dict(zip(adapters.names, adapters.ranks))
     loads: list[float] = []
-    cache = AdapterCache(cfg.slots, lambda name, slot: loads.append(costs.load + costs.load_rank * rank[name]))
+    cache = AdapterCache(cfg.slots, lambda name, slot: loads.append(costs.load))
     reqs = [_Req(a.t + costs.http / 2, a.adapter, rank[a.adapter], a.prompt_len, a.gen_len, a.gen_len) for a in arrivals]
     horizon = arrivals[-1].t + timeout_s if arrivals else 0.0
     pending, waiting, running = deque(reqs), deque(), []

@@ -63,19 +63,22 @@ def load_trace(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def from_trace(name: str, adapters: AdapterSet, *, rate: float, duration_s: float, seed: int) -> list[Arrival]:
-    """The trace's arrivals, time rescaled to a mean of `rate` req/s, cut at `duration_s`; adapters drawn
-    from the set's popularity."""
+    """A `duration_s` window of the trace (where it starts is drawn from `seed`), time rescaled so that the
+    whole subset's mean rate is `rate` req/s; adapters drawn from the set's popularity."""
     t, ctx, gen = load_trace(name)
     t = t * (len(t) / t[-1]) / rate
-    keep = t < duration_s
+    start = np.random.default_rng(seed).uniform(0, max(0.0, t[-1] - duration_s))
+    t = t - start
+    keep = (t >= 0) & (t < duration_s)
     prompt = np.clip(np.ceil(ctx[keep] / CTX_PER_TOKEN), 1, PROMPT_MAX).astype(int)
     out = np.clip(np.ceil(gen[keep] / GEN_PER_TOKEN), 1, GEN_MAX).astype(int)
     return _with_adapters(t[keep], prompt, out, adapters, seed)
 
 
-def generate(adapters: AdapterSet, *, rate: float, duration_s: float, seed: int, bursty: bool = False) -> list[Arrival]:
+def generate(adapters: AdapterSet, *, rate: float, duration_s: float, seed: int, bursty: bool = False,
+             prompt_median: float = 10.0, gen_median: float = 8.0) -> list[Arrival]:
     """Poisson arrivals (or bursty: gamma gaps with coefficient of variation 3) at `rate` req/s;
-    lognormal (heavy-tailed) prompt and output lengths, clipped to the context."""
+    lognormal (heavy-tailed) prompt and output lengths around the medians, clipped to the context."""
     if rate <= 0 or duration_s <= 0:
         raise ConfigError(f"rate and duration must be > 0, got rate={rate}, duration={duration_s}")
     rng = np.random.default_rng(seed)
@@ -83,8 +86,8 @@ def generate(adapters: AdapterSet, *, rate: float, duration_s: float, seed: int,
     gaps = rng.gamma(1 / 9, 9 / rate, n) if bursty else rng.exponential(1 / rate, n)
     t = np.cumsum(gaps)
     t = t[t < duration_s]
-    prompt = np.clip(np.round(rng.lognormal(math.log(10), 0.8, len(t))), 1, PROMPT_MAX).astype(int)
-    out = np.clip(np.round(rng.lognormal(math.log(8), 0.7, len(t))), 1, GEN_MAX).astype(int)
+    prompt = np.clip(np.round(rng.lognormal(math.log(prompt_median), 0.8, len(t))), 1, PROMPT_MAX).astype(int)
+    out = np.clip(np.round(rng.lognormal(math.log(gen_median), 0.7, len(t))), 1, GEN_MAX).astype(int)
     return _with_adapters(t, prompt, out, adapters, seed + 1)
 
 
