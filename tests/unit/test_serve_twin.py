@@ -112,3 +112,10 @@ def test_profile_fit_recovers_known_costs():
     got = fit(log, [0.003, 0.004, 0.005])
     assert abs(got.token - COSTS.token) / COSTS.token < 0.05 and abs(got.base - COSTS.base) / COSTS.base < 0.1
     assert abs(got.load - COSTS.load) / COSTS.load < 0.2 and got.http == 0.004
+
+
+def test_greedy_spreads_load_over_the_servers_it_needs():
+    s = AdapterSet.zipf(12, 1.0, seed=0)
+    p = greedy(_Capacity(), ServeConfig(), s, 5.0, 4, lengths=(10.0, 8.0))
+    shares = [sum(s.popularity[s.names.index(n)] for n in h) for h in p]
+    assert len(p) == 2 and max(shares) - min(shares) < 0.2  # not one full server and one nearly idle

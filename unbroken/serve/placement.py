@@ -39,12 +39,31 @@ def fits(model, cfg: ServeConfig, adapters: AdapterSet, names: list[str], total_
 
 def greedy(model, cfg: ServeConfig, adapters: AdapterSet, total_rate: float, max_servers: int, *,
            lengths: tuple[float, float]) -> Placement:
-    """`lengths`: the workload's mean prompt and output lengths. Most popular adapter first, each onto the first open server that still fits (first-fit
-    decreasing); a new server only when none does. With every server open and none fitting, the
-    adapter goes where the predicted load is lowest."""
-    order = sorted(adapters.names, key=lambda n: -adapters.popularity[adapters.names.index(n)])
+    """`lengths`: the workload's mean prompt and output lengths. First-fit decreasing finds how few
+    servers the model allows; the adapters are then spread over that many servers by load (most
+    popular first, each to the least loaded), kept if the model says every server keeps up: a
+    server filled to the model's boundary has no headroom for its error."""
+    packed, all_fit = _first_fit(model, cfg, adapters, total_rate, max_servers, lengths)
+    balanced = _balanced(adapters, servers_used(packed))
+    if not all_fit or all(fits(model, cfg, adapters, h, total_rate, lengths=lengths) for h in balanced):
+        return balanced
+    return packed
+
+
+def _share(adapters: AdapterSet, names: list[str]) -> float:
+    return sum(adapters.popularity[adapters.names.index(n)] for n in names)
+
+
+def _by_popularity(adapters: AdapterSet) -> list[str]:
+    return sorted(adapters.names, key=lambda n: -adapters.popularity[adapters.names.index(n)])
+
+
+def _first_fit(model, cfg, adapters: AdapterSet, total_rate: float, max_servers: int, lengths) -> tuple[Placement, bool]:
+    """Most popular adapter first, each onto the first open server that still fits; a new server only
+    when none does. With every server open and none fitting: the least loaded one (all_fit False)."""
     out: Placement = []
-    for name in order:
+    all_fit = True
+    for name in _by_popularity(adapters):
         for hosted in out:
             if fits(model, cfg, adapters, hosted + [name], total_rate, lengths=lengths):
                 hosted.append(name)
@@ -53,8 +72,15 @@ def greedy(model, cfg: ServeConfig, adapters: AdapterSet, total_rate: float, max
             if len(out) < max_servers:
                 out.append([name])
             else:
-                load = [sum(adapters.popularity[adapters.names.index(n)] for n in h) for h in out]
-                out[int(np.argmin(load))].append(name)
+                all_fit = False
+                min(out, key=lambda h: _share(adapters, h)).append(name)
+    return out, all_fit
+
+
+def _balanced(adapters: AdapterSet, servers: int) -> Placement:
+    out: Placement = [[] for _ in range(servers)]
+    for name in _by_popularity(adapters):
+        min(out, key=lambda h: _share(adapters, h)).append(name)
     return out
 
 
