@@ -63,3 +63,31 @@ def test_bad_requests_are_refused_with_a_status(adapter_dir):
 def test_config_over_memory_is_a_config_error():
     with pytest.raises(ConfigError, match="over memory_mb"):
         ServeConfig(slots=64, max_rank=64, memory_mb=8)
+
+
+def test_an_engine_fault_fails_its_batch_and_the_engine_goes_on(adapter_dir):
+    import threading
+
+    e = Engine(ServeConfig(), adapter_dir)
+    model, done = e.model, []
+    finished = threading.Semaphore(0)
+
+    def boom(idx):
+        raise RuntimeError("boom")
+
+    e.model = boom
+    stop = threading.Event()
+    t = threading.Thread(target=e.serve, args=(stop,))
+    t.start()
+    try:
+        on_done = lambda r: (done.append(r), finished.release())  # noqa: E731
+        e.submit(Request("a0", encode("hi"), 2, on_done=on_done))
+        assert finished.acquire(timeout=10)
+        e.model = model
+        e.submit(Request("a0", encode("hi"), 2, on_done=on_done))
+        assert finished.acquire(timeout=10)
+    finally:
+        stop.set()
+        t.join(10)
+    assert done[0].error.status == 500 and "boom" in str(done[0].error)
+    assert done[1].error is None and len(done[1].out) == 2 and e.cache.resident() == ["a0"]

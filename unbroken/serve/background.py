@@ -23,12 +23,17 @@ class BackgroundApp:
 
     def __enter__(self) -> str:
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
+        try:
+            asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
+        except BaseException:
+            self.__exit__()
+            raise
         return self.url
 
     def __exit__(self, *exc) -> None:
         try:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(30)
+            if self._runner is not None:
+                asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(30)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)

@@ -136,9 +136,20 @@ class Engine:
 
     def serve(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            if not self.step():
+            try:
+                busy = self.step()
+            except Exception as e:  # a bug must not leave requests waiting for their timeout
+                self._fail_running(RequestError(f"internal error in the engine: {type(e).__name__}: {e}", 500))
+                continue
+            if not busy:
                 self._wake.wait(0.01)
                 self._wake.clear()
+
+    def _fail_running(self, err: RequestError) -> None:
+        batch, self.running = self.running, []
+        for r in batch:
+            r.error = err
+            self._finish(r)
 
     def run_until_idle(self, timeout_s: float = 60.0) -> None:
         deadline = time.perf_counter() + timeout_s
