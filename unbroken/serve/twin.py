@@ -1,0 +1,109 @@
+"""The digital twin of one server: a discrete-event replay of the engine's policy (FIFO with
+skip-ahead admission, the same LRU adapter cache, continuous batching, one token per running request
+per iteration) with per-iteration and per-load costs fitted from a profiling run (`profile.py`)."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from unbroken.serve.cache import AdapterCache
+from unbroken.serve.config import ServeConfig, memory_bytes, serve_model
+from unbroken.serve.outcome import Outcome, summarize
+from unbroken.serve.workload import AdapterSet, Arrival
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds: an iteration of B rows padded to L tokens whose largest adapter rank is r costs
+    base + row*B + token*B*L + lora*B*L*r; loading an adapter into a slot costs `load`;
+    `http` is a request's round trip outside the engine (client, HTTP, event loop)."""
+
+    base: float
+    row: float
+    token: float
+    lora: float
+    load: float
+    http: float
+
+    def iteration(self, b: int, length: int, rank: int) -> float:
+        return self.base + self.row * b + self.token * b * length + self.lora * b * length * rank
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Req:
+    arrival: float  # at the engine (after half the HTTP round trip)
+    adapter: str
+    rank: int
+    length: int
+    left: int
+    gen: int
+    start: float = float("nan")
+    finish: float = float("nan")
+    slot: int = 0
+
+
+def simulate(cfg: ServeConfig, adapters: AdapterSet, arrivals: list[Arrival], costs: Costs,
+             *, slo_s: float, timeout_s: float = 20.0) -> tuple[Outcome, dict]:
+    """Predict one server's outcome for these arrivals; a request not finished `timeout_s` after it
+    was sent fails, as in the real replay (and counts as starved). Returns (outcome, stats)."""
+    wall = time.perf_counter()
+    rank = dict(zip(adapters.names, adapters.ranks))
+    loads: list[float] = []
+    cache = AdapterCache(cfg.slots, lambda name, slot: loads.append(costs.load))
+    reqs = [_Req(a.t + costs.http / 2, a.adapter, rank[a.adapter], a.prompt_len, a.gen_len, a.gen_len) for a in arrivals]
+    horizon = arrivals[-1].t + timeout_s if arrivals else 0.0
+    pending, waiting, running = deque(reqs), deque(), []
+    now, iterations = 0.0, 0
+    while (pending or waiting or running) and now < horizon:
+        while pending and pending[0].arrival <= now:
+            waiting.append(pending.popleft())
+        if not running and not waiting:
+            now = pending[0].arrival
+            continue
+        waiting = _admit(cfg, cache, waiting, running, now)
+        now += sum(loads)
+        loads.clear()
+        if not running:  # every slot pinned cannot happen with nothing running; only loads could be due
+            continue
+        now += costs.iteration(len(running), max(r.length for r in running), max(r.rank for r in running))
+        iterations += 1
+        keep = []
+        for r in running:
+            r.length, r.left = r.length + 1, r.left - 1
+            if r.left:
+                keep.append(r)
+            else:
+                r.finish = now + costs.http / 2
+                cache.release(r.slot)
+        running = keep
+    out = summarize([a.t for a in arrivals], [r.finish for r in reqs],
+                    [r.start - r.arrival if r.start == r.start else np.inf for r in reqs],
+                    [r.gen for r in reqs], [r.finish - a.t <= timeout_s for r, a in zip(reqs, arrivals)],
+                    starve_s=cfg.starve_s, slo_s=slo_s)
+    model = serve_model()
+    stats = {"iterations": iterations, "adapter_loads": cache.loads, "evictions": cache.evictions,
+             "memory_mb": memory_bytes(model, cfg.max_batch, cfg.slots, cfg.max_rank) / 2**20,
+             "wall_s": time.perf_counter() - wall}
+    return out, stats
+
+
+def _admit(cfg: ServeConfig, cache: AdapterCache, waiting: deque, running: list, now: float) -> deque:
+    """The engine's admission: FIFO, skipping requests whose adapter finds no free slot."""
+    if len(running) >= cfg.max_batch:
+        return waiting
+    still = deque()
+    while waiting:
+        r = waiting.popleft()
+        slot = cache.acquire(r.adapter) if len(running) < cfg.max_batch else None
+        if slot is None:
+            still.append(r)
+            continue
+        r.slot, r.start = slot, now
+        running.append(r)
+    return still
