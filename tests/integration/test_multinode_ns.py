@@ -31,6 +31,24 @@ def _node_cmd(net: Netns, node: int, run_dir: Path, *extra: str) -> tuple[list[s
     return cmd, env
 
 
+def _run_two_nodes(net: Netns, dirs: list[Path], during=None) -> tuple[list[int], list[tuple[str, str]]]:
+    """Start node 0 and node 1 (Slurm's variables), call `during(node0)`, wait for both; always reaped."""
+    procs = []
+    try:
+        for node in (0, 1):
+            cmd, env = _node_cmd(net, node, dirs[node])
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        if during is not None:
+            during(procs[0])
+        outs = [p.communicate(timeout=200) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    return [p.returncode for p in procs], outs
+
+
 @pytest.fixture
 def two_nodes():
     with Netns(Wiring.uniform("1gbit", 2, 1000), prefix=f"ut{os.getpid() % 10000}") as net:
@@ -40,19 +58,9 @@ def two_nodes():
 @pytest.mark.slow  # the partition test below launches the same way and also ends equal to the one-node run
 def test_two_slurm_nodes_in_namespaces_train_like_one_node(tmp_path, two_nodes, reference):
     dirs = [tmp_path / "node0", tmp_path / "node1"]
-    procs = []
-    try:
-        for node in (0, 1):
-            cmd, env = _node_cmd(two_nodes, node, dirs[node])
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        outs = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-2000:]
+    codes, outs = _run_two_nodes(two_nodes, dirs)
+    for code, (out, err) in zip(codes, outs):
+        assert code == 0, err[-2000:]
     s0, s1 = (json.loads(out) for out, _ in outs)
     assert s0 == s1 and s0["ok"] and s0["ranks_agree"]
     assert s0["weights_sha256"] == reference["zero1"]["weights_sha256"]  # the same job on one node
@@ -79,25 +87,16 @@ def test_a_partitioned_node_fences_itself_and_its_ranks_are_rebuilt_from_tier_1(
     """Two nodes launched by Slurm's variables; node 1's link goes down mid-run: node 0 replaces its
     ranks from tier 1 (parity groups of one rank per node) and finishes bitwise equal to the one-node
     run; node 1 stops its processes (fenced) and writes nothing in its run directory after the fence."""
-    assert not [k for k in os.environ if k.startswith("SLURM_")]  # the place below comes from _node_cmd's env
     dirs = [tmp_path / "node0", tmp_path / "node1"]
-    procs = []
-    try:
-        for node in (0, 1):
-            cmd, env = _node_cmd(two_nodes, node, dirs[node])
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+
+    def cut_node_1_after_a_step(node0: subprocess.Popen) -> None:
         deadline = time.monotonic() + 120
-        while _steps_done(dirs[0]) < 1 and time.monotonic() < deadline and procs[0].poll() is None:
+        while _steps_done(dirs[0]) < 1 and time.monotonic() < deadline and node0.poll() is None:
             time.sleep(0.02)
         subprocess.run([*two_nodes.exec_prefix(1), "ip", "link", "set", "eth0", "down"], check=True, timeout=10)
-        outs = [p.communicate(timeout=200) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    (out0, err0), (_, err1) = outs
-    assert procs[0].returncode == 0, err0[-2000:]
+
+    codes, ((out0, err0), (_, err1)) = _run_two_nodes(two_nodes, dirs, during=cut_node_1_after_a_step)
+    assert codes[0] == 0, err0[-2000:]
     summary = json.loads(out0)
     assert summary["ok"] and summary["steps"] == 8
     assert summary["weights_sha256"] == reference["zero1"]["weights_sha256"]  # the same job on one node
@@ -107,7 +106,7 @@ def test_a_partitioned_node_fences_itself_and_its_ranks_are_rebuilt_from_tier_1(
         (2, 15000 + 7001)]  # SLURM_NNODES and the port derived from SLURM_JOB_ID
     evs0 = [json.loads(x) for x in (dirs[0] / "events.jsonl").read_text().splitlines()]
     assert [e["fields"]["node"] for e in evs0 if e["kind"] == "node_lost"] == [1]
-    assert procs[1].returncode == 2 and "fenced" in err1 and "Traceback" not in err1, err1[-2000:]
+    assert codes[1] == 2 and "fenced" in err1 and "Traceback" not in err1, err1[-2000:]
     evs1 = [json.loads(x) for x in (dirs[1] / "events.jsonl").read_text().splitlines()]
     assert evs1[-1]["kind"] == "node_fenced"
     fenced_at = evs1[-1]["time"]
