@@ -35,7 +35,7 @@ def test_the_fit_lands_in_multinode_json_beside_what_is_there_and_calibrates_the
     write_into_multinode(res, tmp_path / "multinode.json")
     data = json.loads((tmp_path / "multinode.json").read_text())
     assert data["rows"] == [1, 2] and data["commit"] == "abc" and "commit" in data["regroup_fit"]
-    cal = load_calibrations([tmp_path])  # a directory with only multinode.json
+    cal = load_calibrations([tmp_path / "multinode.json"])  # named explicitly: a directory does not opt in
     assert cal.regroup is not None and cal.recovery is None
     pol = apply_regroup_fit(Unbroken(), cal.regroup)
     assert pol.regroup_s(1024) == pytest.approx(0.05 + 0.01 * 10)

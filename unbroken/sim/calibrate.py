@@ -170,8 +170,6 @@ def load_calibrations(paths: list[str | Path]) -> Calibrations:
             files = [(k, p / name, _read_json(p / name))
                      for k, name in (("recovery", RECOVERY_FILE), ("overhead", OVERHEAD_FILE))
                      if (p / name).is_file()]
-            if (p / MULTINODE_FILE).is_file() and "regroup_fit" in (d := _read_json(p / MULTINODE_FILE)):
-                files.append(("regroup", p / MULTINODE_FILE, d))
             need(bool(files), f"--calibrate {str(p)!r}: the directory holds neither {RECOVERY_FILE} nor "
                  f"{OVERHEAD_FILE}; run `unbroken bench recovery` / `unbroken bench overhead` first")
             if not (p / OVERHEAD_FILE).is_file():

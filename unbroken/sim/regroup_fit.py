@@ -1,8 +1,10 @@
 """The regroup term fitted by `unbroken bench regroup` (multinode.json's `regroup_fit`), for the simulator.
 
 The bench fits regroup seconds against ranks N as `a + b*log2(N)` or `a + b*N` (whichever has
-the smaller residual). `--calibrate` with that file replaces unbroken's regroup phase by the
-fitted curve, evaluated at the simulated GPU count (floored at 0 s).
+the smaller residual). `--calibrate bench/results/multinode.json` (the file named: a results
+directory does not opt in, because a fit made of processes sharing two cores is a property of
+that host, not of a cluster) replaces unbroken's regroup phase by the fitted curve, evaluated
+at the simulated GPU count (floored at 0 s).
 """
 from __future__ import annotations
 
