@@ -13,9 +13,11 @@ from unbroken.bench.adoption import adoption
 from unbroken.bench.chaos import chaos
 from unbroken.bench.command import interval, overhead, plan as plan_bench, protect, recovery, throughput
 from unbroken.bench.detect import detect as detect_bench
+from unbroken.bench.predict import predict as predict_bench
 from unbroken.config import ConfigError
 from unbroken.detect.command import report
 from unbroken.plan.command import choose_for_run, plan
+from unbroken.predict.command import predict_app
 from unbroken.runtime.command import demo, run, set_auto_strategy
 from unbroken.runtime.export import export
 from unbroken.sim.command import simulate
@@ -29,6 +31,7 @@ app.command("export")(export)
 app.command("simulate")(simulate)
 app.command("chaos")(chaos)
 app.command("plan")(plan)
+app.add_typer(predict_app, name="predict")
 set_auto_strategy(choose_for_run)  # the runtime may not import the planner (a tool): cli.py plugs it in
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: print ratios side by side, write bench/results/*.json.")
@@ -41,6 +44,7 @@ bench_app.command("overhead")(overhead)
 bench_app.command("interval")(interval)
 bench_app.command("adoption")(adoption)
 bench_app.command("plan")(plan_bench)
+bench_app.command("predict")(predict_bench)
 
 
 def main() -> None:
