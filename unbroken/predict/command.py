@@ -113,8 +113,8 @@ def predict(ctx: typer.Context,
         price_map = _prices(prices, gpus) if prices else None
         extra = [m for p in measurement_files for m in measurements.load_user(p)]
         console = Console(stderr=as_json)
-        console.print("[dim]training on the public measurements ...[/]")
-        trained = service.train(service.training_table(gpus, models, extra))
+        console.print("[dim]training on the public measurements (cached after the first run) ...[/]")
+        trained = service.train_cached(service.training_table(gpus, models, extra))
         if check is not None:
             _check(check, trained, gpus, models, console)
             return

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from unbroken.predict.features import bandwidth_latency_s, compute_latency_s, matrix, point_of
+from unbroken.predict.features import FEATURES, bandwidth_latency_s, compute_latency_s, matrix, point_of
 from unbroken.predict.measurements import Measurement
 from unbroken.predict.tables import GpuTable, ModelTable
 
@@ -28,6 +28,10 @@ class Table:
         return Table(rows=tuple(self.rows[i] for i in idx), X=self.X[idx], tdp_w=self.tdp_w[idx],
                      power_w=self.power_w[idx], itl_s=self.itl_s[idx], roofline_s=self.roofline_s[idx],
                      gpu=self.gpu[idx], model=self.model[idx])
+
+    def category(self) -> np.ndarray:
+        """Mondrian conformal categories: the scenario code (single / offline / server)."""
+        return self.X[:, FEATURES.index("scenario")]
 
     def target(self, name: str) -> np.ndarray:
         """What the regressors fit for `name`: power per GPU / TDP, or ITL seconds."""

@@ -77,7 +77,7 @@ def per_group_mdape(labels: np.ndarray, pred: np.ndarray, true: np.ndarray) -> d
 
 
 def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbConfig, ...] = (DEFAULT,),
-                     coverage: float = 0.9) -> dict[str, np.ndarray]:
+                     coverage: float = 0.9, k: int = 3) -> dict[str, np.ndarray]:
     """Out-of-split predictions for every row, in physical units (W per GPU or s): xgboost point,
     interval, baseline; plus the config each split chose."""
     n = len(table)
@@ -88,8 +88,9 @@ def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbCon
     y = table.target(target)
     for tr, te in splits(table, kind):
         p = fit(table.X[tr], y[tr], target, groups=None if inner_groups is None else inner_groups[tr],
-                grid=grid, coverage=coverage)
-        point, lo, hi = p.predict(table.X[te])
+                grid=grid, coverage=coverage, k=k,
+                categories=table.category()[tr])
+        point, lo, hi = p.predict(table.X[te], table.category()[te])
         out["xgboost"][te], out["low"][te], out["high"][te] = point * scale[te], lo * scale[te], hi * scale[te]
         base = tdp_power if target == "power" else roofline_itl
         out["baseline"][te] = base(table.subset(tr), table.subset(te))

@@ -9,7 +9,7 @@ LOLO) the residuals carry the shift to an unseen group, so the width is honest a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -21,9 +21,9 @@ FLOOR = 1e-4  # a tree ensemble may predict <= 0 for power/TDP; logs need a floo
 class XgbConfig:
     """XGBoost hyperparameters (defaults: gradient-boosted trees as WattGPU trains them, hist method)."""
 
-    n_estimators: int = 400
+    n_estimators: int = 200
     max_depth: int = 6
-    learning_rate: float = 0.05
+    learning_rate: float = 0.1
     subsample: float = 0.8
     colsample_bytree: float = 0.8
     min_child_weight: float = 1.0
@@ -39,7 +39,7 @@ class XgbConfig:
 
 DEFAULT = XgbConfig()
 SEARCH_GRID = (DEFAULT, replace(DEFAULT, max_depth=3), replace(DEFAULT, max_depth=8, min_child_weight=3.0),
-               replace(DEFAULT, n_estimators=200, learning_rate=0.1))
+               replace(DEFAULT, n_estimators=400, learning_rate=0.05))
 
 
 def to_target(target: str, y: np.ndarray) -> np.ndarray:
@@ -85,18 +85,42 @@ def conformal_halfwidth(pred: np.ndarray, true: np.ndarray, coverage: float) -> 
 
 @dataclass
 class Predictor:
-    """A fitted regressor for one target, its chosen config and its interval half-width (log space)."""
+    """A fitted regressor for one target, its chosen config and its interval half-widths (log
+    space): one per category of the calibration rows (Mondrian conformal: a server-scenario
+    query gets the width measured on server rows), `halfwidth` for categories never seen."""
 
     target: str
     model: object
     config: XgbConfig
     halfwidth: float
     coverage: float
+    by_category: dict = field(default_factory=dict)
 
-    def predict(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def widths(self, categories: np.ndarray | None) -> np.ndarray | float:
+        if categories is None or not self.by_category:
+            return self.halfwidth
+        return np.array([self.by_category.get(float(c), self.halfwidth) for c in categories])
+
+    def predict(self, X: np.ndarray, categories: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(point, low, high) in target units: power/TDP or ITL seconds."""
         p = from_target(self.target, self.model.predict(X))
-        return p, p * math.exp(-self.halfwidth), p * math.exp(self.halfwidth)
+        q = self.widths(categories)
+        return p, p * np.exp(-q), p * np.exp(q)
+
+
+MIN_CATEGORY_ROWS = 30  # fewer calibration rows than this: the category uses the pooled width
+
+
+def mondrian_halfwidths(pred: np.ndarray, true: np.ndarray, categories: np.ndarray | None,
+                        coverage: float) -> dict:
+    if categories is None:
+        return {}
+    out = {}
+    for c in set(categories.tolist()):
+        sel = categories == c
+        if sel.sum() >= MIN_CATEGORY_ROWS:
+            out[float(c)] = conformal_halfwidth(pred[sel], true[sel], coverage)
+    return out
 
 
 def oof_predictions(X: np.ndarray, y: np.ndarray, target: str, folds, cfg: XgbConfig) -> np.ndarray:
@@ -113,7 +137,8 @@ def mdape(pred: np.ndarray, true: np.ndarray) -> float:
 
 
 def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None = None,
-        grid: tuple[XgbConfig, ...] = (DEFAULT,), coverage: float = 0.9, k: int = 5) -> Predictor:
+        grid: tuple[XgbConfig, ...] = (DEFAULT,), coverage: float = 0.9, k: int = 5,
+        categories: np.ndarray | None = None) -> Predictor:
     """Choose a config from `grid` by inner-fold MdAPE, calibrate the interval on the same
     out-of-fold predictions, refit the chosen config on all rows."""
     if target not in TARGETS:
@@ -130,4 +155,4 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
     _, cfg, oof = best
     model = fit_xgb(X, to_target(target, y), cfg)
     return Predictor(target=target, model=model, config=cfg, halfwidth=conformal_halfwidth(oof, y, coverage),
-                     coverage=coverage)
+                     coverage=coverage, by_category=mondrian_halfwidths(oof, y, categories, coverage))
