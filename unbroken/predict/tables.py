@@ -102,6 +102,16 @@ def _rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f, delimiter=";"))
 
 
+def _spec_rows(path: Path, name_column: str, template: Path) -> list[dict[str, str]]:
+    """The rows of a user's (or our) spec file, after checking it exists and is keyed by `name_column`."""
+    if not path.is_file():
+        raise SpecError(f"spec file {path} does not exist; pass a ';'-separated CSV like {template.name}")
+    rows = _rows(path)
+    if rows and name_column not in rows[0]:
+        raise SpecError(f"{path} has no {name_column} column; use the header of {template}")
+    return rows
+
+
 def key(name: str) -> str:
     """Lookup key: case, spaces, dashes, vendor words and 'GPU' do not matter."""
     s = name.lower()
@@ -165,19 +175,13 @@ def load_gpus(extra: tuple[Path, ...] = ()) -> GpuTable:
         aliases[key(a)] = name
     files = [WATTGPU_GPUS.name]
     for path in (EXTRA_GPUS, *extra):
-        path = Path(path)
-        if not path.is_file():
-            raise SpecError(f"GPU spec file {path} does not exist; pass a ';'-separated CSV like {EXTRA_GPUS.name}")
-        rows = _rows(path)
-        if rows and "gpu_type" not in rows[0]:
-            raise SpecError(f"{path} has no gpu_type column; use the header of {EXTRA_GPUS}")
-        for r in rows:
+        for r in _spec_rows(Path(path), "gpu_type", EXTRA_GPUS):
             name = r["gpu_type"].strip()
             specs[name] = _gpu_from_row(r, name, (r.get("source") or str(path)).strip())
             for a in [name, *(r.get("aliases") or "").split("|")]:
                 if a.strip():
                     aliases[key(a)] = name
-        files.append(path.name)
+        files.append(Path(path).name)
     return GpuTable(specs=tuple(specs.values()), aliases=aliases, files=tuple(files))
 
 
@@ -215,14 +219,8 @@ def load_models(extra: tuple[Path, ...] = ()) -> ModelTable:
         specs[s.name] = s
     files = [WATTGPU_MODELS.name]
     for path in (EXTRA_MODELS, *extra):
-        path = Path(path)
-        if not path.is_file():
-            raise SpecError(f"model spec file {path} does not exist; pass a ';'-separated CSV like {EXTRA_MODELS.name}")
-        rows = _rows(path)
-        if rows and "model_name" not in rows[0]:
-            raise SpecError(f"{path} has no model_name column; use the header of {EXTRA_MODELS}")
-        for r in rows:
+        for r in _spec_rows(Path(path), "model_name", EXTRA_MODELS):
             s = _model_from_row(r, (r.get("source") or str(path)).strip())
             specs[s.name] = s
-        files.append(path.name)
+        files.append(Path(path).name)
     return ModelTable(specs=tuple(specs.values()), files=tuple(files))
