@@ -85,3 +85,26 @@ def test_rapl_counters_sum_packages_not_subzones(tmp_path, monkeypatch):
     assert prof.rapl_energy_uj() == 1500
     monkeypatch.setattr(prof, "RAPL", tmp_path / "absent")
     assert prof.rapl_energy_uj() is None
+
+
+def test_check_compares_predictions_with_measurements(tmp_path, monkeypatch):
+    from unbroken.predict import models, service
+
+    rows = measurements.load_ml_energy_v2()
+    fast = models.XgbConfig(n_estimators=20, max_depth=3, learning_rate=0.3)
+    monkeypatch.setattr(service, "training_table", lambda g, m, extra: service.build(rows[:150] + list(extra), g, m))
+    monkeypatch.setattr(service, "train_cached", lambda table: service.train(table, config=fast, k=3))
+    f = tmp_path / "mine.jsonl"
+    f.write_text(measurements.to_json_line(rows[200]) + "\n")
+    res = _run("--check", f)
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.output.splitlines() if "measured" in ln]
+    assert len(lines) == 2 and "power_w" in lines[0] and "itl_s" in lines[1]
+    assert all(("inside" in ln) or ("outside" in ln) for ln in lines)
+
+
+def test_a_malformed_measurement_file_is_one_line(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"gpu": "A100"}\n')
+    _one_line_exit_2(_run("--gpu", "A100", "--model", "meta-llama/Meta-Llama-3.1-8B", "--measurements", f),
+                     "bad.jsonl:1", "unbroken predict profile")

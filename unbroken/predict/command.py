@@ -67,7 +67,7 @@ def _table(estimates: list, title: str, with_cost: bool) -> RichTable:
     return t
 
 
-def _check(path: Path, trained, gpus, models, console: Console) -> None:
+def _check(path: Path, trained, gpus, models) -> None:
     rows = measurements.load_user(path)
     for m in rows:
         e = service.estimate(trained, gpus.get(m.gpu), models.get(m.model), point_of(m))
@@ -75,7 +75,7 @@ def _check(path: Path, trained, gpus, models, console: Console) -> None:
             if math.isnan(measured):
                 continue
             inside = pred[1] <= measured <= pred[2]
-            console.print(f"{m.gpu} {m.model} batch {m.batch:g}: {name} measured {measured:.4g}, predicted "
+            typer.echo(f"{m.gpu} {m.model} batch {m.batch:g}: {name} measured {measured:.4g}, predicted "
                           f"{_fmt(pred)} ({(pred[0] - measured) / measured * 100:+.1f}%, "
                           f"{'inside' if inside else 'outside'} the interval)")
 
@@ -116,7 +116,7 @@ def predict(ctx: typer.Context,
         console.print("[dim]training on the public measurements (cached after the first run) ...[/]")
         trained = service.train_cached(service.training_table(gpus, models, extra))
         if check is not None:
-            _check(check, trained, gpus, models, console)
+            _check(check, trained, gpus, models)
             return
         if rank:
             est = service.rank(trained, gpus, spec, op, price_map)

@@ -124,10 +124,15 @@ def load_user(path: Path) -> list[Measurement]:
     names = {f.name for f in fields(Measurement)}
     out = []
     with open(path) as f:
-        for line in f:
-            if line.strip():
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
                 d = json.loads(line)
                 out.append(Measurement(**{k: (math.nan if v is None else v) for k, v in d.items() if k in names}))
+            except (TypeError, ValueError, AttributeError) as e:
+                raise ValueError(f"{path}:{n} is not a measurement line ({e}); write them with "
+                                 f"`unbroken predict profile` (fields: {', '.join(sorted(names))})") from None
     return out
 
 
