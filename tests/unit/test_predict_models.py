@@ -115,3 +115,11 @@ def test_cached_training_round_trips(v2, tmp_path):
     for x, y in ((a.power, b.power), (a.itl, b.itl)):
         np.testing.assert_allclose(x.predict(small.X)[0], y.predict(small.X)[0], rtol=1e-6)
         assert x.halfwidth == y.halfwidth and x.by_category == y.by_category
+
+
+def test_per_group_pearson():
+    labels = np.array(["a", "a", "a", "b", "b", "c"])
+    true = np.array([1.0, 2.0, 3.0, 1.0, 2.0, 5.0])
+    pred = np.array([2.0, 4.0, 6.0, 2.0, 1.0, 5.0])
+    r = evaluate.per_group_pearson(labels, pred, true)
+    assert r["a"] == pytest.approx(1.0) and r["b"] == pytest.approx(-1.0) and math.isnan(r["c"])

@@ -76,6 +76,11 @@ def per_group_mdape(labels: np.ndarray, pred: np.ndarray, true: np.ndarray) -> d
     return {u: round(mdape(pred[labels == u], true[labels == u]), 3) for u in sorted(set(labels.tolist()))}
 
 
+def per_group_pearson(labels: np.ndarray, pred: np.ndarray, true: np.ndarray) -> dict[str, float]:
+    """Pearson r within each group (NaN where the group has < 2 rows or no spread)."""
+    return {u: round(pearson(pred[labels == u], true[labels == u]), 4) for u in sorted(set(labels.tolist()))}
+
+
 def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbConfig, ...] = (DEFAULT,),
                      coverage: float = 0.9, k: int = 3) -> dict[str, np.ndarray]:
     """Out-of-split predictions for every row, in physical units (W per GPU or s): xgboost point,
@@ -118,6 +123,8 @@ def score(table: Table, target: str, preds: dict) -> dict:
                             "baseline": per_group_mdape(table.gpu, preds["baseline"], true)}
     res["mdape_per_model"] = {"xgboost": per_group_mdape(table.model, preds["xgboost"], true),
                               "baseline": per_group_mdape(table.model, preds["baseline"], true)}
+    res["pearson_r_per_gpu"] = {n: per_group_pearson(table.gpu, preds[n], true) for n in ("xgboost", "baseline")}
+    res["pearson_r_per_model"] = {n: per_group_pearson(table.model, preds[n], true) for n in ("xgboost", "baseline")}
     res["baseline_over_xgboost"] = round(res["mdape"]["baseline"] / res["mdape"]["xgboost"], 3) \
         if res["mdape"]["xgboost"] > 0 else None
     return res
