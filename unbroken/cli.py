@@ -14,9 +14,11 @@ from unbroken.bench.chaos import chaos
 from unbroken.bench.command import interval, multinode, overhead, plan as plan_bench, protect, recovery, regroup, throughput
 from unbroken.bench.detect import detect as detect_bench
 from unbroken.bench.serve import serve as serve_bench
+from unbroken.bench.predict import predict as predict_bench
 from unbroken.config import ConfigError
 from unbroken.detect.command import report
 from unbroken.plan.command import choose_for_run, plan
+from unbroken.predict.command import predict_app
 from unbroken.runtime.command import demo, run, set_auto_strategy
 from unbroken.runtime.export import export
 from unbroken.serve.command import serve_app
@@ -33,6 +35,7 @@ app.command("simulate")(simulate)
 app.command("chaos")(chaos)
 app.command("plan")(plan)
 app.add_typer(serve_app, name="serve")
+app.add_typer(predict_app, name="predict")
 set_auto_strategy(choose_for_run)  # the runtime may not import the planner (a tool): cli.py plugs it in
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: print ratios side by side, write bench/results/*.json.")
@@ -49,6 +52,7 @@ bench_app.command("multinode")(multinode)
 bench_app.command("regroup")(regroup)
 register_split(app, bench_app)
 bench_app.command("serve")(serve_bench)
+bench_app.command("predict")(predict_bench)
 
 
 def main() -> None:

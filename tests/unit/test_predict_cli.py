@@ -1,0 +1,110 @@
+"""`unbroken predict` and `unbroken predict profile`: bad input is one line and exit 2; the collector's schema."""
+from __future__ import annotations
+
+import json
+import math
+
+from typer.testing import CliRunner
+
+from unbroken.predict import measurements, profile as prof
+from unbroken.predict.command import predict_app
+
+
+def _run(*args):
+    return CliRunner().invoke(predict_app, [str(a) for a in args])
+
+
+def _one_line_exit_2(res, *needles):
+    assert res.exit_code == 2, res.output
+    out = res.output.strip()
+    assert out.startswith("error:") and "Traceback" not in out
+    for n in needles:
+        assert n in out, out
+
+
+def test_registered_in_the_main_cli():
+    from unbroken.cli import app, bench_app
+
+    assert "predict" in {g.name for g in app.registered_groups}
+    assert "predict" in {c.name for c in bench_app.registered_commands}
+
+
+def test_unknown_gpu_names_the_tables_and_the_fix():
+    _one_line_exit_2(_run("--gpu", "TPU v5e", "--model", "meta-llama/Meta-Llama-3.1-8B"),
+                     "gpu_features.csv", "gpu_specs_extra.csv", "--gpu-specs")
+
+
+def test_unknown_model_names_the_tables_and_the_fix():
+    _one_line_exit_2(_run("--gpu", "A100", "--model", "acme/nope-3b"), "model_features.csv", "--model-specs")
+
+
+def test_spec_file_with_impossible_units(tmp_path):
+    f = tmp_path / "mine.csv"
+    f.write_text("gpu_type;memory_bandwidth_gb_s;memory_size_gb;thermal_design_power_w;tensor_tflops\n"
+                 "Mine;2000;80;500;9.89e14\n")
+    _one_line_exit_2(_run("--gpu", "Mine", "--model", "meta-llama/Meta-Llama-3.1-8B", "--gpu-specs", f),
+                     "tensor_tflops", "unit")
+
+
+def test_missing_arguments_and_files():
+    _one_line_exit_2(_run(), "--model")
+    _one_line_exit_2(_run("--model", "meta-llama/Meta-Llama-3.1-8B"), "--gpu", "--rank")
+    _one_line_exit_2(_run("--check", "/nonexistent/m.jsonl"), "no such file")
+    _one_line_exit_2(_run("--gpu", "A100", "--model", "meta-llama/Meta-Llama-3.1-8B", "--scenario", "weird"), "scenario")
+
+
+def test_bench_rejects_an_unknown_evaluation(tmp_path):
+    import typer
+
+    from unbroken.bench.predict import predict as bench
+
+    app = typer.Typer()
+    app.command()(bench)
+    res = CliRunner().invoke(app, ["--only", "mlperf", "--out-dir", str(tmp_path)])
+    _one_line_exit_2(res, "mlperf", "llm-inference-bench")
+
+
+def test_profile_writes_the_measurement_schema(tmp_path, monkeypatch):
+    monkeypatch.setattr(prof, "RAPL", tmp_path / "no-powercap")
+    out = tmp_path / "p"
+    res = _run("profile", "--gpu", "A100", "--out", out, "--batch", "2", "--tokens", "3", "--layers", "1",
+               "--width", "64", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    (m,) = measurements.load_user(out / "measurements.jsonl")
+    assert m.dataset == "profile" and m.batch == 2 and m.itl_s > 0 and math.isnan(m.power_w)
+    spec_lines = (out / "model_specs.csv").read_text().splitlines()
+    assert spec_lines[0].startswith("model_name;") and spec_lines[1].startswith(m.model + ";")
+    assert json.loads((out / "measurements.jsonl").read_text())["power_w"] is None
+
+
+def test_rapl_counters_sum_packages_not_subzones(tmp_path, monkeypatch):
+    for zone, uj in (("intel-rapl:0", 1000), ("intel-rapl:1", 500), ("intel-rapl:0:0", 7)):
+        (tmp_path / zone).mkdir()
+        (tmp_path / zone / "energy_uj").write_text(f"{uj}\n")
+    monkeypatch.setattr(prof, "RAPL", tmp_path)
+    assert prof.rapl_energy_uj() == 1500
+    monkeypatch.setattr(prof, "RAPL", tmp_path / "absent")
+    assert prof.rapl_energy_uj() is None
+
+
+def test_check_compares_predictions_with_measurements(tmp_path, monkeypatch):
+    from unbroken.predict import models, service
+
+    rows = measurements.load_ml_energy_v2()
+    fast = models.XgbConfig(n_estimators=20, max_depth=3, learning_rate=0.3)
+    monkeypatch.setattr(service, "training_table", lambda g, m, extra: service.build(rows[:150] + list(extra), g, m))
+    monkeypatch.setattr(service, "train_cached", lambda table: service.train(table, config=fast, k=3))
+    f = tmp_path / "mine.jsonl"
+    f.write_text(measurements.to_json_line(rows[200]) + "\n")
+    res = _run("--check", f)
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.output.splitlines() if "measured" in ln]
+    assert len(lines) == 2 and "power_w" in lines[0] and "itl_s" in lines[1]
+    assert all(("inside" in ln) or ("outside" in ln) for ln in lines)
+
+
+def test_a_malformed_measurement_file_is_one_line(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"gpu": "A100"}\n')
+    _one_line_exit_2(_run("--gpu", "A100", "--model", "meta-llama/Meta-Llama-3.1-8B", "--measurements", f),
+                     "bad.jsonl:1", "unbroken predict profile")

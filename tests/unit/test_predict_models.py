@@ -1,0 +1,125 @@
+"""unbroken predict's learning parts: conformal intervals, splits, metrics, baselines, predictions (few trees)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from unbroken.predict import baselines, evaluate, measurements, models, service, tables
+from unbroken.predict.dataset import build
+from unbroken.predict.features import OperatingPoint
+
+FAST = models.XgbConfig(n_estimators=20, max_depth=3, learning_rate=0.3)
+
+
+@pytest.fixture(scope="module")
+def specs():
+    return tables.load_gpus(), tables.load_models()
+
+
+@pytest.fixture(scope="module")
+def v2(specs):
+    return build(measurements.load("ml-energy"), *specs)
+
+
+@given(st.lists(st.floats(0.01, 10), min_size=5, max_size=60))
+def test_conformal_halfwidth_covers_the_calibration_rows(ratios):
+    true = np.ones(len(ratios))
+    q = models.conformal_halfwidth(np.array(ratios), true, 0.9)
+    inside = np.abs(np.log(ratios)) <= q + 1e-12
+    assert inside.mean() >= 0.9 or inside.all()
+
+
+def test_mdape_median_of_percent_errors():
+    assert models.mdape(np.array([110.0, 90.0, 100.0, np.nan]), np.array([100.0, 100.0, 100.0, 5.0])) == pytest.approx(10.0)
+
+
+def test_logo_with_one_gpu_is_a_clear_error(v2):
+    one = v2.subset(np.flatnonzero(v2.gpu == "NVIDIA A100-SXM4-40GB"))
+    with pytest.raises(evaluate.SplitError, match="LOGO needs at least 2 GPUs"):
+        evaluate.splits(one, "logo")
+
+
+def test_logo_and_lolo_hold_out_exactly_one_group(v2):
+    for kind, labels in (("logo", v2.gpu), ("lolo", v2.model)):
+        folds = evaluate.splits(v2, kind)
+        assert len(folds) == len(set(labels.tolist()))
+        for tr, te in folds:
+            assert len(set(labels[te].tolist())) == 1 and labels[te][0] not in set(labels[tr].tolist())
+            assert len(tr) + len(te) == len(v2)
+
+
+def test_kendall_is_one_for_perfect_and_minus_one_for_reversed(v2):
+    t = v2.itl_s
+    assert evaluate.kendall(v2, t, t, "model") == pytest.approx(1.0)
+    assert evaluate.kendall(v2, t, -t, "model") == pytest.approx(-1.0)
+
+
+def test_baselines_learn_only_from_training_rows(v2):
+    tr, te = v2.subset(np.arange(0, 200)), v2.subset(np.arange(200, len(v2)))
+    frac = np.mean(tr.power_w / tr.tdp_w)
+    np.testing.assert_allclose(baselines.tdp_power(tr, te), te.tdp_w * frac)
+    c = np.median(tr.itl_s / tr.roofline_s)
+    np.testing.assert_allclose(baselines.roofline_itl(tr, te), c * te.roofline_s)
+
+
+def test_roofline_is_exact_on_a_roofline_world(v2):
+    fake = build([measurements.Measurement(**{**m.__dict__, "itl_s": 3.0 * r})
+                  for m, r in zip(v2.rows, v2.roofline_s)], *_specs_of())
+    pred = baselines.roofline_itl(fake, fake)
+    np.testing.assert_allclose(pred, fake.itl_s, rtol=1e-9)
+
+
+def _specs_of():
+    return tables.load_gpus(), tables.load_models()
+
+
+def test_fit_rejects_an_empty_training_split():
+    with pytest.raises(ValueError, match="training split is empty"):
+        models.fit(np.zeros((1, 3)), np.ones(1), "itl")
+
+
+def test_xgboost_beats_the_roofline_in_cv_on_a_slice(v2):
+    t = v2.with_target("itl")
+    preds = evaluate.predict_held_out(t, "itl", "cv", grid=(FAST,))
+    res = evaluate.score(t, "itl", preds)
+    assert res["mdape"]["xgboost"] < res["mdape"]["baseline"]
+    assert 0.5 < res["coverage"] <= 1.0
+    assert (preds["low"] <= preds["xgboost"]).all() and (preds["xgboost"] <= preds["high"]).all()
+
+
+def test_estimate_is_consistent(v2, specs):
+    gpus, mods = specs
+    trained = service.train(v2, config=FAST, k=3)
+    op = OperatingPoint(n_gpus=1, batch=32)
+    e = service.estimate(trained, gpus.get("H100 SXM"), mods.get("meta-llama/Meta-Llama-3.1-8B"), op, usd_per_gpu_hour=2.0)
+    for v in (e.power_w, e.itl_s, e.tokens_s, e.tokens_per_j, e.usd_per_mtok):
+        assert v[1] <= v[0] <= v[2] and all(math.isfinite(x) and x > 0 for x in v)
+    assert e.tokens_s[0] == pytest.approx(32 / e.itl_s[0])
+    assert e.tokens_per_j[0] == pytest.approx(e.tokens_s[0] / e.power_w[0])
+    assert e.usd_per_mtok[0] == pytest.approx(2.0 / 3600 / e.tokens_s[0] * 1e6)
+    ranked = service.rank(trained, gpus, mods.get("meta-llama/Meta-Llama-3.1-8B"), op)
+    assert [r.tokens_per_j[0] for r in ranked] == sorted((r.tokens_per_j[0] for r in ranked), reverse=True)
+    big = service.rank(trained, gpus, mods.get("meta-llama/Meta-Llama-3.1-405B-Instruct"), op)
+    assert big == []  # 810 GB of weights fit on no single GPU
+
+
+def test_cached_training_round_trips(v2, tmp_path):
+    small = v2.subset(np.arange(0, 120))
+    a = service.train_cached(small, config=FAST, k=3, root=tmp_path)
+    b = service.train_cached(small, config=FAST, k=3, root=tmp_path)  # loaded, not retrained
+    (folder,) = list(tmp_path.iterdir())
+    assert sorted(p.name for p in folder.iterdir()) == ["itl.json", "itl.ubj", "power.json", "power.ubj"]
+    for x, y in ((a.power, b.power), (a.itl, b.itl)):
+        np.testing.assert_allclose(x.predict(small.X)[0], y.predict(small.X)[0], rtol=1e-6)
+        assert x.halfwidth == y.halfwidth and x.by_category == y.by_category
+
+
+def test_per_group_pearson():
+    labels = np.array(["a", "a", "a", "b", "b", "c"])
+    true = np.array([1.0, 2.0, 3.0, 1.0, 2.0, 5.0])
+    pred = np.array([2.0, 4.0, 6.0, 2.0, 1.0, 5.0])
+    r = evaluate.per_group_pearson(labels, pred, true)
+    assert r["a"] == pytest.approx(1.0) and r["b"] == pytest.approx(-1.0) and math.isnan(r["c"])

@@ -1,0 +1,167 @@
+"""`unbroken bench predict`: power and ITL predictions on public measurements, held out three ways.
+
+For each data set and target: 5-fold CV, leave-one-GPU-out and leave-one-LLM-out, XGBoost
+next to its baseline (load-scaled TDP for power, calibrated roofline for ITL): MdAPE,
+Pearson r, Kendall τ of the GPU and of the model rankings, per-GPU and per-model MdAPE, and
+the coverage of the 90% conformal interval. The small hyperparameter search runs inside the
+CV folds; LOGO and LOLO then use the config CV chose most often. Writes bench/results/predict.json
+and predict.png.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table as RichTable
+
+from unbroken.bench.common import RESULTS_DIR, goal, write_result
+from unbroken.predict import evaluate, measurements, tables
+from unbroken.predict.dataset import Table, build
+from unbroken.predict.models import DEFAULT, SEARCH_GRID
+
+# frameworks LLM-Inference-Bench ran on more than one accelerator: leaving a GPU out then never
+# leaves its serving framework out too (Gaudi2 ran only DeepSpeed, SN40L only SambaFlow)
+SHARED_FRAMEWORKS = ("vLLM", "llama.cpp", "TensorRT-LLM")
+
+# (name in the JSON, data sets pooled, targets, frameworks kept or None for all); ml-energy-all
+# pools both ML.ENERGY sets for power: 4 GPUs instead of 2 or 3 for leave-one-GPU-out
+EVALS = (
+    ("ml-energy", ("ml-energy",), ("power", "itl"), None),
+    ("ml-energy-legacy", ("ml-energy-legacy",), ("power", "itl"), None),
+    ("ml-energy-all", ("ml-energy", "ml-energy-legacy"), ("power",), None),
+    ("llm-inference-bench", ("llm-inference-bench",), ("itl",), None),
+    ("llm-inference-bench-shared-frameworks", ("llm-inference-bench",), ("itl",), SHARED_FRAMEWORKS),
+)
+COVERAGE = 0.9
+
+
+def _table(sources: tuple[str, ...], frameworks: tuple[str, ...] | None = None) -> Table:
+    rows = [m for s in sources for m in measurements.load(s) if frameworks is None or m.framework in frameworks]
+    return build(rows, tables.load_gpus(), tables.load_models())
+
+
+def _run_one(table: Table, target: str, grid, console: Console) -> tuple[dict, object]:
+    out = {}
+    chosen = DEFAULT
+    for kind in evaluate.SPLITS:
+        t0 = time.monotonic()
+        preds = evaluate.predict_held_out(table, target, kind, grid=grid if kind == "cv" else (chosen,),
+                                          coverage=COVERAGE)
+        res = evaluate.score(table, target, preds)
+        if kind == "cv":
+            chosen = Counter(preds["configs"]).most_common(1)[0][0]
+        res["config"] = asdict(preds["configs"][0] if kind != "cv" else chosen)
+        res["seconds"] = round(time.monotonic() - t0, 1)
+        out[kind] = res
+        console.print(f"  {target:5s} {kind:4s} MdAPE xgboost {res['mdape']['xgboost']:7.2f}%  baseline "
+                      f"{res['mdape']['baseline']:7.2f}%  coverage {res['coverage']:.2f}  ({res['seconds']} s)")
+    return out, chosen
+
+
+def goals(results: dict) -> dict:
+    """The issue's goals, each from the numbers above."""
+    beat = {}
+    for ds, per_split in results.items():
+        for kind in ("logo", "lolo"):
+            for target, r in per_split.get(kind, {}).items():
+                beat[f"{ds}/{kind}/{target}"] = r["baseline_over_xgboost"]
+    logo_power = {ds: results[ds]["logo"]["power"]["mdape"]["xgboost"]
+                  for ds in ("ml-energy", "ml-energy-legacy", "ml-energy-all") if "power" in results.get(ds, {}).get("logo", {})}
+    itl_bench = {ds: results[ds]["logo"]["itl"]["mdape"]["xgboost"] for ds in
+                 ("llm-inference-bench", "llm-inference-bench-shared-frameworks") if ds in results}
+    return {
+        "baseline_over_xgboost_logo_lolo": beat,
+        "beat_baseline_3x_logo_lolo": all(v is not None and v >= 3 for v in beat.values()) if beat else None,
+        "power_logo_mdape_by_dataset": logo_power,
+        "power_logo_le_5pct_ml_energy": (logo_power.get("ml-energy") is not None and logo_power["ml-energy"] <= 5)
+        if logo_power else None,
+        "itl_logo_mdape_llm_inference_bench": itl_bench,
+        "itl_logo_le_10pct_llm_inference_bench": (itl_bench["llm-inference-bench"] <= 10)
+        if "llm-inference-bench" in itl_bench else None,
+    }
+
+
+def _figure(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from unbroken.figures import save_png
+
+    labels, xg, base = [], [], []
+    for ds, per_split in results.items():
+        for kind, per_target in per_split.items():
+            for target, r in per_target.items():
+                labels.append(f"{ds}\n{target} {kind}")
+                xg.append(r["mdape"]["xgboost"])
+                base.append(r["mdape"]["baseline"])
+    fig, ax = plt.subplots(figsize=(max(8, len(labels) * 0.7), 4.5))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], xg, width=0.4, label="XGBoost")
+    ax.bar([i + 0.2 for i in x], base, width=0.4, label="baseline (TDP / roofline)")
+    ax.set_xticks(list(x), labels, rotation=90, fontsize=7)
+    ax.set_ylabel("MdAPE (%)")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title("held-out MdAPE: XGBoost vs baseline (log scale)")
+    fig.tight_layout()
+    save_png(fig, path)
+    plt.close(fig)
+
+
+def predict(out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where predict.json and predict.png go"),
+            search: bool = typer.Option(True, "--search/--no-search", help="the small hyperparameter search in CV"),
+            trees: int = typer.Option(DEFAULT.n_estimators, "--trees", help="XGBoost trees (fewer: a faster, rougher run)"),
+            only: str = typer.Option("", "--only", help="comma-separated evaluation names to run (default: all)")) -> None:
+    """Held-out MdAPE, r, τ and interval coverage of the power and ITL predictors vs their baselines."""
+    console = Console()
+    base_cfg = replace(DEFAULT, n_estimators=trees)
+    grid = tuple(replace(c, n_estimators=max(1, c.n_estimators * trees // DEFAULT.n_estimators)) for c in SEARCH_GRID) \
+        if search else (base_cfg,)
+    wanted = {s for s in only.split(",") if s}
+    unknown = wanted - {e[0] for e in EVALS}
+    if unknown:
+        from unbroken.cli_error import fail
+        fail(f"--only {','.join(sorted(unknown))}: not an evaluation; choose from {', '.join(e[0] for e in EVALS)}")
+    results, configs = {}, {}
+    for name, sources, targets, frameworks in EVALS:
+        if wanted and name not in wanted:
+            continue
+        table = _table(sources, frameworks)
+        console.print(f"[bold]{name}[/]: {len(table)} rows, {len(set(table.gpu.tolist()))} GPUs, "
+                      f"{len(set(table.model.tolist()))} models")
+        for target in targets:
+            t = table.with_target(target)
+            per_split, chosen = _run_one(t, target, grid, console)
+            configs[f"{name}/{target}"] = asdict(chosen)
+            for kind, r in per_split.items():
+                results.setdefault(name, {}).setdefault(kind, {})[target] = r
+    g = goals(results)
+    _print(results, g, console)
+    out_dir = Path(out_dir)
+    path = write_result("predict", {"results": results, "goals": g, "chosen_configs": configs,
+                                    "search_grid": [asdict(c) for c in grid], "interval_nominal_coverage": COVERAGE},
+                        out_dir)
+    _figure(results, out_dir / "predict.png")
+    console.print(f"wrote {path} and {out_dir / 'predict.png'}")
+
+
+def _print(results: dict, g: dict, console: Console) -> None:
+    t = RichTable(title="held-out MdAPE (%): XGBoost vs baseline")
+    for col in ("data set", "target", "split", "xgboost", "baseline", "ratio", "r", "τ GPU", "τ model", "coverage"):
+        t.add_column(col)
+    for ds, per_split in results.items():
+        for kind, per_target in per_split.items():
+            for target, r in per_target.items():
+                t.add_row(ds, target, kind, f"{r['mdape']['xgboost']:.2f}", f"{r['mdape']['baseline']:.2f}",
+                          f"{r['baseline_over_xgboost']}", f"{r['pearson_r']['xgboost']}",
+                          f"{r['kendall_tau_gpu']['xgboost']}", f"{r['kendall_tau_model']['xgboost']}",
+                          f"{r['coverage']:.2f}")
+    console.print(t)
+    console.print(f"beat each baseline by >= 3x under LOGO and LOLO: {goal(g['beat_baseline_3x_logo_lolo'])}; "
+                  f"power MdAPE <= 5% LOGO on ML.ENERGY: {goal(g['power_logo_le_5pct_ml_energy'])}; "
+                  f"ITL MdAPE <= 10% LOGO on LLM-Inference-Bench: {goal(g['itl_logo_le_10pct_llm_inference_bench'])}")

@@ -1,0 +1,130 @@
+"""Held-out evaluation: 5-fold CV, leave-one-GPU-out, leave-one-LLM-out; MdAPE, Pearson r, Kendall τ, coverage.
+
+Kendall τ follows WattGPU: for the GPU ranking, group the rows by (model, operating point),
+average within each GPU, rank the GPUs by measured and by predicted value and average τ over
+the groups with >= 2 GPUs; the model ranking swaps the roles.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import numpy as np
+
+from unbroken.predict.baselines import roofline_itl, tdp_power
+from unbroken.predict.dataset import Table
+from unbroken.predict.models import DEFAULT, XgbConfig, fit, mdape
+
+SPLITS = ("cv", "logo", "lolo")
+
+
+class SplitError(ValueError):
+    """A split cannot be made on this data (e.g. leave-one-GPU-out with a single GPU)."""
+
+
+def splits(table: Table, kind: str, *, k: int = 5, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    from sklearn.model_selection import KFold
+
+    if kind == "cv":
+        return list(KFold(n_splits=k, shuffle=True, random_state=seed).split(np.arange(len(table))))
+    if kind not in ("logo", "lolo"):
+        raise SplitError(f"split {kind!r} is not one of {', '.join(SPLITS)}")
+    labels = table.gpu if kind == "logo" else table.model
+    uniq = sorted(set(labels.tolist()))
+    what = "GPU" if kind == "logo" else "model"
+    if len(uniq) < 2:
+        raise SplitError(f"{kind.upper()} needs at least 2 {what}s; this data has only {uniq or 'none'}, so "
+                         f"every training split would be empty. Add measurements of another {what}")
+    return [(np.flatnonzero(labels != u), np.flatnonzero(labels == u)) for u in uniq]
+
+
+def pearson(a: np.ndarray, b: np.ndarray) -> float:
+    ok = np.isfinite(a) & np.isfinite(b)
+    if ok.sum() < 2 or np.std(a[ok]) == 0 or np.std(b[ok]) == 0:
+        return math.nan
+    return float(np.corrcoef(a[ok], b[ok])[0, 1])
+
+
+def _config_key(row) -> tuple:
+    return (row.n_gpus, round(math.log2(row.batch)), row.prompt_tokens if not math.isnan(row.prompt_tokens) else -1,
+            row.scenario, row.framework)
+
+
+def kendall(table: Table, true: np.ndarray, pred: np.ndarray, rank_over: str) -> float:
+    """Mean Kendall τ of the ranking of `rank_over` ("gpu" or "model") within each group of the other."""
+    from scipy.stats import kendalltau
+
+    cells: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for i, row in enumerate(table.rows):
+        entity = row.gpu if rank_over == "gpu" else row.model
+        group = ((row.model if rank_over == "gpu" else row.gpu),) + _config_key(row)
+        if np.isfinite(true[i]) and np.isfinite(pred[i]):
+            cells[group][entity].append((true[i], pred[i]))
+    taus = []
+    for ents in cells.values():
+        if len(ents) < 2:
+            continue
+        t = [np.mean([p[0] for p in v]) for v in ents.values()]
+        p = [np.mean([p[1] for p in v]) for v in ents.values()]
+        tau = kendalltau(t, p).statistic
+        if np.isfinite(tau):
+            taus.append(tau)
+    return float(np.mean(taus)) if taus else math.nan
+
+
+def per_group_mdape(labels: np.ndarray, pred: np.ndarray, true: np.ndarray) -> dict[str, float]:
+    return {u: round(mdape(pred[labels == u], true[labels == u]), 3) for u in sorted(set(labels.tolist()))}
+
+
+def per_group_pearson(labels: np.ndarray, pred: np.ndarray, true: np.ndarray) -> dict[str, float]:
+    """Pearson r within each group (NaN where the group has < 2 rows or no spread)."""
+    return {u: round(pearson(pred[labels == u], true[labels == u]), 4) for u in sorted(set(labels.tolist()))}
+
+
+def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbConfig, ...] = (DEFAULT,),
+                     coverage: float = 0.9, k: int = 3) -> dict[str, np.ndarray]:
+    """Out-of-split predictions for every row, in physical units (W per GPU or s): xgboost point,
+    interval, baseline; plus the config each split chose."""
+    n = len(table)
+    out = {k: np.full(n, np.nan) for k in ("xgboost", "low", "high", "baseline")}
+    chosen = []
+    inner_groups = {"cv": None, "logo": table.gpu, "lolo": table.model}[kind]
+    scale = table.tdp_w if target == "power" else np.ones(n)
+    y = table.target(target)
+    for tr, te in splits(table, kind):
+        p = fit(table.X[tr], y[tr], target, groups=None if inner_groups is None else inner_groups[tr],
+                grid=grid, coverage=coverage, k=k,
+                categories=table.category()[tr])
+        point, lo, hi = p.predict(table.X[te], table.category()[te])
+        out["xgboost"][te], out["low"][te], out["high"][te] = point * scale[te], lo * scale[te], hi * scale[te]
+        base = tdp_power if target == "power" else roofline_itl
+        out["baseline"][te] = base(table.subset(tr), table.subset(te))
+        chosen.append(p.config)
+    out["configs"] = chosen
+    return out
+
+
+def score(table: Table, target: str, preds: dict) -> dict:
+    """The metrics for one (data set, split, target): xgboost next to the baseline."""
+    true = table.power_w if target == "power" else table.itl_s
+    res = {"n_rows": len(table), "n_gpus": len(set(table.gpu.tolist())), "n_models": len(set(table.model.tolist()))}
+    for key in ("mdape", "pearson_r", "kendall_tau_gpu", "kendall_tau_model"):
+        res[key] = {}
+    for name in ("xgboost", "baseline"):
+        pred = preds[name]
+        res["mdape"][name] = round(mdape(pred, true), 3)
+        res["pearson_r"][name] = round(pearson(pred, true), 4)
+        res["kendall_tau_gpu"][name] = round(kendall(table, true, pred, "gpu"), 4)
+        res["kendall_tau_model"][name] = round(kendall(table, true, pred, "model"), 4)
+    inside = (true >= preds["low"]) & (true <= preds["high"])
+    res["coverage"] = round(float(inside.mean()), 4)
+    res["interval_median_width_pct"] = round(float(np.median((preds["high"] - preds["low"]) / preds["xgboost"])) * 100, 2)
+    res["mdape_per_gpu"] = {"xgboost": per_group_mdape(table.gpu, preds["xgboost"], true),
+                            "baseline": per_group_mdape(table.gpu, preds["baseline"], true)}
+    res["mdape_per_model"] = {"xgboost": per_group_mdape(table.model, preds["xgboost"], true),
+                              "baseline": per_group_mdape(table.model, preds["baseline"], true)}
+    res["pearson_r_per_gpu"] = {n: per_group_pearson(table.gpu, preds[n], true) for n in ("xgboost", "baseline")}
+    res["pearson_r_per_model"] = {n: per_group_pearson(table.model, preds[n], true) for n in ("xgboost", "baseline")}
+    res["baseline_over_xgboost"] = round(res["mdape"]["baseline"] / res["mdape"]["xgboost"], 3) \
+        if res["mdape"]["xgboost"] > 0 else None
+    return res

@@ -1,0 +1,93 @@
+"""WattGPU's features: one numeric row per (GPU spec, model spec, operating point); NaN means missing.
+
+Units: parameters in billions, bandwidth in GB/s, TFLOPS in 1e12 FLOP/s, so
+2·params/bandwidth is the seconds to read the FP16 weights once and 2·params·batch/TFLOPS
+is the seconds of FP16 compute per decode step at peak, each split over the serving GPUs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from unbroken.predict.measurements import Measurement
+from unbroken.predict.tables import MEMORY_TYPES, GpuSpec, ModelSpec
+
+SCENARIOS = ("single", "offline", "server")
+FRAMEWORKS = ("transformers", "vLLM", "TensorRT-LLM", "Deepspeed-MII", "Deepspeed", "llama.cpp", "sambaflow")
+
+FEATURES = (
+    "log_total_b_params", "log_active_b_params", "num_layers", "num_key_value_heads", "hidden_size",
+    "memory_bandwidth_gb_s", "base_clock_mhz", "boost_clock_mhz", "boost_ratio", "tensor_tflops",
+    "memory_size_gb", "memory_type", "release_year", "bandwidth_latency_s", "compute_latency_s",
+    "log2_batch", "n_gpus", "scenario", "framework", "log_seq_tokens", "weights_per_gpu_gb",
+)
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """How a model is served: GPUs per replica, concurrent requests, tokens, scenario, framework."""
+
+    n_gpus: int = 1
+    batch: float = 1.0
+    prompt_tokens: float = math.nan
+    output_tokens: float = math.nan
+    scenario: str = "server"
+    framework: str = "vLLM"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.n_gpus, int) and self.n_gpus >= 1):
+            raise ValueError(f"n_gpus must be an integer >= 1, got {self.n_gpus!r}")
+        if not self.batch > 0:
+            raise ValueError(f"batch must be > 0, got {self.batch!r}")
+        if self.scenario not in SCENARIOS:
+            raise ValueError(f"scenario {self.scenario!r} is not one of {', '.join(SCENARIOS)}")
+
+
+def point_of(m: Measurement) -> OperatingPoint:
+    return OperatingPoint(n_gpus=m.n_gpus, batch=m.batch, prompt_tokens=m.prompt_tokens,
+                          output_tokens=m.output_tokens, scenario=m.scenario, framework=m.framework)
+
+
+def _code(value: str, choices: tuple[str, ...]) -> float:
+    return float(choices.index(value)) if value in choices else math.nan
+
+
+def bandwidth_latency_s(gpu: GpuSpec, model: ModelSpec, n_gpus: int) -> float:
+    """Seconds to stream the active FP16 weights once from memory, split over n_gpus."""
+    return 2.0 * model.active_b_params / (gpu.memory_bandwidth_gb_s * n_gpus)
+
+
+def compute_latency_s(gpu: GpuSpec, model: ModelSpec, n_gpus: int, batch: float) -> float:
+    """Seconds of FP16 compute for one decode step of `batch` sequences at the dense tensor peak."""
+    return 2.0 * model.active_b_params * 1e9 * batch / (gpu.tensor_tflops * 1e12 * n_gpus)
+
+
+def feature_row(gpu: GpuSpec, model: ModelSpec, op: OperatingPoint) -> list[float]:
+    seq = (0.0 if math.isnan(op.prompt_tokens) else op.prompt_tokens) + \
+          (0.0 if math.isnan(op.output_tokens) else op.output_tokens)
+    values = {
+        "log_total_b_params": math.log(model.total_b_params),
+        "log_active_b_params": math.log(model.active_b_params),
+        "num_layers": model.num_layers, "num_key_value_heads": model.num_key_value_heads,
+        "hidden_size": model.hidden_size,
+        "memory_bandwidth_gb_s": gpu.memory_bandwidth_gb_s, "base_clock_mhz": gpu.base_clock_mhz,
+        "boost_clock_mhz": gpu.boost_clock_mhz, "boost_ratio": gpu.boost_clock_mhz / gpu.base_clock_mhz,
+        "tensor_tflops": gpu.tensor_tflops, "memory_size_gb": gpu.memory_size_gb,
+        "memory_type": _code(gpu.memory_type, MEMORY_TYPES), "release_year": gpu.release_year,
+        "bandwidth_latency_s": bandwidth_latency_s(gpu, model, op.n_gpus),
+        "compute_latency_s": compute_latency_s(gpu, model, op.n_gpus, op.batch),
+        "log2_batch": math.log2(op.batch), "n_gpus": float(op.n_gpus),
+        "scenario": _code(op.scenario, SCENARIOS), "framework": _code(op.framework, FRAMEWORKS),
+        "log_seq_tokens": math.log(seq) if seq > 0 else math.nan,
+        "weights_per_gpu_gb": 2.0 * model.total_b_params / op.n_gpus,
+    }
+    return [float(values[f]) for f in FEATURES]
+
+
+def matrix(rows: list[tuple[GpuSpec, ModelSpec, OperatingPoint]]) -> np.ndarray:
+    """Feature matrix (n, len(FEATURES)), float64, NaN for missing figures."""
+    if not rows:
+        return np.empty((0, len(FEATURES)))
+    return np.array([feature_row(g, m, op) for g, m, op in rows], dtype=np.float64)

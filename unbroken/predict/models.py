@@ -1,0 +1,158 @@
+"""The regressors: XGBoost (power/TDP, log ITL) with a small search, and a conformal interval.
+
+The interval is split-conformal on out-of-fold predictions: the inner folds that choose the
+hyperparameters also give each training row a prediction from a model that did not see it;
+the (1-alpha) quantile of |log(pred/true)| over those rows is the half-width, in log space,
+of every interval [pred·e^-q, pred·e^q]. With group folds (by GPU under LOGO, by model under
+LOLO) the residuals carry the shift to an unseen group, so the width is honest about it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+TARGETS = ("power", "itl")
+FLOOR = 1e-4  # a tree ensemble may predict <= 0 for power/TDP; logs need a floor
+
+
+@dataclass(frozen=True)
+class XgbConfig:
+    """XGBoost hyperparameters (defaults: gradient-boosted trees as WattGPU trains them, hist method)."""
+
+    n_estimators: int = 200
+    max_depth: int = 6
+    learning_rate: float = 0.1
+    subsample: float = 0.8
+    colsample_bytree: float = 0.8
+    min_child_weight: float = 1.0
+    n_jobs: int = 1  # more threads spin-wait on a shared, loaded box (measured: 15x slower)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n_estimators < 1 or self.max_depth < 1:
+            raise ValueError(f"n_estimators and max_depth must be >= 1, got {self.n_estimators}, {self.max_depth}")
+        if not (0 < self.learning_rate <= 1 and 0 < self.subsample <= 1 and 0 < self.colsample_bytree <= 1):
+            raise ValueError("learning_rate, subsample and colsample_bytree must be in (0, 1]")
+
+
+DEFAULT = XgbConfig()
+SEARCH_GRID = (DEFAULT, replace(DEFAULT, max_depth=3), replace(DEFAULT, max_depth=8, min_child_weight=3.0),
+               replace(DEFAULT, n_estimators=400, learning_rate=0.05))
+
+
+def to_target(target: str, y: np.ndarray) -> np.ndarray:
+    """What the trees fit: power/TDP as is, ITL in log space."""
+    return np.log(y) if target == "itl" else y
+
+
+def from_target(target: str, z: np.ndarray) -> np.ndarray:
+    return np.exp(z) if target == "itl" else np.maximum(z, FLOOR)
+
+
+def fit_xgb(X: np.ndarray, z: np.ndarray, cfg: XgbConfig):
+    import xgboost as xgb
+
+    model = xgb.XGBRegressor(n_estimators=cfg.n_estimators, max_depth=cfg.max_depth,
+                             learning_rate=cfg.learning_rate, subsample=cfg.subsample,
+                             colsample_bytree=cfg.colsample_bytree, min_child_weight=cfg.min_child_weight,
+                             n_jobs=cfg.n_jobs, random_state=cfg.seed, tree_method="hist", verbosity=0)
+    model.fit(X, z)
+    return model
+
+
+def inner_folds(n: int, groups: np.ndarray | None, k: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Group folds when there are >= 2 groups, else shuffled row folds (the interval then only
+    knows in-distribution error, which docs/predict.md says where it matters)."""
+    from sklearn.model_selection import GroupKFold, KFold
+
+    idx = np.arange(n)
+    if groups is not None and len(set(groups.tolist())) >= 2:
+        k = min(k, len(set(groups.tolist())))
+        return list(GroupKFold(n_splits=k).split(idx, groups=groups))
+    return list(KFold(n_splits=min(k, n), shuffle=True, random_state=seed).split(idx))
+
+
+def conformal_halfwidth(pred: np.ndarray, true: np.ndarray, coverage: float) -> float:
+    """Split-conformal quantile of |log(pred/true)|: ceil((n+1)·coverage)-th smallest residual."""
+    r = np.sort(np.abs(np.log(np.maximum(pred, FLOOR) / true)))
+    if len(r) == 0:
+        return math.inf
+    rank = math.ceil((len(r) + 1) * coverage)
+    return float(r[min(rank, len(r)) - 1]) if rank <= len(r) else float(r[-1]) * 1.5
+
+
+@dataclass
+class Predictor:
+    """A fitted regressor for one target, its chosen config and its interval half-widths (log
+    space): one per category of the calibration rows (Mondrian conformal: a server-scenario
+    query gets the width measured on server rows), `halfwidth` for categories never seen."""
+
+    target: str
+    model: object
+    config: XgbConfig
+    halfwidth: float
+    coverage: float
+    by_category: dict = field(default_factory=dict)
+
+    def widths(self, categories: np.ndarray | None) -> np.ndarray | float:
+        if categories is None or not self.by_category:
+            return self.halfwidth
+        return np.array([self.by_category.get(float(c), self.halfwidth) for c in categories])
+
+    def predict(self, X: np.ndarray, categories: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(point, low, high) in target units: power/TDP or ITL seconds."""
+        p = from_target(self.target, self.model.predict(X))
+        q = self.widths(categories)
+        return p, p * np.exp(-q), p * np.exp(q)
+
+
+MIN_CATEGORY_ROWS = 30  # fewer calibration rows than this: the category uses the pooled width
+
+
+def mondrian_halfwidths(pred: np.ndarray, true: np.ndarray, categories: np.ndarray | None,
+                        coverage: float) -> dict:
+    if categories is None:
+        return {}
+    out = {}
+    for c in set(categories.tolist()):
+        sel = categories == c
+        if sel.sum() >= MIN_CATEGORY_ROWS:
+            out[float(c)] = conformal_halfwidth(pred[sel], true[sel], coverage)
+    return out
+
+
+def oof_predictions(X: np.ndarray, y: np.ndarray, target: str, folds, cfg: XgbConfig) -> np.ndarray:
+    out = np.full(len(y), np.nan)
+    for tr, te in folds:
+        out[te] = from_target(target, fit_xgb(X[tr], to_target(target, y[tr]), cfg).predict(X[te]))
+    return out
+
+
+def mdape(pred: np.ndarray, true: np.ndarray) -> float:
+    """Median absolute percentage error, in percent, over rows where both are finite."""
+    ok = np.isfinite(pred) & np.isfinite(true) & (true != 0)
+    return float(np.median(np.abs(pred[ok] - true[ok]) / np.abs(true[ok])) * 100) if ok.any() else math.nan
+
+
+def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None = None,
+        grid: tuple[XgbConfig, ...] = (DEFAULT,), coverage: float = 0.9, k: int = 5,
+        categories: np.ndarray | None = None) -> Predictor:
+    """Choose a config from `grid` by inner-fold MdAPE, calibrate the interval on the same
+    out-of-fold predictions, refit the chosen config on all rows."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    if len(y) < 2:
+        raise ValueError(f"cannot train the {target} model on {len(y)} row(s): the training split is empty")
+    folds = inner_folds(len(y), groups, k)
+    best = None
+    for cfg in grid:
+        oof = oof_predictions(X, y, target, folds, cfg)
+        score = mdape(oof, y)
+        if best is None or score < best[0]:
+            best = (score, cfg, oof)
+    _, cfg, oof = best
+    model = fit_xgb(X, to_target(target, y), cfg)
+    return Predictor(target=target, model=model, config=cfg, halfwidth=conformal_halfwidth(oof, y, coverage),
+                     coverage=coverage, by_category=mondrian_halfwidths(oof, y, categories, coverage))

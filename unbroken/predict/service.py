@@ -1,0 +1,157 @@
+"""Predictions for a GPU and model nobody profiled: power, ITL, tokens/s, tokens/J, each with an interval.
+
+The power model trains on every measurement with power (both ML.ENERGY sets and the user's
+own), the ITL model on every measurement; both calibrate their intervals on folds grouped by
+GPU, so the width reflects the error on a GPU the model has not seen.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from unbroken.fsutil import atomic_write_json
+
+from unbroken.predict import measurements
+from unbroken.predict.dataset import Table, build
+from unbroken.predict.features import FEATURES, OperatingPoint, matrix
+from unbroken.predict.models import DEFAULT, Predictor, XgbConfig, fit
+from unbroken.predict.tables import GpuSpec, GpuTable, ModelSpec, ModelTable
+
+
+@dataclass(frozen=True)
+class Estimate:
+    gpu: str
+    model: str
+    n_gpus: int
+    batch: float
+    power_w: tuple[float, float, float]       # per GPU: (point, low, high)
+    itl_s: tuple[float, float, float]
+    tokens_s: tuple[float, float, float]      # the replica's decode throughput
+    tokens_per_j: tuple[float, float, float]
+    usd_per_mtok: tuple[float, float, float] | None = None
+
+
+@dataclass
+class Trained:
+    power: Predictor
+    itl: Predictor
+    n_power_rows: int
+    n_itl_rows: int
+
+
+def training_table(gpus: GpuTable, models: ModelTable, extra: list[measurements.Measurement] = ()) -> Table:
+    rows = [m for d in measurements.DATASETS for m in measurements.load(d)] + list(extra)
+    return build(rows, gpus, models)
+
+
+def train(table: Table, *, coverage: float = 0.9, config: XgbConfig = DEFAULT, k: int = 5) -> Trained:
+    pw, it = table.with_target("power"), table.with_target("itl")
+    return Trained(power=fit(pw.X, pw.target("power"), "power", groups=pw.gpu, grid=(config,), coverage=coverage, k=k,
+                             categories=pw.category()),
+                   itl=fit(it.X, it.target("itl"), "itl", groups=it.gpu, grid=(config,), coverage=coverage, k=k,
+                           categories=it.category()),
+                   n_power_rows=len(pw), n_itl_rows=len(it))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "unbroken"
+
+
+def _key(table: Table, coverage: float, config: XgbConfig, k: int) -> str:
+    h = hashlib.sha256()
+    for a in (table.X, table.power_w, table.tdp_w, table.itl_s):
+        h.update(np.ascontiguousarray(a).tobytes())
+    h.update(json.dumps([coverage, asdict(config), k, table.gpu.tolist()]).encode())
+    return h.hexdigest()[:16]
+
+
+def _save(p: Predictor, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{p.target}.{os.getpid()}.ubj"
+    p.model.save_model(tmp)
+    os.replace(tmp, folder / f"{p.target}.ubj")
+    atomic_write_json(folder / f"{p.target}.json", {"config": asdict(p.config), "halfwidth": p.halfwidth,
+                                                   "coverage": p.coverage, "by_category": p.by_category})
+
+
+def _load(target: str, folder: Path) -> Predictor | None:
+    import xgboost as xgb
+
+    meta_path, model_path = folder / f"{target}.json", folder / f"{target}.ubj"
+    if not (meta_path.is_file() and model_path.is_file()):
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        model = xgb.XGBRegressor()
+        model.load_model(model_path)
+    except (OSError, ValueError, xgb.core.XGBoostError):
+        return None  # a damaged cache is retrained, not trusted
+    return Predictor(target=target, model=model, config=XgbConfig(**meta["config"]), halfwidth=meta["halfwidth"],
+                     coverage=meta["coverage"], by_category={float(c): q for c, q in meta["by_category"].items()})
+
+
+def train_cached(table: Table, *, coverage: float = 0.9, config: XgbConfig = DEFAULT, k: int = 5,
+                 root: Path | None = None) -> Trained:
+    """train(), saved under the cache keyed by the training data and settings, reused when they match."""
+    folder = (root or cache_dir()) / f"predict-{_key(table, coverage, config, k)}"
+    power, itl = _load("power", folder), _load("itl", folder)
+    pw, it = len(table.with_target("power")), len(table.with_target("itl"))
+    if power is not None and itl is not None:
+        return Trained(power=power, itl=itl, n_power_rows=pw, n_itl_rows=it)
+    trained = train(table, coverage=coverage, config=config, k=k)
+    _save(trained.power, folder)
+    _save(trained.itl, folder)
+    return trained
+
+
+def estimate(trained: Trained, gpu: GpuSpec, model: ModelSpec, op: OperatingPoint,
+             usd_per_gpu_hour: float | None = None) -> Estimate:
+    X = matrix([(gpu, model, op)])
+    cat = X[:, FEATURES.index("scenario")]
+    p, p_lo, p_hi = (float(v[0]) * gpu.thermal_design_power_w for v in trained.power.predict(X, cat))
+    t, t_lo, t_hi = (float(v[0]) for v in trained.itl.predict(X, cat))
+    tok = (op.batch / t, op.batch / t_hi, op.batch / t_lo)
+    per_j = (tok[0] / (p * op.n_gpus), tok[1] / (p_hi * op.n_gpus), tok[2] / (p_lo * op.n_gpus))
+    cost = None
+    if usd_per_gpu_hour is not None:
+        usd_s = usd_per_gpu_hour * op.n_gpus / 3600.0
+        cost = (usd_s / tok[0] * 1e6, usd_s / tok[2] * 1e6, usd_s / tok[1] * 1e6)
+    return Estimate(gpu=gpu.name, model=model.name, n_gpus=op.n_gpus, batch=op.batch, power_w=(p, p_lo, p_hi),
+                    itl_s=(t, t_lo, t_hi), tokens_s=tok, tokens_per_j=per_j, usd_per_mtok=cost)
+
+
+def fits_in_memory(gpu: GpuSpec, model: ModelSpec, n_gpus: int) -> bool:
+    """FP16 weights fit in the GPUs' memory (unknown memory: assume they do)."""
+    return math.isnan(gpu.memory_size_gb) or 2.0 * model.total_b_params <= 0.9 * gpu.memory_size_gb * n_gpus
+
+
+def rank(trained: Trained, gpus: GpuTable, model: ModelSpec, op: OperatingPoint,
+         prices: dict[str, float] | None = None) -> list[Estimate]:
+    """Every GPU in the tables whose memory holds the weights, best first: by cost when prices are
+    given (GPUs without a price are left out), else by tokens/J. GPUs without a TDP cannot be ranked
+    by energy and are left out."""
+    out = []
+    for g in gpus.specs:
+        if math.isnan(g.thermal_design_power_w) or not fits_in_memory(g, model, op.n_gpus):
+            continue
+        if prices is not None and g.name not in prices:
+            continue
+        out.append(estimate(trained, g, model, op, None if prices is None else prices[g.name]))
+    if prices is not None:
+        return sorted(out, key=lambda e: e.usd_per_mtok[0])
+    return sorted(out, key=lambda e: -e.tokens_per_j[0])
+
+
+def as_dict(e: Estimate) -> dict:
+    d = {"gpu": e.gpu, "model": e.model, "n_gpus": e.n_gpus, "batch": e.batch}
+    for name in ("power_w", "itl_s", "tokens_s", "tokens_per_j", "usd_per_mtok"):
+        v = getattr(e, name)
+        if v is not None:
+            d[name] = {"predicted": v[0], "low": v[1], "high": v[2]}
+    return d
