@@ -1,7 +1,9 @@
 """`unbroken bench multinode`'s arithmetic (bench/multinode.py `result`): efficiency per rank against 1x4, ratios to torchrun."""
 import pytest
 
-from unbroken.bench.multinode import SYSTEMS, result
+import json
+
+from unbroken.bench.multinode import SYSTEMS, kept_sections, result
 
 
 def _cells(tps: dict[str, dict[str, list[float]]]) -> dict:
@@ -21,3 +23,10 @@ def test_efficiency_is_tokens_per_rank_against_one_node_of_four_and_ratios_are_t
     assert by[("2x4", "unbroken-zero1")]["bytes_on_wire_per_step"] == pytest.approx(0.5e6)
     assert res["efficiency"]["1gbit"]["2x4"]["torchrun-ddp"] == pytest.approx(0.75)
     assert set(res["tokens_per_s"]["1gbit"]) == {"1x4", "2x2", "2x4"}
+
+
+def test_a_rewrite_keeps_the_regroup_fit_another_benchmark_wrote(tmp_path):
+    path = tmp_path / "multinode.json"
+    assert kept_sections(path) == {}
+    path.write_text(json.dumps({"rows": [], "regroup_fit": {"model": "log2"}, "commit": "x"}))
+    assert kept_sections(path) == {"regroup_fit": {"model": "log2"}}

@@ -157,7 +157,7 @@ def multinode(out: Path = _OUT, steps: int = typer.Option(24, "--steps", help="s
     res = mn.measure(steps=8 if quick else steps, rounds=1 if quick else rounds, profiles=profiles,
                      log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
     mn.plot(res, Path(out) / "multinode.png")
-    _finish("multinode", res, mn.table, out)
+    _finish("multinode", {**res, **mn.kept_sections(Path(out) / "multinode.json")}, mn.table, out)
 
 
 def regroup(out: Path = _OUT, sizes: str = typer.Option("4,8,16,32,64", "--sizes", help="world sizes, comma-separated"),

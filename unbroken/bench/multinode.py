@@ -11,6 +11,7 @@ bytes each node's link carried, per step (whole run / steps: includes start-up t
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -135,6 +136,14 @@ def result(cells: dict, *, steps: int, rounds: int) -> dict:
                              for p, ls in cells.items()},
             "efficiency": {p: {lay: {s: by[(p, lay, s)]["efficiency"] for s in SYSTEMS} for lay in ls}
                            for p, ls in cells.items()}}
+
+
+def kept_sections(path: Path) -> dict:
+    """What other benchmarks wrote into multinode.json (`regroup_fit`, bench/regroup.py), kept on rewrite."""
+    if not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    return {k: old[k] for k in ("regroup_fit",) if k in old}
 
 
 def table(res: dict) -> Table:
