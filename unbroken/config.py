@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STRATEGIES = ("zero1", "ddp")
+STRATEGIES = ("zero1", "zero2", "ddp")
+SHARDED = ("zero1", "zero2")  # each rank owns one shard of the parameters and optimizer state
 NONFINITE_POLICIES = ("stop", "skip")
 BACKENDS = ("auto", "gloo", "nccl")  # auto: nccl when CUDA is available, else gloo (runtime/devices.py)
 BITWISE_REDUCE = ("auto", "exchange")  # XOR/AND: the backend's BXOR/BAND where it has them, or always exchange

@@ -142,9 +142,12 @@ def test_every_rank_lost_at_once_restores_tier2_or_stops_saying_why(tmp_path, re
     for e in _kinds(tmp_path / "a", "checkpoint_saved"):
         if e["gen"] == 0:  # written before the kill (the redo writes its own later)
             saved.setdefault(e["fields"]["step"], set()).add(e["rank"])
-    # SIGKILLed at step 5: step 4's checkpoint landed on every rank unless a write was still in flight
-    newest = max(s for s, ranks in saved.items() if s <= 4 and len(ranks) == 4)
-    restored = {e["fields"]["step"] for e in _kinds(tmp_path / "a", "tier2_restore")}
-    assert restored == {newest} and got["steps_lost"] == 4 - newest  # step 5 never committed
+    # SIGKILLed at step 5: step 4's checkpoint landed on every rank unless a write was still in flight.
+    # A file can land (renamed into place) and the kill come before its event is written, so the
+    # events give a lower bound: the restore takes that step or a newer, checksum-verified one.
+    newest_logged = max(s for s, ranks in saved.items() if s <= 4 and len(ranks) == 4)
+    restored = [e["fields"]["step"] for e in _kinds(tmp_path / "a", "tier2_restore")]
+    assert len(set(restored)) == 1, restored  # every rank restored the same step
+    assert newest_logged <= restored[0] <= 4 and got["steps_lost"] == 4 - restored[0]  # step 5 never committed
     p = run_cli(tmp_path / "b", *SMALL, "--checkpoint-every", "0", "--shadows", "2", *kill_all, timeout=180)
     assert p.returncode == 1 and "cannot be restored" in p.stderr and "checkpoint" in p.stderr, p.stderr[-2000:]

@@ -334,6 +334,12 @@ class Comm:
     def xor_reduce(self, t: torch.Tensor, dst: int, what: str = "xor reduce") -> None:
         self.finish(self.xor_reduce_start(t, dst, what))
 
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str = "reduce-scatter") -> None:
+        """Sum `inp` (world * n,) over the ranks; this rank receives its slice (n,) in `out`."""
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._wait(self._issue(inp, lambda pg: pg._reduce_scatter_base(out, inp, opts), what), what)
+
     def allgather_into(self, out: torch.Tensor, mine: torch.Tensor, what: str = "allgather") -> None:
         """`out` is (world * n,) and `mine` is out's slice for this rank (n,)."""
         n = mine.numel()

@@ -7,7 +7,8 @@ replace a .grad tensor, so we never rely on aliasing it). Past the parameters, o
 all-reduce also carries (averaged) a few runtime measurements (`aux`), this rank's
 non-finite retry vote (`vote`) and the local loss (`loss`); then (summed, so exact,
 because every rank but one writes zeros) each rank's own loss in its slot (`rank_loss`,
-the per-step input fingerprint) and rank 0's model buffers, encoded (`buffer_words`).
+the per-step input fingerprint), the squared norm of each rank's reduce-scattered gradient
+shard (`norm_sq`, zero2 only) and rank 0's model buffers, encoded (`buffer_words`).
 """
 from __future__ import annotations
 
@@ -55,12 +56,13 @@ class FlatModel:
         # A ring of gradient buffers, one per step of the protection interval: the averaged
         # gradient of step s stays in slot s % grad_slots until step s + grad_slots, so a lost
         # shard can be replayed from the last parity point without copying any gradient.
-        # layout: [parameters (n_pad) | AUX_SLOTS | local loss || rank losses (ranks) | buffer words]
+        # layout: [parameters (n_pad) | AUX_SLOTS | local loss || rank losses (ranks) | norm_sq | buffer words]
         # (averaged up to ||, summed after it)
         self.loss = self.n_pad + AUX_SLOTS
         self.n_avg = self.loss + 1
         self.rank_loss = slice(self.n_avg, self.n_avg + ranks)
-        self.buffers = slice(self.n_avg + ranks, self.n_avg + ranks + buffer_words)
+        self.norm_sq = self.n_avg + ranks
+        self.buffers = slice(self.norm_sq + 1, self.norm_sq + 1 + buffer_words)
         self._ring = [torch.zeros(self.buffers.stop, device=self.device) for _ in range(grad_slots)]
         self.aux = slice(self.n_pad, self.n_pad + AUX_SLOTS - 1)
         self.vote = self.n_pad + AUX_SLOTS - 1

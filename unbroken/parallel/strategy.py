@@ -5,8 +5,13 @@ optimizer's per-element tensors, e.g. Adam's exp_avg and exp_avg_sq), updates it
 chunk by chunk, then all ranks all-gather the parameters. Every `protect_every`-th step
 (a parity step) also sends each window's parity deltas to their holders (one all-to-all);
 in between, the ring of averaged gradients and the step log let a lost shard be decoded
-at the last parity point and replayed. `ddp`: every rank owns everything (replicated); no parity
-is needed because any survivor is a copy.
+at the last parity point and replayed. `zero2`: as zero1, but the gradient is reduce-scattered,
+so a rank holds only its own shard's averaged gradient; with no peer holding a lost shard's
+gradients there is nothing to replay from, so parity is brought up to date on every step
+(protect_every 1) and a step cut short in its update is redone on every rank, applying only
+the chunks that do not have it yet (`update` skips them; parity is then rebuilt at commit).
+`ddp`: every rank owns everything (replicated); no parity is needed because any survivor is
+a copy.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from unbroken.comm.group import Comm
+from unbroken.config import SHARDED
 from unbroken.parallel.buffers import ModelBuffers
 from unbroken.parallel.flat import FlatModel
 from unbroken.parallel.optim import ChunkOptimizer
@@ -36,9 +42,12 @@ class OwnedState:
                  buffers: ModelBuffers, *, strategy: str, rank: int, world: int, group_size: int,
                  chunk_elems: int, protect_every: int = 1, grad_slots: int | None = None, nnodes: int = 1) -> None:
         self.strategy, self.rank, self.world, self.optim, self.buffers = strategy, rank, world, optim, buffers
-        sharded = strategy == "zero1"
+        sharded = strategy in SHARDED
         self.k = group_size if (sharded and group_size >= 2) else 1
         # parity every K steps; the gradient ring keeps the K averaged gradients a replay needs
+        # (zero2 keeps none: parity every step)
+        if strategy == "zero2":
+            protect_every, grad_slots = 1, 1
         self.protect_every = protect_every if self.k >= 2 else 1
         self.flat = FlatModel(named, world=world if sharded else 1, chunk_elems=chunk_elems,
                               multiple=max(1, self.k - 1),
@@ -67,6 +76,7 @@ class OwnedState:
                                      trailer_words=trailer)
             self.tier1 = Tier1(self.state, self.layout, self.member, self.txn, self.snap)
         self.next_parity = self.protect_every  # the next step whose update brings parity up to date
+        self.rebuild_at: int | None = None  # zero2: a redone step after which parity is rebuilt in full
         self.log_from = 1  # the first step whose averaged gradient our ring is known to hold
         self._shard_copy = torch.zeros(n, device=dev) if sharded else None
 
@@ -81,7 +91,12 @@ class OwnedState:
 
     @property
     def sharded(self) -> bool:
-        return self.strategy == "zero1"
+        return self.strategy in SHARDED
+
+    @property
+    def sharded_grads(self) -> bool:
+        """zero2: each rank holds only its own shard of the averaged gradient."""
+        return self.strategy == "zero2"
 
     @property
     def snapshot_bytes(self) -> int:
@@ -98,7 +113,7 @@ class OwnedState:
         self.next_parity = self.txn.snap_ver + k
 
     def parity_due(self, step: int) -> bool:
-        return self.tier1 is not None and step >= self.next_parity
+        return self.tier1 is not None and step >= self.next_parity and step != self.rebuild_at
 
     # --- one chunk ---------------------------------------------------------------------
     def apply_chunk(self, c: int, s: StepScalars, point: Point | None = None) -> None:
@@ -129,7 +144,8 @@ class OwnedState:
         if not parity:
             for c in range(self.state.n_chunks):
                 point("optimizer", c)
-                self.apply_chunk(c, s, point)
+                if self.txn.chunk_ver[c] < s.step:  # (a zero2 redo: chunks that have the step keep it)
+                    self.apply_chunk(c, s, point)
             return
         lay, inflight = self.layout, []
         for w in range(lay.n_windows):
@@ -153,6 +169,14 @@ class OwnedState:
             world.allgather_into(self.flat.params, self._shard_copy, what="parameter all-gather")
         if parity_step is not None:
             self.take_snapshot(parity_step)
+
+    def finish_redo(self, group: Comm, step: int) -> float | None:
+        """After a zero2 step redone on top of kept chunks commits: parity in full at `step`
+        (its update sent no deltas: a holder may already have absorbed some of them)."""
+        if self.rebuild_at != step:
+            return None
+        self.rebuild_at = None
+        return self.rebuild_parity(group, step)
 
     def take_snapshot(self, step: int) -> None:
         if self.snap is not None:

@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from unbroken.cli_error import fail
-from unbroken.config import ConfigError, RunConfig, build_config
+from unbroken.config import SHARDED, ConfigError, RunConfig, build_config
 from unbroken.runtime.faults import NODE_KINDS, FaultSpec, chaos_schedule, check_reachable
 from unbroken.runtime import auth, cluster_env
 from unbroken.runtime.cluster_env import NodePlace
@@ -75,7 +75,7 @@ def run(
     seed: Optional[int] = typer.Option(None, "--seed"),
     batch_size: Optional[int] = typer.Option(None, "--batch-size"),
     lr: Optional[float] = typer.Option(None, "--lr"),
-    strategy: Optional[str] = typer.Option(None, "--strategy", help="zero1 (sharded optimizer, default), ddp, or auto "
+    strategy: Optional[str] = typer.Option(None, "--strategy", help="zero1 (sharded optimizer, default), zero2 (+ gradients reduce-scattered), ddp, or auto "
                                                                      "(the planner's pick on this host)"),
     parity_group: Optional[int] = typer.Option(None, "--parity-group"),
     chunk_kb: Optional[int] = typer.Option(None, "--chunk-kb", help="transaction/parity chunk size"),
@@ -223,7 +223,7 @@ def _check_faults_reachable(faults: list[FaultSpec], cfg: RunConfig, *, builtin:
     """Refuse specs that can never fire. The step count is known up front when it was given
     (--steps or the config file) or the job is the built-in one (it runs exactly cfg.steps);
     otherwise the script decides it."""
-    tier1 = cfg.tier1 and cfg.strategy == "zero1" and cfg.effective_parity_group >= 2  # as worker.py builds it
+    tier1 = cfg.tier1 and cfg.strategy in SHARDED and cfg.effective_parity_group >= 2  # as worker.py builds it
     check_reachable(faults, world_size=cfg.world_size, steps=cfg.steps if cfg.steps_given or builtin else None,
                     tier1=tier1, checkpoint_every=cfg.checkpoint_every)
 

@@ -26,6 +26,7 @@ from unbroken.protect.tier1 import CorruptParity
 from unbroken.protect.txn import StepScalars, UnrecoverableChunk
 from unbroken.runtime import crash, membership
 from unbroken.runtime.state import RecoveryInputs
+from unbroken.runtime.zero2_recovery import hand_parameters_at, region_sources, update_done
 
 
 
@@ -81,12 +82,14 @@ def _status(tr: RecoveryInputs, new_member: bool) -> dict:
     owned = tr.owned
     scalars = tr.st.scalars if tr.st.grads_step is not None else None
     mine = {"rank": tr.rank, "new": new_member, "committed": tr.st.step_count, "grads_step": tr.st.grads_step,
-            "local_step": tr.st.local_step, "parity_ver": None, "snap_ver": None, "next_parity": None,
+            "local_step": tr.st.local_step, "gathering": tr.st.gathering_step, "chunks": None,
+            "parity_ver": None, "snap_ver": None, "next_parity": None,
             "log_from": None, "history": [],
             # the scalars computed with the averaged gradient (hyperparameters as the holder's groups had them)
             "scalars": scalars.to_list() if scalars is not None and scalars.step == tr.st.grads_step else None}
     if not new_member:
         mine.update(parity_ver=owned.txn.parity_ver.tolist(), snap_ver=owned.txn.snap_ver,
+                    chunks=[int(owned.txn.chunk_ver.min()), int(owned.txn.chunk_ver.max())],
                     next_parity=owned.next_parity, log_from=owned.log_from, protect_every=owned.protect_every,
                     tuned=tr.tuner.done,
                     history=[s.to_list() for s in owned.txn.history.values()])
@@ -108,17 +111,22 @@ def _rebuild(tr: RecoveryInputs, new_member: bool) -> None:
         owned.protect_every, tr.tuner.done = survivors[0]["protect_every"], survivors[0]["tuned"]
     c_max = max(s["committed"] for s in survivors)
     holders = [s["rank"] for s in survivors if s["grads_step"] == c_max + 1]
+    if owned.sharded_grads and holders and not update_done(survivors, c_max + 1):
+        holders = []  # zero2 mid-update: no one holds the lost shard's gradient; the step is redone
     target = c_max + 1 if holders else c_max
     if holders:
-        grads = owned.flat.use_grads_of(target)
+        # zero2 hands off only the tail (loss, buffers): its update is done everywhere
+        grads = owned.flat.use_grads_of(target)[owned.flat.n_pad if owned.sharded_grads else 0:]
         comm.broadcast(grads, src=min(holders), what="gradient hand-off")
         tr.st.grads_step = target
-        tr.st.last_loss = float(grads[owned.flat.loss])
+        tr.st.last_loss = float(owned.flat.grads[owned.flat.loss])
         tr.st.scalars = StepScalars.from_list(status[min(holders)]["scalars"])  # as the holders computed them
         owned.txn.record(tr.st.scalars)
     src = _state_source(survivors, target, handed_off=bool(holders))
     if src is None:
         path = _restore_tier2(tr, reason=f"no survivor can bring its state to step {target}")
+    elif owned.sharded_grads and owned.tier1 is not None and any(s["chunks"][1] > target for s in survivors):
+        path = _rebuild_redo_kept(tr, status, new_ranks, target)
     elif owned.sharded and owned.tier1 is not None:
         path = _rebuild_sharded(tr, status, new_ranks, target, src, redo=not holders)
     elif owned.sharded and owned.world > 1:
@@ -284,6 +292,42 @@ def _rebuild_sharded(tr: RecoveryInputs, status: list[dict], new_ranks: list[int
     return "tier1"
 
 
+def _rebuild_redo_kept(tr: RecoveryInputs, status: list[dict], new_ranks: list[int], target: int) -> str:
+    """zero2, a failure inside step target+1's update: every rank redoes the step, keeping the
+    chunks that already have it (runtime/zero2_recovery.py). The new member gets the
+    parameters of `target` now (for its forward); its chunks, decoded at the versions the
+    parity holds (some at target+1), are installed after that forward, in
+    `finish_deferred_decode`. Parity is rebuilt in full once the redone step commits."""
+    owned = tr.owned
+    lost_by_group: dict[int, list[int]] = {}
+    for r in new_ranks:
+        lost_by_group.setdefault(owned.groups.group_of(r), []).append(r)
+    mine_lost = lost_by_group.get(owned.groups.group_of(tr.rank), [])
+    sources = region_sources(status, target)
+    ok = sources is not None and all(len(v) == 1 for v in lost_by_group.values())
+    d = DeferredDecode(target=target, point=None, status=status, log_src=-1, kept=True)
+    if ok and mine_lost:
+        try:
+            d.pv, d.buf = _decode_input(tr, status, mine_lost[0], rows_at=None)
+        except UnrecoverableChunk as e:
+            tr.ctx.events.emit("warning", message=f"tier 1 cannot decode rank {mine_lost[0]}: {e}")
+            ok = False
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    tr.comm.allreduce(flag, what="tier-1 feasibility vote")
+    if int(flag) != 0:
+        return _restore_tier2(tr, reason="tier 1 cannot decode (two losses in a parity group, or no copy of "
+                                         f"the parameters of step {target} left)")
+    hand_parameters_at(tr, sources, new_ranks, target)
+    if mine_lost:
+        d.lost = mine_lost[0]
+        d.pending = tr.group.xor_reduce_start(d.buf, dst=owned.groups.member_of(d.lost),
+                                              what=f"tier-1 decode of rank {d.lost}")
+    owned.rebuild_at = target + 1
+    tr.st.deferred = d
+    tr.st.parity_rebuilt = "full"
+    return "tier1"
+
+
 _LOG_TAG = 1 << 28  # point-to-point tags far above any collective sequence number of a generation
 
 
@@ -380,7 +424,7 @@ class DeferredDecode:
     """A decode `_rebuild_overlapped` issued, finished by `finish_deferred_decode`."""
 
     target: int             # the step every member is at once the new member has replayed
-    point: int              # the parity point the decode yields
+    point: int | None       # the parity point the decode yields (None: each window's own version)
     status: list[dict]      # the recovery's status exchange
     log_src: int            # the survivor sending the gradient log (-1: none needed)
     lost: int | None = None  # the new member of this rank's parity group, if any
@@ -389,6 +433,7 @@ class DeferredDecode:
     pv: list | None = None
     transfers: list = field(default_factory=list)
     expected: torch.Tensor | None = None  # the new member's parameter shard at target (broadcast)
+    kept: bool = False      # zero2: chunks stay at their decoded versions; the redone step brings the rest
 
 
 def finish_deferred_decode(tr: RecoveryInputs) -> None:
@@ -419,7 +464,7 @@ def _install_and_vote(tr: RecoveryInputs, buf: torch.Tensor | None, pv: list | N
             owned.tier1.install_decoded(buf[:, :k - 1], pv)
             if rows_at is not None:
                 owned.tier1.install_parity(buf[:, k - 1], rows_at)
-            if replay is not None:
+            if replay is not None and not replay.kept:
                 _adopt_log(tr, replay.status, replay.log_src, replay.point)
                 owned.replay_to(replay.target)
                 if not torch.equal(owned.flat.params[owned.lo:owned.hi], replay.expected):

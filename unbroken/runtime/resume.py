@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from unbroken.config import ConfigError, RunConfig
+from unbroken.config import SHARDED, ConfigError, RunConfig
 from unbroken.fsutil import atomic_write_json
 from unbroken.runtime.jobkey import JobKeyError, read_job_key
 
@@ -56,7 +56,7 @@ def _check_checkpoint(run_dir: Path, cfg: RunConfig) -> None:
         key = read_job_key(run_dir)
     except JobKeyError as e:
         raise ConfigError(f"--resume {run_dir}: {e}") from None
-    world = cfg.world_size if cfg.strategy == "zero1" else 1  # as runtime/persist.py writes them
+    world = cfg.world_size if cfg.strategy in SHARDED else 1  # as runtime/persist.py writes them
     step = newest_signed_step(run_dir / "checkpoints", world_size=world, run_id=run_dir.name, key=key)
     if step is None:
         raise ConfigError(f"--resume {run_dir}: no checkpoint of every rank, signed by this job, is in "

@@ -17,6 +17,7 @@ class TrainState:
     step_count: int = 0                 # the last committed step
     grads_step: int | None = None       # the step whose averaged gradient flat.grads holds
     local_step: int | None = None       # the step whose local (not yet averaged) gradient is kept
+    gathering_step: int | None = None   # the last step whose parameter all-gather this rank entered
     scalars: StepScalars | None = None  # the global scalars of grads_step
     last_loss: float = math.nan
     has_state: bool | None = True       # False: a new member without state yet; None: a shadow

@@ -189,6 +189,7 @@ class Trainer(LoopAPI, Persistence):
                                 else int(cfg.protect_every), grad_slots=slots, nnodes=self.ctx.nnodes)
         self.buckets = GradBuckets(self.owned.flat, bucket_elems=max(16, self.cfg.bucket_kb * 1024 // 4))
         self.local_grads = torch.empty_like(self.owned.flat.grads)
+        self._shard_grad = torch.empty(self.owned.hi - self.owned.lo, device=self.owned.flat.device)
         if self.ctx.role == "worker" or self.st.has_state is not None:
             self.ctx.phase["rank"] = rank
             self.ctx.events.rank = rank
@@ -360,8 +361,9 @@ class Trainer(LoopAPI, Persistence):
             grads.copy_(self.local_grads)
             grads[flat.vote] = self._nonfinite_vote(t)
         else:
-            # a pending decode votes on the world group first: then no bucket may be issued before it
-            overlapped = self.st.deferred is None
+            # a pending decode votes on the world group first: then no bucket may be issued before it;
+            # zero2 reduce-scatters the whole gradient at once (below)
+            overlapped = self.st.deferred is None and not self.owned.sharded_grads
             self._compute_local_gradient(t, closure, overlap=overlapped)
         if self.st.deferred is not None:
             finish_deferred_decode(self._recovery_inputs())
@@ -369,13 +371,17 @@ class Trainer(LoopAPI, Persistence):
         self._point("allreduce", t)
         t1 = time.perf_counter()
         self.st.grads_step = None
-        if overlapped:
-            self.buckets.finish()
+        if self.owned.sharded_grads:
+            norm = self._reduce_scatter_gradient(t, grads)
         else:
-            self.buckets.issue_all(self.comm, grads, what=f"gradient all-reduce step {t}")
+            if overlapped:
+                self.buckets.finish()
+            else:
+                self.buckets.issue_all(self.comm, grads, what=f"gradient all-reduce step {t}")
+            flat.grads[:flat.n_avg].div_(self.world_size)
+            norm = float(torch.linalg.vector_norm(flat.grads[:flat.n_pad]))
         self._point("reduced", t)
-        flat.grads[:flat.n_avg].div_(self.world_size)
-        norm, loss = float(torch.linalg.vector_norm(flat.grads[:flat.n_pad])), float(flat.grads[flat.loss])
+        loss = float(flat.grads[flat.loss])
         self._check_inputs(t)
         self._check_numerics(t, loss, norm)
         self._maybe_choose_interval(t)
@@ -388,13 +394,30 @@ class Trainer(LoopAPI, Persistence):
         ctx.set_phase("allgather")
         self._point("allgather", t)
         t3 = time.perf_counter()
+        self.st.gathering_step = t  # from here other ranks' regions of the parameters may change
         self.owned.commit(self.comm, parity_step=t if parity else None)
+        rebuilt = self.owned.finish_redo(self.group, t) is not None  # a zero2 redo: parity in full
         self.model_buffers.commit(flat.grads[flat.buffers])  # rank 0's, as DDP's broadcast gives them
         t4 = time.perf_counter()
         # where the step's time went: compute, gradient all-reduce, update (+parity), all-gather
         self._phase_s = {"compute": t1 - t0, "allreduce": t2 - t1, "update": t3 - t2, "allgather": t4 - t3}
-        self._parity_step = parity
+        self._parity_step = parity or rebuilt
         self._finish_step(t, float(flat.grads[flat.loss]))
+
+    def _reduce_scatter_gradient(self, t: int, grads: torch.Tensor) -> float:
+        """zero2: sum the local gradients over the ranks into this rank's shard only (the rest of
+        `grads` keeps this rank's local gradient), average it, then one small all-reduce of the
+        tail (loss, votes, fingerprints, buffers) that also sums each shard's squared norm.
+        Returns the averaged gradient's global norm."""
+        owned, flat = self.owned, self.owned.flat
+        shard = self._shard_grad
+        self.comm.reduce_scatter(shard, grads[:flat.n_pad], what=f"gradient reduce-scatter step {t}")
+        shard.div_(self.world_size)
+        grads[owned.lo:owned.hi].copy_(shard)
+        grads[flat.norm_sq] = float(torch.linalg.vector_norm(shard)) ** 2
+        self.comm.allreduce(grads[flat.n_pad:], what=f"gradient tail all-reduce step {t}")
+        grads[flat.n_pad:flat.n_avg].div_(self.world_size)
+        return math.sqrt(float(grads[flat.norm_sq]))
 
     def _compute_local_gradient(self, t: int, closure: Callable[..., torch.Tensor], *, overlap: bool) -> None:
         """Forward and backward of step t into flat.grads, and a copy kept for a redo. With
@@ -448,6 +471,7 @@ class Trainer(LoopAPI, Persistence):
         flat = self.owned.flat
         grads[flat.rank_loss] = 0.0
         grads[flat.rank_loss.start + self.rank] = value
+        grads[flat.norm_sq] = 0.0
         if self.rank == 0:
             self.model_buffers.encode(grads[flat.buffers])
         else:
