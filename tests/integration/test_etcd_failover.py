@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.timeout(300),
                                  reason=f"etcd store: {etcd_cluster.missing_reason()}")]
 
 ARGS = [*SMALL, "--parity-group", "2", "--checkpoint-every", "2", "--shadows", "2"]
-LEASE = 'node_lease_s = 8.0\n'  # a loaded 2-core host: every store call is an HTTP round trip
+# a loaded 2-core host: every store call is an HTTP round trip, and losing an etcd member costs an election
+LEASE = 'node_lease_s = 8.0\n'
 
 
 @pytest.fixture

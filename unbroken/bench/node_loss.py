@@ -31,7 +31,7 @@ from unbroken.runtime import etcd_cluster
 JOB = ["--n-layer", "2", "--n-embd", "64", "--batch-size", "4", "--world-size", "4", "--chunk-kb", "16",
        "--parity-group", "2", "--checkpoint-every", "4", "--shadows", "2"]
 _TIMEOUT_S = 600.0
-_LEASE = "node_lease_s = 8.0\n"  # every store call is an HTTP round trip on etcd: leases sized for a loaded host
+_LEASE = "node_lease_s = 8.0\n"  # etcd: each store call is an HTTP round trip
 
 
 def _cmd(run_dir: Path, config: Path, steps: int, *extra: str) -> list[str]:

@@ -540,6 +540,8 @@ class Supervisor:
             return False
         if self.leader:
             return self._quiet
+        if self.leader_watch is not None and self.leader_watch.leases.late(_QUIET_BEATS * self.cfg.heartbeat_s):
+            return True  # the leader itself may be late: nobody would say so (the store fails over meanwhile)
         return self.store.check(["lease/quiet"]) and self.store.get("lease/quiet") == b"1"
 
     def _lose_node(self, node: int, age_s: float) -> None:
