@@ -1,4 +1,4 @@
-"""The `unbroken` command line: run, demo, report, simulate, plan, bench.
+"""The `unbroken` command line: run, demo, report, simulate, plan, bench, store.
 
 Each subpackage owns its command module; this file only assembles them. User mistakes
 print one line naming the problem and the fix and exit with status 2.
@@ -21,6 +21,7 @@ from unbroken.plan.command import choose_for_run, plan
 from unbroken.predict.command import predict_app
 from unbroken.runtime.command import demo, run, set_auto_strategy
 from unbroken.runtime.export import export
+from unbroken.runtime.store_command import store_app
 from unbroken.serve.command import serve_app
 from unbroken.sim.command import simulate
 from unbroken.split.command import register as register_split
@@ -35,6 +36,7 @@ app.command("simulate")(simulate)
 app.command("chaos")(chaos)
 app.command("plan")(plan)
 app.add_typer(serve_app, name="serve")
+app.add_typer(store_app, name="store")
 app.add_typer(predict_app, name="predict")
 set_auto_strategy(choose_for_run)  # the runtime may not import the planner (a tool): cli.py plugs it in
 

@@ -46,6 +46,7 @@ KINDS: dict[str, str] = {
     "events_missing": "nodes, timeout_s (followers whose events did not reach node 0 at the end: the summary lacks them)",
     "tier2_restore": "step, reason",
     "node_lost": "node, lease_age_s, ranks (a node's lease expired: its supervisor and processes are gone or frozen)",
+    "leader_elected": "node, previous, lease_age_s (replicated store: the previous leader's lease expired and this node took the role over by compare_set)",
     "software_fault": "proc, step, error, fingerprint, occurrences (the same exception at the same step again: not retried)",
     "steps_planned": "steps, source (config: --steps or the config file; script: trainer.steps(n))",
     "nondeterministic_input": "step, ranks, first, again, message (a step computed again gave a different loss on these ranks)",

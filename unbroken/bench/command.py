@@ -1,6 +1,7 @@
 """`unbroken bench throughput|protect|recovery|overhead|interval`: run one, print its table, save JSON (+PNG)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import List, Optional
 
@@ -141,12 +142,20 @@ def plan(out: Path = _OUT, world: int = typer.Option(4, "--world-size", help="ra
 def multinode(out: Path = _OUT, steps: int = typer.Option(24, "--steps", help="steps per run (the first 2 are not timed)"),
               rounds: int = typer.Option(2, "--rounds", help="runs of every system per layout, interleaved"),
               profile: Optional[List[str]] = typer.Option(None, "--profile", help="link profile(s): 1gbit, 10gbit (default both)"),
+              only: Optional[List[str]] = typer.Option(None, "--only", help="just these sections, merged into "
+                                                       "multinode.json: node-loss, node0-loss, store-cost"),
               quick: bool = _QUICK) -> None:
-    """Tokens/s and per-rank efficiency for 1x4, 2x2 and 2x4 nodes x ranks on shaped links, next to torchrun + DDP (needs root)."""
+    """Tokens/s and per-rank efficiency for 1x4, 2x2 and 2x4 nodes x ranks on shaped links, next to torchrun + DDP
+    (needs root); then whole-node loss (node 1, node 0 on the etcd store) and the etcd store's cost."""
     from unbroken.bench import multinode as mn
     from unbroken.cli_error import fail
     from unbroken.plan.netns import available
 
+    if unknown := [o for o in only or [] if o not in _NODE_SECTIONS]:
+        fail(f"unknown --only {', '.join(unknown)}; choose from {', '.join(_NODE_SECTIONS)}")
+    if only:
+        _node_sections(out, only, rounds=1 if quick else max(rounds, 3))
+        return
     profiles = tuple(profile or mn.PROFILES)
     if unknown := [p for p in profiles if p not in mn.PROFILES]:
         fail(f"unknown --profile {', '.join(unknown)}; choose from {', '.join(mn.PROFILES)}")
@@ -158,6 +167,29 @@ def multinode(out: Path = _OUT, steps: int = typer.Option(24, "--steps", help="s
                      log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
     mn.plot(res, Path(out) / "multinode.png")
     _finish("multinode", {**res, **mn.kept_sections(Path(out) / "multinode.json")}, mn.table, out)
+    _node_sections(out, list(_NODE_SECTIONS), rounds=1 if quick else max(rounds, 3))
+
+
+_NODE_SECTIONS = {"node-loss": "node_loss", "node0-loss": "node0_loss", "store-cost": "store_cost"}
+
+
+def _node_sections(out: Path, names: list[str], *, rounds: int) -> None:
+    """Whole-node loss and the etcd store's cost (bench/node_loss.py), merged into multinode.json."""
+    from unbroken.bench import node_loss as nl
+    from unbroken.cli_error import fail
+    from unbroken.runtime.etcd_cluster import missing_reason
+
+    if {"node0-loss", "store-cost"} & set(names) and (why := missing_reason()):
+        fail(f"--only {', '.join(names)} needs the etcd store: {why}")
+    log = lambda m: Console(stderr=True).print(f"[dim]{m}[/]")  # noqa: E731
+    run = {"node-loss": lambda: nl.measure_node_loss(log=log), "node0-loss": lambda: nl.measure_node0_loss(log=log),
+           "store-cost": lambda: nl.measure_store_cost(rounds=rounds, log=log)}
+    sections = {_NODE_SECTIONS[n]: run[n]() for n in dict.fromkeys(names)}
+    for key, res in sections.items():
+        Console().print(f"{key}: " + json.dumps({k: v for k, v in res.items() if k != "runs"}, default=str))
+    path = Path(out) / "multinode.json"
+    nl.write_sections(sections, path)
+    Console().print(f"wrote {', '.join(sections)} into {path}")
 
 
 def regroup(out: Path = _OUT, sizes: str = typer.Option("4,8,16,32,64", "--sizes", help="world sizes, comma-separated"),

@@ -139,11 +139,12 @@ def result(cells: dict, *, steps: int, rounds: int) -> dict:
 
 
 def kept_sections(path: Path) -> dict:
-    """What other benchmarks wrote into multinode.json (`regroup_fit`, bench/regroup.py), kept on rewrite."""
+    """What other benchmarks wrote into multinode.json (`regroup_fit`, bench/regroup.py; the node-loss
+    sections, bench/node_loss.py), kept on rewrite."""
     if not path.exists():
         return {}
     old = json.loads(path.read_text())
-    return {k: old[k] for k in ("regroup_fit",) if k in old}
+    return {k: old[k] for k in ("regroup_fit", "node_loss", "node0_loss", "store_cost") if k in old}
 
 
 def table(res: dict) -> Table:

@@ -23,6 +23,8 @@ def open_store(opts: LaunchOptions) -> tuple[dist.Store, int, object]:
     """(store, port, listening socket or None): node 0 hosts it, a joiner connects and joins."""
     leader = opts.node_rank == 0
     listener = None
+    if opts.store is not None:
+        return _open_replicated(opts), 0, None
     try:
         if leader:
             store, listener = membership.listen_store(opts.host, opts.port, timeout_s=30)
@@ -40,6 +42,28 @@ def open_store(opts: LaunchOptions) -> tuple[dist.Store, int, object]:
     else:
         _join(store, opts)
     return store, (store.port if leader else opts.port), listener
+
+
+def _open_replicated(opts: LaunchOptions) -> dist.Store:
+    """The etcd cluster named by --store (runtime/etcd_store.py): node 0 claims the job's prefix."""
+    from unbroken.runtime.etcd_store import EtcdStore
+
+    store = EtcdStore(opts.store, timeout_s=30)
+    try:
+        taken = store.check(["code"])
+    except RuntimeError as e:
+        raise LaunchError(f"cannot reach the etcd cluster {opts.store} ({str(e).splitlines()[0][:160]}); "
+                          "start it (unbroken store start --dir DIR) and check --store") from None
+    if opts.node_rank == 0:
+        if taken:
+            raise LaunchError(f"the store prefix {store.spec.prefix!r} of {opts.store} already holds a job's keys: "
+                              "give this job its own prefix (etcd://HOSTS/NEW-NAME)")
+        store.set("code", json.dumps(codeid.identity(opts.script)))
+        store.set("token_required", "1" if opts.token else "0")
+        store.set("leader", "0")  # runtime/failover.py: who leads; a survivor takes it over by compare_set
+    else:
+        _join(store, opts)
+    return store
 
 
 def _join(store: dist.Store, opts: LaunchOptions) -> None:

@@ -99,6 +99,9 @@ def run(
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="run directory (default: a new one under runs/)"),
     host: Optional[str] = typer.Option(None, "--host", help="store address (default MASTER_ADDR, PET_MASTER_ADDR, the first host of SLURM_JOB_NODELIST, or 127.0.0.1)"),
     port: Optional[int] = typer.Option(None, "--port", help="store port (default MASTER_PORT, PET_MASTER_PORT, one derived from SLURM_JOB_ID, or a free one)"),
+    store: Optional[str] = typer.Option(None, "--store", help="the job's store: etcd://HOST:PORT[,HOST:PORT...]/JOB "
+                                                              "(replicated: survives any one node, node 0 included; "
+                                                              "see `unbroken store`); default: node 0's TCPStore"),
     token: Optional[str] = typer.Option(None, "--token", help="join token for multi-node (visible in ps: prefer "
                                                               "--token-file or UNBROKEN_TOKEN)"),
     token_file: Optional[Path] = typer.Option(None, "--token-file", help="file holding the join token (mode 0600)"),
@@ -116,7 +119,7 @@ def run(
     """Run a training job under unbroken (torchrun-compatible env vars are honoured)."""
     if resume is not None:
         _refuse_job_changes(locals())
-    summary = _launch(script=script, config=config, run_dir=resume or run_dir, host=host, port=port,
+    summary = _launch(script=script, config=config, run_dir=resume or run_dir, host=host, port=port, store=store,
                       token=_join_token(token, token_file), resume=resume is not None,
                       nnodes=nnodes, node_rank=node_rank, inject=inject, chaos=chaos, progress=not no_progress,
                       tee=tee, tee_to_stderr=json_out,
@@ -165,7 +168,7 @@ def _join_token(flag: str | None, path: Path | None) -> str | None:
     return os.environ.get("UNBROKEN_TOKEN") or None
 
 
-def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, inject, chaos, progress,
+def _launch(*, script, config, run_dir, host, port, token, store=None, nnodes, node_rank, inject, chaos, progress,
             overrides: dict, resume: bool = False, tee: str = "0", tee_to_stderr: bool = False) -> dict:
     try:
         if resume:
@@ -193,9 +196,9 @@ def _launch(*, script, config, run_dir, host, port, token, nnodes, node_rank, in
             port=port if port is not None else (place.port or 0),
             token=token, nnodes=nnodes or place.nnodes or 1,
             node_rank=node_rank if node_rank is not None else (place.node_rank or 0),
-            faults=tuple(faults), resume=resume, tee=tee)
+            faults=tuple(faults), resume=resume, tee=tee, store=store)
         cfg = _one_member_per_node(cfg, opts.nnodes)
-        _check_node_faults(faults, cfg.world_size, opts.nnodes)
+        _check_node_faults(faults, cfg.world_size, opts.nnodes, replicated=store is not None)
         cfg = resolve_backend(cfg, nnodes=opts.nnodes)
         check_tee_ranks(tee, cfg.world_size)
         return launch(cfg, opts, progress=progress, tee_to_stderr=tee_to_stderr)
@@ -228,13 +231,17 @@ def _check_faults_reachable(faults: list[FaultSpec], cfg: RunConfig, *, builtin:
                     tier1=tier1, checkpoint_every=cfg.checkpoint_every)
 
 
-def _check_node_faults(faults: list[FaultSpec], world: int, nnodes: int) -> None:
-    """nodekill/nodestop take down the rank's whole node: never node 0, which hosts the store."""
+def _check_node_faults(faults: list[FaultSpec], world: int, nnodes: int, *, replicated: bool = False) -> None:
+    """nodekill/nodestop take down the rank's whole node: never node 0 while it hosts the store
+    (TCPStore); on the replicated store (etcd) any node may go."""
     local = world // nnodes if world % nnodes == 0 else world
     for f in faults:
+        if f.kind in NODE_KINDS and nnodes > 1 and replicated:
+            continue
         if f.kind in NODE_KINDS and f.rank // local == 0:
             raise ConfigError(f"fault {f} would take down node 0, which hosts the job's store; name a rank on "
-                              f"node 1..{nnodes - 1} (ranks {local}..{world - 1})" if nnodes > 1 else
+                              f"node 1..{nnodes - 1} (ranks {local}..{world - 1}), or use the replicated store "
+                              "(--store etcd://...)" if nnodes > 1 else
                               f"fault {f} takes down a whole node: it needs a job of several nodes (--nnodes)")
 
 

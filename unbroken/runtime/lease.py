@@ -22,13 +22,14 @@ def renew(store: dist.Store, node: int) -> None:
 
 
 class NodeLeases:
-    """The leader's view of nodes 1..nnodes-1 (node 0 is the leader itself)."""
+    """The leader's view of the other nodes (`nodes`; default 1..nnodes-1: node 0 leads)."""
 
-    def __init__(self, nnodes: int, lease_s: float, *, clock=time.monotonic) -> None:
+    def __init__(self, nnodes: int, lease_s: float, *, nodes: list[int] | None = None, clock=time.monotonic) -> None:
         self.lease_s, self._clock = lease_s, clock
         now = clock()
-        self._value = {n: -1 for n in range(1, nnodes)}
-        self._moved = {n: now for n in range(1, nnodes)}
+        self.nodes = list(range(1, nnodes)) if nodes is None else list(nodes)
+        self._value = {n: -1 for n in self.nodes}
+        self._moved = {n: now for n in self.nodes}
         self.lost: set[int] = set()
 
     def observe(self, store: dist.Store) -> list[tuple[int, float]]:

@@ -15,6 +15,7 @@ Each generation's gloo group lives under PrefixStore(f"gen{g}/").
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -60,8 +61,13 @@ def listen_store(host: str, port: int, *, timeout_s: float) -> tuple[dist.TCPSto
     return store, sock
 
 
-def connect_store(host: str, port: int, *, timeout_s: float) -> dist.TCPStore:
-    """A client connection to the job's store (the supervisor hosts it)."""
+def connect_store(host: str, port: int, *, timeout_s: float) -> dist.Store:
+    """A client connection to the job's store: the etcd cluster the supervisor names in
+    UNBROKEN_STORE (runtime/etcd_store.py), else node 0's TCPStore at host:port."""
+    if url := os.environ.get("UNBROKEN_STORE"):
+        from unbroken.runtime.etcd_store import EtcdStore
+
+        return EtcdStore(url, timeout_s=timeout_s)
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False, use_libuv=True)
 
@@ -207,6 +213,15 @@ class FaultLogReader:
         self.lost: list[int] = []
 
     @property
+    def cursor(self) -> int:
+        """The first index not yet delivered: a new leader starts reading there (runtime/failover.py)."""
+        return min(self._pending) if self._pending else self._next
+
+    def skip_to(self, index: int) -> None:
+        """Start at `index`: the records before it were acted on by the leader this one succeeds."""
+        self._next = max(self._next, index)
+
+    @property
     def pending(self) -> list[int]:
         """Indices counted in `faults/n` whose record has not been read yet."""
         return sorted(self._pending)
@@ -234,5 +249,7 @@ class FaultLogReader:
             self._on_lost(i, waited_s)
 
 
-def group_store(store: dist.Store, gen: int, name: str = "world") -> dist.PrefixStore:
+def group_store(store: dist.Store, gen: int, name: str = "world") -> dist.Store:
+    if hasattr(store, "prefixed"):  # an EtcdStore: PrefixStore cannot wrap a store written in Python
+        return store.prefixed(f"gen{gen}/{name}")
     return dist.PrefixStore(f"gen{gen}/{name}/", store)

@@ -31,6 +31,7 @@ class LaunchOptions:
     faults: tuple[FaultSpec, ...] = ()
     resume: bool = False  # generation 0 starts from the newest valid tier-2 checkpoint (runtime/resume.py)
     tee: str = "0"  # whose output the console shows: all, none or ranks like 0,3 (runtime/tee.py)
+    store: str | None = None  # etcd://...: the replicated store (runtime/etcd_store.py); None: node 0's TCPStore
 
     def __post_init__(self) -> None:
         parse_tee(self.tee)  # ValueError naming --tee
@@ -38,15 +39,22 @@ class LaunchOptions:
             raise ValueError(f"node_rank must be within 0..nnodes-1, got node_rank={self.node_rank} nnodes={self.nnodes}")
         if self.host not in _LOOPBACK and not self.token:
             raise ValueError(f"binding to {self.host} (not loopback) needs a join token: pass --token-file or set UNBROKEN_TOKEN")
-        if self.nnodes > 1 and self.node_rank > 0 and not self.port:
+        if self.store is not None:
+            from unbroken.runtime.etcd_store import EtcdSpec
+
+            EtcdSpec.parse(self.store)  # StoreUrlError (a ValueError) naming --store
+        elif self.nnodes > 1 and self.node_rank > 0 and not self.port:
             raise ValueError("a joining node needs node 0's port: pass --port or MASTER_PORT")
 
 
 def trust_warning(opts: LaunchOptions) -> str | None:
     """The store is TCPStore: neither authenticated nor encrypted. Said at the start of every
     job that listens beyond loopback or spans nodes (README: trust boundary)."""
-    if opts.nnodes == 1 and opts.host in _LOOPBACK:
+    if opts.nnodes == 1 and opts.host in _LOOPBACK and opts.store is None:
         return None
+    if opts.store is not None:
+        return (f"the job's store {opts.store} (etcd, plain HTTP) is not authenticated or encrypted: anyone who "
+                "can reach it can disturb the job; run multi-node jobs only on a private network")
     return (f"the job's store at {opts.host} (TCPStore) is not authenticated or encrypted: anyone who can "
             "reach it can disturb the job; run multi-node jobs only on a private network (the join token "
             "admits nodes, it does not protect the store)")

@@ -1,7 +1,8 @@
 """The per-node supervisor: owns every process it starts, detects faults, drives generations.
 
 Node 0's supervisor hosts the TCPStore and is the leader: it publishes each generation
-(who is rank r), assigns shadows to failed ranks, and decides when the run is over.
+(who is rank r), assigns shadows to failed ranks, and decides when the run is over. On the
+replicated store (--store etcd://...) the leader role moves to a survivor (runtime/failover.py).
 Every supervisor watches its own children (exit codes, heartbeats), SIGKILLs a hung
 one so a hang becomes a crash, reports faults to the leader through the store, and
 keeps its pool of pre-started shadows full.
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from unbroken.config import RunConfig
 from unbroken.events import EventLog
-from unbroken.runtime import admission, handover, lease, membership
+from unbroken.runtime import admission, failover, handover, lease, membership
 from unbroken.runtime.crash import CrashJudge
 from unbroken.runtime.fence import FENCE_FRACTION, LeaseFence
 from unbroken.runtime.budget import RecoveryRateExceeded, RecoveryRateLimit
@@ -64,7 +65,7 @@ class Supervisor:
                "NNODES": str(opts.nnodes), "NODE_RANK": str(self.node), "UNBROKEN_RUN_DIR": str(self.run_dir),
                "UNBROKEN_FAULTS": json.dumps([str(f) for f in opts.faults]), "OMP_NUM_THREADS": str(cfg.threads),
                "UNBROKEN_RESUME": "1" if self.resume else "0",
-               "LOCAL_WORLD_SIZE": str(self.local)}
+               "LOCAL_WORLD_SIZE": str(self.local), **({"UNBROKEN_STORE": opts.store} if opts.store else {})}
         self.table = ProcessTable(self.run_dir, env, list(opts.script))
         self.tee = Tee(self.run_dir / "logs", opts.tee, node=self.node, write=on_output or stream_writer())
         self.gen: membership.Generation | None = None
@@ -89,6 +90,9 @@ class Supervisor:
         self.attempt = None
         self.fence: LeaseFence | None = None  # a follower's: stop everything when the lease cannot be renewed
         self._fence_ack = threading.Event()  # set when the loop took the fence's interrupt
+        self.replicated = opts.store is not None  # etcd: the leader role can move (runtime/failover.py)
+        self.leader_watch: failover.LeaderWatch | None = None  # a follower's, on the replicated store
+        self._cursor = 0  # the fault log's cursor as last published (replicated store)
 
     # --- store and admission (runtime/admission.py) -----------------------------------
     def _open_store(self) -> dist.Store:
@@ -178,7 +182,7 @@ class Supervisor:
                 self.table.kill(child)
             occurred = f.time - float(f.evidence.get("last_heartbeat_age_s") or 0.0) if f.fault == "hang" else f.time
             self._hand_to_leader(f.proc, f.fault, f.time, occurred, d.action)
-        if self.node != 0 and self.store.check([f"excluded/{self.node}"]):
+        if not self.leader and self.store.check([f"excluded/{self.node}"]):
             self._leave_excluded_node()
 
     def _hand_to_leader(self, proc: str, fault: str, t: float, occurred: float, action: str) -> None:
@@ -226,6 +230,9 @@ class Supervisor:
             rank = self._rank_of(f["proc"])
             if rank is not None:
                 dead[rank] = f
+        if self.replicated and self.fault_log.cursor != self._cursor:  # a successor starts reading there
+            self._cursor = self.fault_log.cursor
+            self.store.set(failover.CURSOR_KEY, str(self._cursor))
         if dead:
             self._next_generation(dead)
         else:
@@ -298,7 +305,7 @@ class Supervisor:
         recovery waits for its start-up."""
         standbys = []
         for node in range(self.opts.nnodes):
-            if node != 0 and (self.store.check([f"excluded/{node}"]) or self._node_lost(node)):
+            if node != self.node and (self.store.check([f"excluded/{node}"]) or self._node_lost(node)):
                 continue
             for i in range(self.store.add(f"shadows/{node}/n", 0)):
                 proc = self.store.get(f"shadows/{node}/{i}").decode()
@@ -342,7 +349,7 @@ class Supervisor:
                 if self.store.check([f"done/{r}"])}
 
     def _all_done(self) -> bool:
-        return all(self.store.check([f"done/{r}"]) for r in range(self.cfg.world_size))
+        return self.store.check([f"done/{r}" for r in range(self.cfg.world_size)])  # one round trip
 
     # --- the loop --------------------------------------------------------------------
     def run(self) -> dict:
@@ -358,6 +365,9 @@ class Supervisor:
             membership.publish(self.store, self.gen)
         else:
             self.gen = membership.read_generation(self.store, 0, 60)
+            if self.replicated:
+                self.leader_watch = failover.LeaderWatch(self.node, self.opts.nnodes, self.cfg.node_lease_s)
+        if self.opts.nnodes > 1 and (self.replicated or not self.leader):  # who renews a lease can fence
             self.fence = LeaseFence(FENCE_FRACTION * self.cfg.node_lease_s, self._fence_now).start()
         self.tee.follow(self.gen.gen, self.gen.members)
         self.tee.start()
@@ -392,7 +402,8 @@ class Supervisor:
         return {"wall_s": time.time() - t0, "port": self.port, "summary": summary}
 
     def _fence_message(self) -> str:
-        return (f"node {self.node} could not renew its lease for {self.fence.fenced_age_s:.1f} s (node 0's store "
+        where = "the etcd store" if self.replicated else "node 0's store"
+        return (f"node {self.node} could not renew its lease for {self.fence.fenced_age_s:.1f} s ({where} "
                 "unreachable): its ranks go to other nodes, so it stopped its processes (fenced); check the "
                 "network between the nodes")
 
@@ -479,6 +490,9 @@ class Supervisor:
         if self.store.check(["abort"]):
             raise LaunchError(f"the job cannot run: {self.store.get('abort').decode()}")
         if self.leader:
+            if self.replicated:
+                self._renew()
+                self._still_leader()
             self.crashes.check_fatal()
             if self._all_done():
                 return True
@@ -487,18 +501,31 @@ class Supervisor:
         elif self.status == "excluded" or self.store.check(["shutdown"]):
             return True
         else:
-            lease.renew(self.store, self.node)
-            self.fence.renewed()
+            self._renew()
             self.tee.follow_store(self.store)
+            if self.leader_watch is not None and (won := self.leader_watch.poll(self.store)):
+                failover.take_over(self, *won)
         self._replenish()
         return False
+
+    def _renew(self) -> None:
+        lease.renew(self.store, self.node)
+        if self.fence is not None:
+            self.fence.renewed()
+
+    def _still_leader(self) -> None:
+        try:
+            failover.check_still_leader(self.store, self.node)
+        except LaunchError:
+            self.leader = False  # a deposed leader neither ends the job (shutdown) nor summarizes it
+            raise
 
     def _check_leases(self) -> None:
         """A node whose lease expired is lost: all its ranks are replaced as one incident. While
         some node is late, `lease/quiet` tells every supervisor to hold its hang detection."""
         if self.leases is None:
             return
-        for node in range(1, self.opts.nnodes):  # excluded by policy: it leaves; its lease is moot
+        for node in self.leases.nodes:  # excluded by policy: it leaves; its lease is moot
             if node not in self.leases.lost and self.store.check([f"excluded/{node}"]):
                 self.leases.forget(node)
         for node, age in self.leases.observe(self.store):
@@ -513,6 +540,8 @@ class Supervisor:
             return False
         if self.leader:
             return self._quiet
+        if self.leader_watch is not None and self.leader_watch.leases.late(_QUIET_BEATS * self.cfg.heartbeat_s):
+            return True  # the leader itself may be late: nobody would say so (the store fails over meanwhile)
         return self.store.check(["lease/quiet"]) and self.store.get("lease/quiet") == b"1"
 
     def _lose_node(self, node: int, age_s: float) -> None:

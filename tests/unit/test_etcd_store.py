@@ -1,0 +1,158 @@
+"""The etcd store adapter keeps torch.distributed.Store's semantics (runtime/etcd_store.py), and the
+leader role moves by compare_set to the lowest survivor (runtime/failover.py). The adapter's tests
+need `etcd` and the etcd3gw client (skipped with the reason without them); the URL and failover
+tests run anywhere (failover over an in-process HashStore)."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from unbroken.runtime import etcd_cluster, failover, lease
+from unbroken.runtime.etcd_store import EtcdSpec, EtcdStore, StoreUrlError
+from unbroken.runtime.options import LaunchError
+
+pytestmark = pytest.mark.timeout(120)
+needs_etcd = pytest.mark.skipif(etcd_cluster.missing_reason() is not None,
+                                reason=f"etcd store: {etcd_cluster.missing_reason()}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if etcd_cluster.missing_reason():
+        pytest.skip(etcd_cluster.missing_reason())
+    shm = Path("/dev/shm")
+    directory = (shm if shm.is_dir() else tmp_path_factory.mktemp("etcd")) / f"unbroken-unit-etcd-{os.getpid()}"
+    members = etcd_cluster.start(directory)
+    try:
+        yield members
+    finally:
+        etcd_cluster.stop(directory)
+        for f in directory.glob("*"):
+            f.unlink()
+        directory.rmdir()
+
+
+@pytest.fixture
+def store(cluster, request):
+    return EtcdStore(etcd_cluster.url(cluster, request.node.name), timeout_s=10)
+
+
+def test_the_url_names_endpoints_and_a_prefix_and_bad_ones_say_how_to_write_it():
+    spec = EtcdSpec.parse("etcd://10.0.0.1:2379,10.0.0.2:2381/job7")
+    assert spec.endpoints == (("10.0.0.1", 2379), ("10.0.0.2", 2381)) and spec.prefix == "/job7/"
+    assert EtcdSpec.parse("etcd://h:1").prefix == "/unbroken/"
+    for bad in ("tcp://h:1", "etcd://", "etcd://h", "etcd://h:0", "etcd://h:x/j"):
+        with pytest.raises(StoreUrlError, match="etcd://"):
+            EtcdSpec.parse(bad)
+
+
+@needs_etcd
+def test_wait_times_out_with_a_store_error_and_wakes_when_the_key_lands(store):
+    t = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="wait timeout"):
+        store.wait(["never"], timedelta(seconds=0.4))
+    assert 0.4 <= time.monotonic() - t < 5
+    threading.Timer(0.3, lambda: EtcdStore(store.spec, timeout_s=10).set("late", "v")).start()
+    store.wait(["late"], timedelta(seconds=10))
+    assert store.get("late") == b"v"
+
+
+@needs_etcd
+def test_compare_set_follows_tcpstore(store):
+    assert store.compare_set("k", "", "a") == b"a"  # missing + empty expected: created
+    assert store.compare_set("k", "x", "b") == b"a"  # wrong expected: unchanged, current value
+    assert store.compare_set("k", "a", "b") == b"b"
+    assert store.compare_set("missing", "x", "y") == b"x"  # missing + non-empty expected: TCPStore's answer
+    assert not store.check(["missing"])
+
+
+@needs_etcd
+def test_add_is_atomic_across_clients(store):
+    def bump():
+        s = EtcdStore(store.spec, timeout_s=10)
+        for _ in range(10):
+            s.add("n", 1)
+    threads = [threading.Thread(target=bump) for _ in range(4)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert store.add("n", 0) == 40 and store.get("n") == b"40"
+
+
+@needs_etcd
+def test_check_delete_num_keys_and_prefixes_keep_jobs_apart(store):
+    store.set("a", b"\x00\xff")
+    assert store.get("a") == b"\x00\xff" and store.check(["a"]) and not store.check(["a", "b"])
+    child = store.prefixed("gen0/world")
+    child.set("a", "other")
+    assert store.get("a") == b"\x00\xff" and child.get("a") == b"other"
+    assert store.num_keys() == 2
+    assert store.delete_key("a") and not store.delete_key("a") and not store.check(["a"])
+
+
+@needs_etcd
+def test_a_gloo_group_rendezvous_through_the_store(store):
+    import torch
+
+    out = []
+
+    def rank(r):
+        pg = dist.ProcessGroupGloo(EtcdStore(store.spec, timeout_s=10).prefixed("pg"), r, 2, timedelta(seconds=30))
+        x = torch.full((3,), float(r + 1))
+        pg.allreduce([x]).wait()
+        out.append(x.tolist())
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert out == [[3.0] * 3, [3.0] * 3]
+
+
+@needs_etcd
+def test_the_store_survives_the_loss_of_the_member_it_talks_to(tmp_path):
+    directory = Path("/dev/shm") / f"unbroken-unit-etcd-kill-{os.getpid()}"
+    members = etcd_cluster.start(directory)
+    try:
+        s = EtcdStore(etcd_cluster.url(members, "k"), timeout_s=20)
+        s.set("before", "1")
+        etcd_cluster.kill_member(members[0])
+        assert s.add("n", 1) == 1 and s.get("before") == b"1"
+    finally:
+        etcd_cluster.stop(directory)
+        for f in directory.glob("*"):
+            f.unlink()
+        directory.rmdir()
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_the_lowest_survivor_claims_the_leader_role_once_and_the_old_leader_is_deposed():
+    store, clock = dist.HashStore(), _Clock()
+    store.set(failover.LEADER_KEY, "0")
+    w1 = failover.LeaderWatch(1, 3, lease_s=1.0, clock=clock)
+    w2 = failover.LeaderWatch(2, 3, lease_s=1.0, clock=clock)
+    for w in (w1, w2):
+        assert w.poll(store) is None
+    failover.check_still_leader(store, 0)
+    for _ in range(3):  # node 0 stops renewing; nodes 1 and 2 keep on
+        clock.t += 0.6
+        lease.renew(store, 1)
+        lease.renew(store, 2)
+        assert w2.poll(store) is None  # node 1 is alive and lower: node 2 never claims
+        won = w1.poll(store)
+        if won:
+            break
+    assert won is not None and won[0] == 0 and won[1] > 1.0
+    assert store.get(failover.LEADER_KEY) == b"1" and w1.poll(store) is None and w2.poll(store) is None
+    with pytest.raises(LaunchError, match="node 1 leads"):
+        failover.check_still_leader(store, 0)

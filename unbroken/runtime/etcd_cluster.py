@@ -1,0 +1,202 @@
+"""A local 3-member etcd cluster on loopback ports: started into a directory, stopped and reaped from it.
+
+`unbroken store start --dir D` runs one `etcd` per member (Debian's `etcd-server`), each in a
+session of its own so that it outlives the command and no job's process group takes it down;
+`D/cluster.json` records the members' pids, ports and the store URL (`etcd://...`) to pass to
+`unbroken run --store`. `unbroken store stop --dir D` stops them (SIGTERM, then SIGKILL) and waits
+until every pid is gone. The raft timings are shortened (heartbeat 50 ms, election 500 ms) so a lost
+member's successor is elected well within a node lease.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+STATE = "cluster.json"
+_HEARTBEAT_MS, _ELECTION_MS = 50, 500
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot be started or stopped as asked."""
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str
+    client_port: int
+    peer_port: int
+    pid: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+
+def etcd_binary() -> str | None:
+    return shutil.which("etcd")
+
+
+def missing_reason() -> str | None:
+    """Why a local cluster cannot run here (None: it can)."""
+    if etcd_binary() is None:
+        return "no `etcd` binary: install it (Debian: apt-get install etcd-server)"
+    try:
+        import etcd3gw  # noqa: F401
+    except ImportError:
+        return "no etcd client: pip install etcd3gw"
+    return None
+
+
+def url(members: list[Member], prefix: str = "") -> str:
+    return "etcd://" + ",".join(m.endpoint for m in members) + (f"/{prefix.strip('/')}" if prefix else "")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def start(directory: Path, *, members: int = 3, base_port: int = 0, timeout_s: float = 30.0) -> list[Member]:
+    """Start `members` etcd processes with their data under `directory`; return once the cluster answers."""
+    if reason := missing_reason():
+        raise ClusterError(reason)
+    directory = directory.resolve()
+    if (directory / STATE).exists():
+        raise ClusterError(f"{directory} already holds a cluster ({STATE}); stop it first: unbroken store stop "
+                           f"--dir {directory}")
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    ports = [base_port + i for i in range(2 * members)] if base_port else _free_ports(2 * members)
+    names = [f"m{i}" for i in range(members)]
+    peers = ",".join(f"{n}=http://127.0.0.1:{ports[2 * i + 1]}" for i, n in enumerate(names))
+    started: list[Member] = []
+    try:
+        for i, name in enumerate(names):
+            c, p = ports[2 * i], ports[2 * i + 1]
+            log = open(directory / f"{name}.log", "ab")
+            proc = subprocess.Popen(
+                [etcd_binary(), "--name", name, "--data-dir", str(directory / name),
+                 "--listen-client-urls", f"http://127.0.0.1:{c}", "--advertise-client-urls", f"http://127.0.0.1:{c}",
+                 "--listen-peer-urls", f"http://127.0.0.1:{p}", "--initial-advertise-peer-urls",
+                 f"http://127.0.0.1:{p}", "--initial-cluster", peers, "--initial-cluster-state", "new",
+                 "--initial-cluster-token", f"unbroken-{os.getpid()}-{ports[0]}", "--heartbeat-interval",
+                 str(_HEARTBEAT_MS), "--election-timeout", str(_ELECTION_MS), "--logger", "zap",
+                 "--log-level", "warn"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            log.close()
+            started.append(Member(name, c, p, proc.pid))
+        _write_state(directory, started)
+        _wait_healthy(started, timeout_s)
+    except BaseException:
+        _stop_members(started)
+        (directory / STATE).unlink(missing_ok=True)
+        raise
+    return started
+
+
+def _write_state(directory: Path, members: list[Member]) -> None:
+    tmp = directory / (STATE + ".tmp")
+    tmp.write_text(json.dumps({"members": [asdict(m) for m in members], "url": url(members)}, indent=1))
+    os.replace(tmp, directory / STATE)
+
+
+def read_state(directory: Path) -> list[Member]:
+    path = directory / STATE
+    if not path.exists():
+        raise ClusterError(f"no cluster in {directory} (no {STATE}); start one: unbroken store start --dir {directory}")
+    return [Member(**m) for m in json.loads(path.read_text())["members"]]
+
+
+def _wait_healthy(members: list[Member], timeout_s: float) -> None:
+    """Every member answers and one write goes through (a quorum elected a leader)."""
+    import etcd3gw
+
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        dead = [m.name for m in members if not _alive(m.pid)]
+        if dead:
+            raise ClusterError(f"etcd member(s) {', '.join(dead)} exited at start; see their logs (NAME.log) "
+                               "beside cluster.json (a port in use?)")
+        try:
+            for m in members:
+                etcd3gw.client(host="127.0.0.1", port=m.client_port, timeout=2).status()
+            etcd3gw.client(host="127.0.0.1", port=members[0].client_port, timeout=2).put("/unbroken-health", "1")
+            return
+        except Exception as e:  # noqa: BLE001 - not up yet: retry until the deadline
+            last = f"{type(e).__name__}: {e}"
+            time.sleep(0.1)
+    raise ClusterError(f"the etcd cluster did not become healthy within {timeout_s:.0f}s ({last[:200]})")
+
+
+def _alive(pid: int) -> bool:
+    """`pid` is still one of our etcd processes (not exited, not a zombie, not a reused number)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z" and b"etcd" in cmd
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # ours (this process started it): collect it
+    except ChildProcessError:
+        pass
+
+
+def _stop_members(members: list[Member], grace_s: float = 5.0) -> None:
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        live = [m for m in members if _alive(m.pid)]
+        for m in live:
+            try:
+                os.kill(m.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            for m in live:
+                _reap(m.pid)
+            if not any(_alive(m.pid) for m in live):
+                break
+            time.sleep(0.05)
+    left = [m.pid for m in members if _alive(m.pid)]
+    if left:
+        raise ClusterError(f"etcd pid(s) {left} did not exit after SIGKILL")
+
+
+def stop(directory: Path, *, keep_data: bool = False) -> list[Member]:
+    """Stop the cluster recorded in `directory`; its data is removed unless `keep_data`."""
+    directory = directory.resolve()
+    members = read_state(directory)
+    _stop_members(members)
+    (directory / STATE).unlink()
+    if not keep_data:
+        for m in members:
+            shutil.rmtree(directory / m.name, ignore_errors=True)
+    return members
+
+
+def kill_member(member: Member) -> None:
+    """SIGKILL one member (tests: a node's etcd member lost with the node)."""
+    if _alive(member.pid):
+        os.kill(member.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while _alive(member.pid) and time.monotonic() < deadline:
+        _reap(member.pid)
+        time.sleep(0.02)
