@@ -17,7 +17,7 @@ from unbroken.runtime import etcd_cluster
 
 from .conftest import SMALL, _procs_of, events, run_job
 
-pytestmark = [pytest.mark.timeout(300),
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow,  # ~3 min on 2 cores: `pytest -m slow`
               pytest.mark.skipif(etcd_cluster.missing_reason() is not None,
                                  reason=f"etcd store: {etcd_cluster.missing_reason()}")]
 
