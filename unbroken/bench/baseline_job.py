@@ -13,7 +13,10 @@ marker file records it), by SIGKILL after the step's forward. Events go to DIR/b
 
 `unbroken bench overhead` runs it as the native peer of each strategy, failure-free:
 `--checkpoint-every 0` saves nothing (not even at the end) and `--optimizer zero` swaps
-AdamW for torch's ZeroRedundancyOptimizer over AdamW (the peer of unbroken's zero1).
+AdamW for torch's ZeroRedundancyOptimizer over AdamW (the peer of unbroken's zero1);
+`--optimizer fsdp2` trains with FSDP2's `fully_shard` (each block, then the root) with
+reshard_after_forward=False, ZeRO-2 semantics (the peer of unbroken's zero2), in place of DDP.
+Every rank logs its peak RSS and live tensor bytes (`unbroken.memory`) when it is done.
 Each step record carries compute_s (forward + backward, DDP's overlapped all-reduce
 included) and update_s (clipping + optimizer step, ZeRO's parameter broadcast included).
 """
@@ -40,13 +43,14 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from unbroken.config import RunConfig  # noqa: E402
 from unbroken.fsutil import atomic_write_bytes  # noqa: E402
+from unbroken.memory import live_tensor_bytes, peak_rss_bytes  # noqa: E402
 from unbroken.models import VOCAB_SIZE, Corpus, batch_for  # noqa: E402
 from unbroken.models.gpt import build_model  # noqa: E402
 from unbroken.runtime.devices import bind_rank_device, group_backend  # noqa: E402
 from unbroken.jobs.recipe import WarmupCosine as Schedule  # noqa: E402  (lr_at only: the same schedule)
 
 LOG_NAME = "baseline.jsonl"
-OPTIMIZERS = ("adamw", "zero")  # torch.optim.AdamW; ZeroRedundancyOptimizer(optimizer_class=AdamW)
+OPTIMIZERS = ("adamw", "zero", "fsdp2")  # AdamW under DDP; ZeroRedundancyOptimizer(AdamW); FSDP2 + AdamW
 
 
 class Log:
@@ -116,7 +120,7 @@ def make_optimizer(model: torch.nn.Module, cfg: RunConfig, kind: str = "adamw") 
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **hyper)
-    if kind != "adamw":
+    if kind not in ("adamw", "fsdp2"):
         raise ValueError(f"unknown optimizer {kind!r}; choose one of {', '.join(OPTIMIZERS)}")
     return torch.optim.AdamW(model.parameters(), **hyper)
 
@@ -129,12 +133,19 @@ def train(cfg: RunConfig, run_dir: Path, every: int, kills: set[tuple[int, int]]
     log("process_start", t=T_PROCESS, pid=os.getpid())
     device = bind_rank_device(cfg.backend)  # the CPU, or under nccl this rank's GPU
     model = build_model(cfg.model, VOCAB_SIZE, seed=cfg.seed).to(device)
+    if optimizer == "fsdp2":  # shard before the optimizer sees the parameters (they become DTensors)
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=False)
+        fully_shard(model, reshard_after_forward=False)
     opt = make_optimizer(model, cfg, optimizer)
     sched = Schedule(lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
     ckpt = latest_checkpoint(run_dir)
     start = load_checkpoint(ckpt, model, opt) if ckpt else 0
-    # broadcasts rank 0's weights: all ranks agree
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # broadcasts rank 0's weights: all ranks agree (FSDP2 sharded them from the same seeded model)
+    ddp = model if optimizer == "fsdp2" else DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None)
     corpus = Corpus.embedded()
     log("ready", loaded_step=start)
     t_prev = time.perf_counter()
@@ -154,6 +165,8 @@ def train(cfg: RunConfig, run_dir: Path, every: int, kills: set[tuple[int, int]]
         for g in opt.param_groups:
             g["lr"] = sched.lr_at(step)
         opt.step()
+        if step == cfg.steps:  # gradients, parameters and optimizer state all alive
+            held = live_tensor_bytes([p.grad for p in model.parameters() if p.grad is not None])
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # a step's time is its kernels', not their launch's
@@ -167,9 +180,12 @@ def train(cfg: RunConfig, run_dir: Path, every: int, kills: set[tuple[int, int]]
             nbytes = save_checkpoint(run_dir, step, model, opt)
             log("checkpoint_saved", step=step, save_s=round(time.perf_counter() - t0, 4), bytes=nbytes)
             t_prev = time.perf_counter()  # the next step's time is its own, the save is logged apart
-    if rank == 0:
+    log("memory", peak_rss_bytes=peak_rss_bytes(), tensor_bytes=held if start < cfg.steps else None)
+    if rank == 0 and optimizer != "fsdp2":  # FSDP2's parameters are shards: no rank holds them all
         digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
         log("done", steps=cfg.steps, weights_sha256=digest)
+    elif rank == 0:
+        log("done", steps=cfg.steps, weights_sha256=None)
 
 
 def main() -> None:
@@ -181,8 +197,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.checkpoint_every < 0:
         raise SystemExit(f"--checkpoint-every must be >= 0 (0 = never), got {a.checkpoint_every}")
-    if a.optimizer == "zero" and a.checkpoint_every:
-        raise SystemExit("--optimizer zero saves no checkpoints (its state is sharded); pass --checkpoint-every 0")
+    if a.optimizer in ("zero", "fsdp2") and a.checkpoint_every:
+        raise SystemExit(f"--optimizer {a.optimizer} saves no checkpoints (its state is sharded); "
+                         "pass --checkpoint-every 0")
     cfg = RunConfig.from_dict(json.loads((a.run_dir / "config.json").read_text()))
     torch.set_num_threads(cfg.threads)
     dist.init_process_group(group_backend(cfg.backend), timeout=timedelta(seconds=cfg.collective_timeout_s))

@@ -119,6 +119,24 @@ def overhead(steps: int = typer.Option(40, "--steps", help="steps per run"),
     Console().print(f"wrote {Path(out_dir) / 'overhead.png'}")
 
 
+def strategies(steps: int = typer.Option(30, "--steps", help="steps per run"),
+               rounds: int = typer.Option(3, "--rounds", help="interleaved rounds of native, unbroken"),
+               world: int = typer.Option(4, "--world-size", help="ranks"),
+               names: str = typer.Option("", "--strategies", help="comma-separated; default: ddp,zero1,zero2"),
+               out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="for strategies.json")) -> None:
+    """Each unbroken strategy next to its PyTorch peer: tokens/s ratio with 95% CI, memory, bytes per step."""
+    from unbroken.bench import strategies as sb
+
+    chosen = [s for s in names.split(",") if s] or list(sb.STRATEGIES)
+    bad = [s for s in chosen if s not in sb.STRATEGIES]
+    if bad:
+        raise typer.BadParameter(f"--strategies: {', '.join(bad)} unknown; choose from {', '.join(sb.STRATEGIES)}")
+    if rounds < 1 or world < 2 or steps <= 5:
+        raise typer.BadParameter(f"need --rounds >= 1, --world-size >= 2, --steps > 5; got {rounds}, {world}, {steps}")
+    res = sb.measure(steps=steps, rounds=rounds, world=world, strategies=chosen, console=Console(stderr=True))
+    _finish("strategies", res, sb.table, out_dir)
+
+
 def plan(out: Path = _OUT, world: int = typer.Option(4, "--world-size", help="ranks, one network namespace each"),
          model: str = typer.Option("small", "--model", help="tiny-gpt, small, or key=value,... over ModelConfig"),
          steps: int = typer.Option(12, "--steps", help="steps per run (the first 2 are not timed)"),

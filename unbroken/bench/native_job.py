@@ -6,6 +6,7 @@ checkpoints, no restarts) and reading rank 0's per-step records back:
 
     ddp    torch DDP + torch.optim.AdamW
     zero1  torch DDP + ZeroRedundancyOptimizer(optimizer_class=torch.optim.AdamW)
+    zero2  FSDP2 fully_shard(reshard_after_forward=False) + torch.optim.AdamW
 
 A strategy without a known peer is compared with the ddp peer, and the result says so.
 """
@@ -23,6 +24,8 @@ from unbroken.fsutil import atomic_write_json
 PEERS: dict[str, dict] = {
     "ddp": {"optimizer": "adamw", "peer": "torch DDP + torch.optim.AdamW", "short": "DDP+AdamW"},
     "zero1": {"optimizer": "zero", "peer": "torch DDP + ZeroRedundancyOptimizer(AdamW)", "short": "DDP+ZeRO"},
+    "zero2": {"optimizer": "fsdp2", "peer": "FSDP2 fully_shard(reshard_after_forward=False) + AdamW",
+              "short": "FSDP2 (ZeRO-2)"},
 }
 FALLBACK = "ddp"
 

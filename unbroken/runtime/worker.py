@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from unbroken.comm.group import CollectiveError, Comm, GenerationChanged
 from unbroken.fsutil import atomic_write_bytes
+from unbroken.memory import live_tensor_bytes, peak_rss_bytes
 from unbroken.parallel.buckets import GradBuckets
 from unbroken.parallel.buffers import ModelBuffers
 from unbroken.parallel.optim import ChunkOptimizer
@@ -566,6 +567,8 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
             torch.save({k: v.detach().clone() for k, v in self.model.state_dict().items()}, buf)
             atomic_write_bytes(self.ctx.run_dir / "weights.pt", buf.getvalue())
             atomic_write_bytes(self.ctx.run_dir / "weights.sha256", f"{digest}  parameters\n".encode())
-        self.ctx.events.emit("worker_done", steps=self.st.step_count, weights_sha256=digest)
+        held = live_tensor_bytes([p.grad for _, p in self.named if p.grad is not None])
+        self.ctx.events.emit("worker_done", steps=self.st.step_count, weights_sha256=digest,
+                             peak_rss_bytes=peak_rss_bytes(), tensor_bytes=held)
         membership.put(self.ctx.store, f"done/{self.rank}", {"sha256": digest, "steps": self.st.step_count})
         return digest
