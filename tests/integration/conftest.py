@@ -72,6 +72,24 @@ def run_job(run_dir: Path, *args: str, timeout: float = 240) -> dict:
     return json.loads(p.stdout)
 
 
+def start_node(run_dir: Path, rank: int, *args: str) -> subprocess.Popen:
+    """One node of a two-node job (`unbroken run --nnodes 2`), in its own session."""
+    cmd = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir), "--no-progress", "--json",
+           *args, "--nnodes", "2", "--node-rank", str(rank), "--token", "tok"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_step(run_dir: Path, step: int, timeout_s: float) -> None:
+    """Until some rank has logged `step` in run_dir's events (AssertionError past timeout_s)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if (run_dir / "events.jsonl").exists() and any(
+                e["kind"] == "step" and e["fields"]["step"] >= step for e in events(run_dir)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} not reached within {timeout_s}s")
+
+
 def _logs(run_dir: Path) -> str:
     out = []
     for f in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else []:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import pytest
 
 from unbroken.runtime import etcd_cluster
 
-from .conftest import SMALL, _procs_of, events, run_job
+from .conftest import SMALL, _procs_of, events, run_job, start_node, wait_for_step
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow,  # ~3 min on 2 cores: `pytest -m slow`
               pytest.mark.skipif(etcd_cluster.missing_reason() is not None,
@@ -47,30 +45,14 @@ def cluster(tmp_path):
         directory.rmdir()
 
 
-def _node(run_dir: Path, store: str, rank: int, config: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir), "--no-progress", "--json",
-           "--config", str(config), *ARGS, "--nnodes", "2", "--node-rank", str(rank), "--store", store, "--token", "tok"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def _wait_for_step(run_dir: Path, step: int, timeout_s: float) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if (run_dir / "events.jsonl").exists() and any(
-                e["kind"] == "step" and e["fields"]["step"] >= step for e in events(run_dir)):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"step {step} not reached within {timeout_s}s")
-
-
 def test_node_0_lost_with_its_etcd_member_the_job_goes_on_from_tier_1(tmp_path, cluster, config):
     run_dir, store = tmp_path / "r", etcd_cluster.url(cluster, "failover")
-    node0 = _node(run_dir, store, 0, config)
+    node0 = start_node(run_dir, 0, "--config", str(config), *ARGS, "--store", store)
     node1 = None
     try:
         time.sleep(1.0)
-        node1 = _node(run_dir, store, 1, config)
-        _wait_for_step(run_dir, 3, 150)
+        node1 = start_node(run_dir, 1, "--config", str(config), *ARGS, "--store", store)
+        wait_for_step(run_dir, 3, 150)
         os.killpg(node0.pid, signal.SIGKILL)  # supervisor, workers, shadows of node 0
         etcd_cluster.kill_member(cluster[0])  # and the store member that lived on it
         out, err = node1.communicate(timeout=180)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import SMALL, _procs_of, events, run_cli, run_job
+from .conftest import SMALL, _procs_of, events, run_cli, run_job, start_node, wait_for_step
 
 pytestmark = pytest.mark.timeout(300)
 BAD = str(Path(__file__).parent / "scripts" / "bad_step.py")
@@ -61,22 +61,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _node(run_dir: Path, port: int, rank: int, *args: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir), "--no-progress", "--json",
-           *args, "--nnodes", "2", "--node-rank", str(rank), "--port", str(port), "--token", "tok"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def _wait_for_step(run_dir: Path, step: int, timeout_s: float) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if (run_dir / "events.jsonl").exists() and any(
-                e["kind"] == "step" and e["fields"]["step"] >= step for e in events(run_dir)):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"step {step} not reached within {timeout_s}s")
-
-
 @pytest.mark.parametrize("how", ["sigkill", "sigstop"])
 def test_a_whole_node_lost_is_one_incident_and_its_ranks_are_replaced(tmp_path, how):
     """Node 1's supervisor and children killed (or frozen) at once: its lease expires, node 0
@@ -84,12 +68,12 @@ def test_a_whole_node_lost_is_one_incident_and_its_ranks_are_replaced(tmp_path, 
     port, run_dir = _free_port(), tmp_path / "r"
     args = [*SMALL, "--parity-group", "2", "--checkpoint-every", "2", "--shadows", "2"]
     args[args.index("--steps") + 1] = "14"
-    node0 = _node(run_dir, port, 0, *args)
+    node0 = start_node(run_dir, 0, *args, "--port", str(port))
     node1 = None
     try:
         time.sleep(1.0)
-        node1 = _node(run_dir, port, 1, *args)
-        _wait_for_step(run_dir, 4, 120)
+        node1 = start_node(run_dir, 1, *args, "--port", str(port))
+        wait_for_step(run_dir, 4, 120)
         os.killpg(node1.pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
         out, err = node0.communicate(timeout=180)
         assert node0.returncode == 0, err[-3000:]

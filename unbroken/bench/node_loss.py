@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from unbroken.bench.common import free_port, job_events, steady_step_times
@@ -115,22 +116,29 @@ def measure_node_loss(*, steps: int = 12, log=print) -> dict:
     return {**_incident(got, ref), "layout": "2x2", "steps": steps, "store": "tcp"}
 
 
-def measure_node0_loss(*, steps: int = 12, log=print) -> dict:
+@contextmanager
+def _with_etcd():
+    """(a temporary directory, the lease config in it, a 3-member etcd cluster), torn down after."""
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "job.toml"
         config.write_text(_LEASE)
         directory = _cluster_dir(Path(tmp))
         members = etcd_cluster.start(directory)
         try:
-            log("node0-loss: failure-free 2x2 reference (etcd store)")
-            ref = two_nodes(Path(tmp) / "ref", config, steps, store=etcd_cluster.url(members, "ref"))
-            log("node0-loss: node 0 and its etcd member SIGKILLed")
-            got = two_nodes(Path(tmp) / "kill", config, steps, store=etcd_cluster.url(members, "kill"), kill=0,
-                            on_kill=lambda: etcd_cluster.kill_member(members[0]))
-            elected = [e.fields for e in read_events(Path(got["run_dir"])) if e.kind == "leader_elected"]
+            yield Path(tmp), config, members
         finally:
             etcd_cluster.stop(directory)
             _remove(directory)
+
+
+def measure_node0_loss(*, steps: int = 12, log=print) -> dict:
+    with _with_etcd() as (tmp, config, members):
+        log("node0-loss: failure-free 2x2 reference (etcd store)")
+        ref = two_nodes(tmp / "ref", config, steps, store=etcd_cluster.url(members, "ref"))
+        log("node0-loss: node 0 and its etcd member SIGKILLed")
+        got = two_nodes(tmp / "kill", config, steps, store=etcd_cluster.url(members, "kill"), kill=0,
+                        on_kill=lambda: etcd_cluster.kill_member(members[0]))
+        elected = [e.fields for e in read_events(Path(got["run_dir"])) if e.kind == "leader_elected"]
     inc = _incident(got, ref)
     return {**inc, "survived": inc["ok"] and bool(elected), "leader_elected": elected, "layout": "2x2",
             "steps": steps, "store": "etcd (3 members, one lost with node 0)"}
@@ -152,20 +160,12 @@ def _one_node(run_dir: Path, config: Path, steps: int, store: str | None) -> dic
 
 def measure_store_cost(*, steps: int = 16, rounds: int = 3, log=print) -> dict:
     runs: dict[str, list[dict]] = {"tcp": [], "etcd": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "job.toml"
-        config.write_text(_LEASE)
-        directory = _cluster_dir(Path(tmp))
-        members = etcd_cluster.start(directory)
-        try:
-            for r in range(rounds):
-                for kind in ("tcp", "etcd"):
-                    log(f"store-cost: {kind} round {r + 1}/{rounds}")
-                    store = etcd_cluster.url(members, f"cost{r}") if kind == "etcd" else None
-                    runs[kind].append(_one_node(Path(tmp) / f"{kind}{r}", config, steps, store))
-        finally:
-            etcd_cluster.stop(directory)
-            _remove(directory)
+    with _with_etcd() as (tmp, config, members):
+        for r in range(rounds):
+            for kind in ("tcp", "etcd"):
+                log(f"store-cost: {kind} round {r + 1}/{rounds}")
+                store = etcd_cluster.url(members, f"cost{r}") if kind == "etcd" else None
+                runs[kind].append(_one_node(tmp / f"{kind}{r}", config, steps, store))
     mean = {k: {f: statistics.fmean(x[f] for x in v if x[f] is not None) for f in ("mean_step_s", "recovery_s")}
             for k, v in runs.items()}
     return {"job": "1 node x 4 ranks, rank 2 SIGKILLed mid-run", "steps": steps, "rounds": rounds, "runs": runs,
