@@ -22,9 +22,15 @@ from rich.console import Console
 from rich.table import Table
 
 from unbroken.cli_error import fail
-from unbroken.config import STRATEGIES as RUNNABLE, ConfigError, RunConfig
+from unbroken.config import ConfigError, RunConfig
 from unbroken.plan import cost, profile as profiles, ranks
 from unbroken.plan.topology import Topology, TopologyError
+
+# What `--strategy auto` may pick: the strategies whose unbroken schedule the cost model
+# describes. Its zero2 is FSDP2's (per-unit gathers, reduce-scatter overlapped with backward);
+# unbroken's zero2 keeps whole parameters and reduce-scatters once after backward, so the
+# planner does not choose it until the model has that schedule.
+RUNNABLE = ("ddp", "zero1")
 
 
 def cache_path(model, batch_size: int, ranks_per_host: int) -> Path:
@@ -128,7 +134,7 @@ def _table(preds: list[cost.Prediction], chosen: cost.Prediction, limit: float |
                   f"{p.exposed_comm_s * 1e3:.1f}", f"{p.state_bytes / 2**20:.1f}", f"{p.peak_bytes / 2**20:.1f}",
                   "yes" if p.fits(limit) else "no")
     t.caption = f"choice: {chosen.strategy}" + ("" if chosen.strategy in RUNNABLE else
-                                                 f" (unbroken runs {', '.join(RUNNABLE)} today)")
+                                                 f" (--strategy auto picks among {', '.join(RUNNABLE)} today)")
     return t
 
 
