@@ -6,7 +6,7 @@ Pearson r, Kendall τ of the GPU and of the model rankings, per-GPU and per-mode
 the coverage of the 90% conformal interval. The search (target form × hyperparameters) is nested:
 inside every outer training split, inner folds grouped like the split (by GPU under LOGO, by
 model under LOLO) choose it, so a held-out GPU or model never influences its own model. Under
-LOGO it also records the diagnostics of `unbroken.predict.diagnostics`. Writes
+LOGO and LOLO it also records the diagnostics of `unbroken.predict.diagnostics`. Writes
 bench/results/predict.json and predict.png.
 """
 from __future__ import annotations
@@ -56,9 +56,8 @@ def _run_one(table: Table, target: str, grid, console: Console) -> dict:
         res["config"] = asdict(chosen)  # the one the outer splits chose most often
         res["configs_chosen"] = [asdict(c) for c in preds["configs"]]
         res["interval_group_calibrated"] = preds["grouped"]
-        if kind == "logo":
-            true = table.power_w if target == "power" else table.itl_s
-            res["diagnostics"] = _diagnostics(table, target, true, preds["xgboost"], chosen)
+        if kind != "cv":
+            res["diagnostics"] = _diagnostics(table, target, kind, preds["xgboost"], chosen)
         res["seconds"] = round(time.monotonic() - t0, 1)
         out[kind] = res
         console.print(f"  {target:5s} {kind:4s} MdAPE xgboost {res['mdape']['xgboost']:7.2f}%  baseline "
@@ -66,12 +65,15 @@ def _run_one(table: Table, target: str, grid, console: Console) -> dict:
     return out
 
 
-def _diagnostics(table: Table, target: str, true, pred, cfg) -> dict:
-    d = {"gpu_offsets": diagnostics.gpu_offsets(table, true, pred)}
-    if target == "itl":
-        d["roofline_efficiency"] = diagnostics.roofline_efficiency(table)
-    else:
-        d["power_given_measured_itl"] = diagnostics.power_given_measured_itl(table, replace(cfg, target_form="direct"))
+def _diagnostics(table: Table, target: str, kind: str, pred, cfg) -> dict:
+    """LOGO: per-GPU offsets and (ITL) roofline efficiency; power, LOGO and LOLO: the bound given measured ITL."""
+    d = {}
+    if kind == "logo":
+        d["gpu_offsets"] = diagnostics.gpu_offsets(table, table.power_w if target == "power" else table.itl_s, pred)
+        if target == "itl":
+            d["roofline_efficiency"] = diagnostics.roofline_efficiency(table)
+    if target == "power":
+        d["power_given_measured_itl"] = diagnostics.power_given_measured_itl(table, kind, replace(cfg, target_form="direct"))
     return d
 
 

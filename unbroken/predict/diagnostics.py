@@ -1,4 +1,4 @@
-"""Why a leave-one-GPU-out figure is what it is: per-GPU offsets, roofline efficiency, power given ITL.
+"""Why a held-out figure is what it is: per-GPU offsets, roofline efficiency, power given measured ITL.
 
 These read the held-out rows' measurements on purpose (they are diagnostics, never
 predictions): the offset of a held-out GPU is the median of measured ÷ predicted over its
@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from unbroken.predict.dataset import Table
+from unbroken.predict.evaluate import splits
 from unbroken.predict.features import FEATURES, FRAMEWORKS, ROOFLINE
 from unbroken.predict.models import XgbConfig, fit_xgb, mdape
 
@@ -48,19 +49,17 @@ def roofline_efficiency(table: Table) -> dict:
     return out
 
 
-def power_given_measured_itl(table: Table, cfg: XgbConfig) -> dict:
-    """LOGO power MdAPE when the model is also handed each row's *measured* ITL and the achieved
-    fraction of the roofline (information no prediction for an unseen GPU has): an optimistic
-    bound on what any power model built on an ITL prediction could reach."""
+def power_given_measured_itl(table: Table, kind: str, cfg: XgbConfig) -> dict:
+    """Held-out (`kind`: logo or lolo) power MdAPE when the model is also handed each row's
+    *measured* ITL and the achieved fraction of the roofline (information no prediction for an
+    unseen GPU or model has): an optimistic bound on any power model built on an ITL prediction."""
     extra = np.column_stack([np.log(table.itl_s), table.X[:, ROOFLINE] - np.log(table.itl_s)])
     X, y = np.hstack([table.X, extra]), table.target("power")
     pred = np.full(len(y), np.nan)
-    for g in sorted(set(table.gpu.tolist())):
-        te = table.gpu == g
-        if (~te).sum() < 2:
-            continue
-        pred[te] = np.maximum(fit_xgb(X[~te], y[~te], cfg).predict(X[te]), 1e-4)
+    for tr, te in splits(table, kind):
+        pred[te] = np.maximum(fit_xgb(X[tr], y[tr], cfg).predict(X[te]), 1e-4)
     watts, true = pred * table.tdp_w, table.power_w
+    labels = table.gpu if kind == "logo" else table.model
     return {"mdape": round(mdape(watts, true), 3),
-            "mdape_per_gpu": {g: round(mdape(watts[table.gpu == g], true[table.gpu == g]), 3)
-                              for g in sorted(set(table.gpu.tolist()))}}
+            f"mdape_per_{'gpu' if kind == 'logo' else 'model'}": {
+                u: round(mdape(watts[labels == u], true[labels == u]), 3) for u in sorted(set(labels.tolist()))}}

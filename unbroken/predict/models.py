@@ -51,7 +51,7 @@ class XgbConfig:
 DEFAULT = XgbConfig()
 # two tree shapes x the target forms: the search is nested in every outer split (LOGO, LOLO
 # included), so each candidate costs a fit per inner fold per outer fold on a 2-core box
-_SHAPES = (DEFAULT, replace(DEFAULT, max_depth=3))
+_SHAPES = (DEFAULT, replace(DEFAULT, max_depth=3), replace(DEFAULT, max_depth=8, min_child_weight=3.0))
 SEARCH_GRID = tuple(replace(c, target_form=f) for f in FORMS for c in _SHAPES)
 
 
