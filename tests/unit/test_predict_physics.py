@@ -1,6 +1,7 @@
 """unbroken predict's physical terms, the roofline-ratio target form, nested search and LOGO diagnostics."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -10,28 +11,29 @@ from unbroken.predict import diagnostics, evaluate, features, measurements, mode
 from unbroken.predict.dataset import build
 from unbroken.predict.features import ROOFLINE, OperatingPoint
 
-FAST = models.XgbConfig(n_estimators=20, max_depth=3, learning_rate=0.3)
+QUICK = models.XgbConfig(n_estimators=20, max_depth=3, learning_rate=0.3)
 
 
-@pytest.fixture(scope="module")
-def specs():
+@functools.cache
+def _specs():
     return tables.load_gpus(), tables.load_models()
 
 
 @pytest.fixture(scope="module")
-def v2(specs):
-    return build(measurements.load("ml-energy"), *specs).with_target("itl")
+def v2():
+    """ML.ENERGY v2 (A100 and H100, vLLM), the rows with an ITL."""
+    return build(measurements.load("ml-energy"), *_specs()).with_target("itl")
 
 
-def _roofline_world(table, specs, factor=3.0):
+def _roofline_world(table, factor=3.0):
     """The same rows with ITL = factor x the per-token roofline: a world the ratio form fits exactly."""
     rows = [measurements.Measurement(**{**m.__dict__, "itl_s": factor * math.exp(r)})
             for m, r in zip(table.rows, table.X[:, ROOFLINE])]
-    return build(rows, *specs)
+    return build(rows, *_specs())
 
 
-def test_kv_and_prefill_terms_by_hand(specs):
-    gpus, mods = specs
+def test_kv_and_prefill_terms_by_hand():
+    gpus, mods = _specs()
     a100, llama = gpus.get("A100"), mods.get("meta-llama/Llama-2-7b-hf")
     op = OperatingPoint(batch=1, prompt_tokens=128, output_tokens=128, scenario="offline")
     # K and V x 32 layers x 32 KV heads x 128 dims x 2 bytes = 524,288 B per token of context;
@@ -54,8 +56,8 @@ def test_target_forms_round_trip(v2, form):
     assert models.forms_for("power") == ("direct",)
 
 
-def test_ratio_form_extrapolates_to_an_unseen_gpu_where_direct_cannot(v2, specs):
-    world = _roofline_world(v2, specs)
+def test_ratio_form_extrapolates_to_an_unseen_gpu_where_direct_cannot(v2):
+    world = _roofline_world(v2)
     a100 = world.gpu == "NVIDIA A100-SXM4-40GB"
     tr, te = np.flatnonzero(a100), np.flatnonzero(~a100)
     err = {}
@@ -79,9 +81,9 @@ def test_nested_search_under_logo_never_sees_the_held_out_gpu(v2, monkeypatch):
 
 
 def test_interval_knows_whether_it_was_group_calibrated(v2):
-    p = models.fit(v2.X, v2.itl_s, "itl", groups=v2.gpu, grid=(FAST,), k=2)
+    p = models.fit(v2.X, v2.itl_s, "itl", groups=v2.gpu, grid=(QUICK,), k=2)
     one = v2.gpu == v2.gpu[0]
-    q = models.fit(v2.X[one], v2.itl_s[one], "itl", groups=v2.gpu[one], grid=(FAST,), k=2)
+    q = models.fit(v2.X[one], v2.itl_s[one], "itl", groups=v2.gpu[one], grid=(QUICK,), k=2)
     assert p.grouped and not q.grouped
 
 
@@ -93,17 +95,17 @@ def test_offsets_recover_a_per_gpu_scale(v2):
     assert d["mdape_after_offsets"] == pytest.approx(0.0, abs=1e-9)
 
 
-def test_roofline_efficiency_reads_the_factor(v2, specs):
-    eff = diagnostics.roofline_efficiency(_roofline_world(v2, specs, factor=4.0))
+def test_roofline_efficiency_reads_the_factor(v2):
+    eff = diagnostics.roofline_efficiency(_roofline_world(v2, factor=4.0))
     assert {g: v["vLLM"]["median"] for g, v in eff.items()} == pytest.approx(
         {"NVIDIA A100-SXM4-40GB": 4.0, "NVIDIA H100 SXM5 80GB": 4.0})
 
 
-def test_power_bound_given_measured_itl_holds_out_the_group(specs, monkeypatch):
-    t = build(measurements.load("ml-energy"), *specs).with_target("power")
+def test_power_bound_given_measured_itl_holds_out_the_group(monkeypatch):
+    t = build(measurements.load("ml-energy"), *_specs()).with_target("power")
     seen = []
     real = diagnostics.fit_xgb
     monkeypatch.setattr(diagnostics, "fit_xgb", lambda X, z, cfg: seen.append(len(z)) or real(X, z, cfg))
-    out = diagnostics.power_given_measured_itl(t, "logo", FAST)
+    out = diagnostics.power_given_measured_itl(t, "logo", QUICK)
     assert sorted(seen) == sorted(int((t.gpu != g).sum()) for g in set(t.gpu.tolist()))
     assert set(out["mdape_per_gpu"]) == set(t.gpu.tolist()) and 0 < out["mdape"] < 100
