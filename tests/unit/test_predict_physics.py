@@ -109,3 +109,10 @@ def test_power_bound_given_measured_itl_holds_out_the_group(monkeypatch):
     out = diagnostics.power_given_measured_itl(t, "logo", QUICK)
     assert sorted(seen) == sorted(int((t.gpu != g).sum()) for g in set(t.gpu.tolist()))
     assert set(out["mdape_per_gpu"]) == set(t.gpu.tolist()) and 0 < out["mdape"] < 100
+
+
+def test_power_fits_a_ratio_config_in_the_direct_form():
+    t = build(measurements.load("ml-energy"), *_specs()).with_target("power")
+    cfg = models.XgbConfig(n_estimators=5, max_depth=2, target_form="roofline_ratio")
+    p = models.fit(t.X, t.target("power"), "power", grid=(cfg, models.replace(cfg, target_form="direct")), k=2)
+    assert p.config.target_form == "direct" and p.config.max_depth == 2

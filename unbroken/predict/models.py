@@ -49,7 +49,7 @@ class XgbConfig:
 
 
 DEFAULT = XgbConfig()
-# two tree shapes x the target forms: the search is nested in every outer split (LOGO, LOLO
+# three tree shapes x the target forms: the search is nested in every outer split (LOGO, LOLO
 # included), so each candidate costs a fit per inner fold per outer fold on a 2-core box
 _SHAPES = (DEFAULT, replace(DEFAULT, max_depth=3), replace(DEFAULT, max_depth=8, min_child_weight=3.0))
 SEARCH_GRID = tuple(replace(c, target_form=f) for f in FORMS for c in _SHAPES)
@@ -171,11 +171,12 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
         grid: tuple[XgbConfig, ...] = (DEFAULT,), coverage: float = 0.9, k: int = 5,
         categories: np.ndarray | None = None) -> Predictor:
     """Choose a config from `grid` by inner-fold MdAPE, calibrate the interval on the same
-    out-of-fold predictions, refit the chosen config on all rows. Configs whose target form does
-    not apply to `target` are skipped."""
+    out-of-fold predictions, refit the chosen config on all rows. A config whose target form does
+    not apply to `target` is tried in the direct form (duplicates once)."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
-    grid = tuple(c for c in grid if c.target_form in forms_for(target)) or (DEFAULT,)
+    grid = tuple(dict.fromkeys(c if c.target_form in forms_for(target) else replace(c, target_form="direct")
+                               for c in grid))
     if len(y) < 2:
         raise ValueError(f"cannot train the {target} model on {len(y)} row(s): the training split is empty")
     folds = inner_folds(len(y), groups, k)
