@@ -3,9 +3,11 @@
 For each data set and target: 5-fold CV, leave-one-GPU-out and leave-one-LLM-out, XGBoost
 next to its baseline (load-scaled TDP for power, calibrated roofline for ITL): MdAPE,
 Pearson r, Kendall τ of the GPU and of the model rankings, per-GPU and per-model MdAPE, and
-the coverage of the 90% conformal interval. The small hyperparameter search runs inside the
-CV folds; LOGO and LOLO then use the config CV chose most often. Writes bench/results/predict.json
-and predict.png.
+the coverage of the 90% conformal interval. The search (target form × hyperparameters) is nested:
+inside every outer training split, inner folds grouped like the split (by GPU under LOGO, by
+model under LOLO) choose it, so a held-out GPU or model never influences its own model. Under
+LOGO and LOLO it also records the diagnostics of `unbroken.predict.diagnostics`. Writes
+bench/results/predict.json and predict.png.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from rich.console import Console
 from rich.table import Table as RichTable
 
 from unbroken.bench.common import RESULTS_DIR, goal, write_result
-from unbroken.predict import evaluate, measurements, tables
+from unbroken.predict import diagnostics, evaluate, measurements, tables
 from unbroken.predict.dataset import Table, build
 from unbroken.predict.models import DEFAULT, SEARCH_GRID
 
@@ -44,22 +46,35 @@ def _table(sources: tuple[str, ...], frameworks: tuple[str, ...] | None = None) 
     return build(rows, tables.load_gpus(), tables.load_models())
 
 
-def _run_one(table: Table, target: str, grid, console: Console) -> tuple[dict, object]:
+def _run_one(table: Table, target: str, grid, console: Console) -> dict:
     out = {}
-    chosen = DEFAULT
     for kind in evaluate.SPLITS:
         t0 = time.monotonic()
-        preds = evaluate.predict_held_out(table, target, kind, grid=grid if kind == "cv" else (chosen,),
-                                          coverage=COVERAGE)
+        preds = evaluate.predict_held_out(table, target, kind, grid=grid, coverage=COVERAGE)
         res = evaluate.score(table, target, preds)
-        if kind == "cv":
-            chosen = Counter(preds["configs"]).most_common(1)[0][0]
-        res["config"] = asdict(preds["configs"][0] if kind != "cv" else chosen)
+        chosen = Counter(preds["configs"]).most_common(1)[0][0]
+        res["config"] = asdict(chosen)  # the one the outer splits chose most often
+        res["configs_chosen"] = [asdict(c) for c in preds["configs"]]
+        res["interval_group_calibrated"] = preds["grouped"]
+        if kind != "cv":
+            res["diagnostics"] = _diagnostics(table, target, kind, preds["xgboost"], chosen)
         res["seconds"] = round(time.monotonic() - t0, 1)
         out[kind] = res
         console.print(f"  {target:5s} {kind:4s} MdAPE xgboost {res['mdape']['xgboost']:7.2f}%  baseline "
                       f"{res['mdape']['baseline']:7.2f}%  coverage {res['coverage']:.2f}  ({res['seconds']} s)")
-    return out, chosen
+    return out
+
+
+def _diagnostics(table: Table, target: str, kind: str, pred, cfg) -> dict:
+    """LOGO: per-GPU offsets and (ITL) roofline efficiency; power, LOGO and LOLO: the bound given measured ITL."""
+    d = {}
+    if kind == "logo":
+        d["gpu_offsets"] = diagnostics.gpu_offsets(table, table.power_w if target == "power" else table.itl_s, pred)
+        if target == "itl":
+            d["roofline_efficiency"] = diagnostics.roofline_efficiency(table)
+    if target == "power":
+        d["power_given_measured_itl"] = diagnostics.power_given_measured_itl(table, kind, replace(cfg, target_form="direct"))
+    return d
 
 
 def goals(results: dict) -> dict:
@@ -136,8 +151,8 @@ def predict(out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where p
                       f"{len(set(table.model.tolist()))} models")
         for target in targets:
             t = table.with_target(target)
-            per_split, chosen = _run_one(t, target, grid, console)
-            configs[f"{name}/{target}"] = asdict(chosen)
+            per_split = _run_one(t, target, grid, console)
+            configs[f"{name}/{target}"] = {kind: r["config"] for kind, r in per_split.items()}
             for kind, r in per_split.items():
                 results.setdefault(name, {}).setdefault(kind, {})[target] = r
     g = goals(results)

@@ -84,10 +84,11 @@ def per_group_pearson(labels: np.ndarray, pred: np.ndarray, true: np.ndarray) ->
 def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbConfig, ...] = (DEFAULT,),
                      coverage: float = 0.9, k: int = 3) -> dict[str, np.ndarray]:
     """Out-of-split predictions for every row, in physical units (W per GPU or s): xgboost point,
-    interval, baseline; plus the config each split chose."""
+    interval, baseline; plus the config each split chose (from `grid`, by inner folds of that
+    split's training rows only) and whether every split's interval was calibrated on group folds."""
     n = len(table)
     out = {k: np.full(n, np.nan) for k in ("xgboost", "low", "high", "baseline")}
-    chosen = []
+    chosen, grouped = [], []
     inner_groups = {"cv": None, "logo": table.gpu, "lolo": table.model}[kind]
     scale = table.tdp_w if target == "power" else np.ones(n)
     y = table.target(target)
@@ -100,7 +101,9 @@ def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbCon
         base = tdp_power if target == "power" else roofline_itl
         out["baseline"][te] = base(table.subset(tr), table.subset(te))
         chosen.append(p.config)
+        grouped.append(p.grouped)
     out["configs"] = chosen
+    out["grouped"] = all(grouped)
     return out
 
 

@@ -3,6 +3,9 @@
 Units: parameters in billions, bandwidth in GB/s, TFLOPS in 1e12 FLOP/s, so
 2·params/bandwidth is the seconds to read the FP16 weights once and 2·params·batch/TFLOPS
 is the seconds of FP16 compute per decode step at peak, each split over the serving GPUs.
+Beyond WattGPU's set: the seconds to read the KV cache per step, the prefill compute per
+output token, and their sum with the weights as a per-token roofline (`log_roofline_s`),
+which the roofline-ratio target form divides out.
 """
 from __future__ import annotations
 
@@ -22,7 +25,9 @@ FEATURES = (
     "memory_bandwidth_gb_s", "base_clock_mhz", "boost_clock_mhz", "boost_ratio", "tensor_tflops",
     "memory_size_gb", "memory_type", "release_year", "bandwidth_latency_s", "compute_latency_s",
     "log2_batch", "n_gpus", "scenario", "framework", "log_seq_tokens", "weights_per_gpu_gb",
+    "log_kv_latency_s", "log_prefill_latency_s", "log_roofline_s",
 )
+ROOFLINE = FEATURES.index("log_roofline_s")
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,40 @@ def compute_latency_s(gpu: GpuSpec, model: ModelSpec, n_gpus: int, batch: float)
     return 2.0 * model.active_b_params * 1e9 * batch / (gpu.tensor_tflops * 1e12 * n_gpus)
 
 
+def kv_latency_s(gpu: GpuSpec, model: ModelSpec, op: OperatingPoint) -> float:
+    """Seconds to read the FP16 KV cache once per decode step: K and V, every layer and KV head,
+    `batch` sequences at their mean context (prompt + half the output; unknown lengths count 0)."""
+    head_dim = model.hidden_size / model.num_attention_heads
+    ctx = _known(op.prompt_tokens) + _known(op.output_tokens) / 2.0
+    kv_bytes = 2.0 * model.num_layers * model.num_key_value_heads * head_dim * 2.0 * op.batch * ctx
+    return kv_bytes / (gpu.memory_bandwidth_gb_s * 1e9 * op.n_gpus)
+
+
+def prefill_latency_s(gpu: GpuSpec, model: ModelSpec, op: OperatingPoint) -> float:
+    """Prefill compute at peak, spread over the output tokens (0 where the lengths are unknown):
+    an end-to-end latency ÷ output length includes it."""
+    out = _known(op.output_tokens)
+    if out <= 0:
+        return 0.0
+    flops = 2.0 * model.active_b_params * 1e9 * op.batch * _known(op.prompt_tokens)
+    return flops / (gpu.tensor_tflops * 1e12 * op.n_gpus) / out
+
+
+def roofline_s(gpu: GpuSpec, model: ModelSpec, op: OperatingPoint) -> float:
+    """Per-token roofline: prefill share + max(weights and KV read, decode compute); NaN only where
+    both the bandwidth and the TFLOPS are missing."""
+    read = bandwidth_latency_s(gpu, model, op.n_gpus) + kv_latency_s(gpu, model, op)
+    return prefill_latency_s(gpu, model, op) + float(np.fmax(read, compute_latency_s(gpu, model, op.n_gpus, op.batch)))
+
+
+def _known(v: float) -> float:
+    return 0.0 if math.isnan(v) else v
+
+
+def _log(v: float) -> float:
+    return math.log(v) if v > 0 else math.nan
+
+
 def feature_row(gpu: GpuSpec, model: ModelSpec, op: OperatingPoint) -> list[float]:
     seq = (0.0 if math.isnan(op.prompt_tokens) else op.prompt_tokens) + \
           (0.0 if math.isnan(op.output_tokens) else op.output_tokens)
@@ -82,6 +121,9 @@ def feature_row(gpu: GpuSpec, model: ModelSpec, op: OperatingPoint) -> list[floa
         "scenario": _code(op.scenario, SCENARIOS), "framework": _code(op.framework, FRAMEWORKS),
         "log_seq_tokens": math.log(seq) if seq > 0 else math.nan,
         "weights_per_gpu_gb": 2.0 * model.total_b_params / op.n_gpus,
+        "log_kv_latency_s": _log(kv_latency_s(gpu, model, op)),
+        "log_prefill_latency_s": _log(prefill_latency_s(gpu, model, op)),
+        "log_roofline_s": _log(roofline_s(gpu, model, op)),
     }
     return [float(values[f]) for f in FEATURES]
 

@@ -1,5 +1,10 @@
 """The regressors: XGBoost (power/TDP, log ITL) with a small search, and a conformal interval.
 
+Two target forms for ITL: `direct` fits log ITL; `roofline_ratio` fits log(ITL / roofline),
+the per-token roofline being a feature column, so the trees learn only an efficiency factor
+and the roofline carries the prediction beyond the training GPUs' specs. Which form and
+which hyperparameters: chosen by inner folds of the training split only (`fit`).
+
 The interval is split-conformal on out-of-fold predictions: the inner folds that choose the
 hyperparameters also give each training row a prediction from a model that did not see it;
 the (1-alpha) quantile of |log(pred/true)| over those rows is the half-width, in log space,
@@ -13,8 +18,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from unbroken.predict.features import ROOFLINE
+
 TARGETS = ("power", "itl")
 FLOOR = 1e-4  # a tree ensemble may predict <= 0 for power/TDP; logs need a floor
+FORMS = ("direct", "roofline_ratio")
 
 
 @dataclass(frozen=True)
@@ -29,8 +37,11 @@ class XgbConfig:
     min_child_weight: float = 1.0
     n_jobs: int = 1  # more threads spin-wait on a shared, loaded box (measured: 15x slower)
     seed: int = 0
+    target_form: str = "direct"  # or "roofline_ratio" (ITL only): see the module docstring
 
     def __post_init__(self) -> None:
+        if self.target_form not in FORMS:
+            raise ValueError(f"target_form must be one of {', '.join(FORMS)}, got {self.target_form!r}")
         if self.n_estimators < 1 or self.max_depth < 1:
             raise ValueError(f"n_estimators and max_depth must be >= 1, got {self.n_estimators}, {self.max_depth}")
         if not (0 < self.learning_rate <= 1 and 0 < self.subsample <= 1 and 0 < self.colsample_bytree <= 1):
@@ -38,17 +49,33 @@ class XgbConfig:
 
 
 DEFAULT = XgbConfig()
-SEARCH_GRID = (DEFAULT, replace(DEFAULT, max_depth=3), replace(DEFAULT, max_depth=8, min_child_weight=3.0),
-               replace(DEFAULT, n_estimators=400, learning_rate=0.05))
+# three tree shapes x the target forms: the search is nested in every outer split (LOGO, LOLO
+# included), so each candidate costs a fit per inner fold per outer fold on a 2-core box
+_SHAPES = (DEFAULT, replace(DEFAULT, max_depth=3), replace(DEFAULT, max_depth=8, min_child_weight=3.0))
+SEARCH_GRID = tuple(replace(c, target_form=f) for f in FORMS for c in _SHAPES)
 
 
-def to_target(target: str, y: np.ndarray) -> np.ndarray:
-    """What the trees fit: power/TDP as is, ITL in log space."""
-    return np.log(y) if target == "itl" else y
+def _log_base(X: np.ndarray, form: str) -> np.ndarray:
+    """log of what the ITL target is divided by: 1, or the row's roofline (0 where it is unknown,
+    so such a row falls back to the direct form)."""
+    if form == "direct":
+        return np.zeros(len(X))
+    base = X[:, ROOFLINE]
+    return np.where(np.isfinite(base), base, 0.0)
 
 
-def from_target(target: str, z: np.ndarray) -> np.ndarray:
-    return np.exp(z) if target == "itl" else np.maximum(z, FLOOR)
+def to_target(target: str, y: np.ndarray, X: np.ndarray, form: str = "direct") -> np.ndarray:
+    """What the trees fit: power/TDP as is; log ITL, less log roofline in the ratio form."""
+    return np.log(y) - _log_base(X, form) if target == "itl" else y
+
+
+def from_target(target: str, z: np.ndarray, X: np.ndarray, form: str = "direct") -> np.ndarray:
+    return np.exp(z + _log_base(X, form)) if target == "itl" else np.maximum(z, FLOOR)
+
+
+def forms_for(target: str) -> tuple[str, ...]:
+    """Target forms that make sense for `target` (power is already a ratio: power/TDP)."""
+    return FORMS if target == "itl" else ("direct",)
 
 
 def fit_xgb(X: np.ndarray, z: np.ndarray, cfg: XgbConfig):
@@ -95,6 +122,9 @@ class Predictor:
     halfwidth: float
     coverage: float
     by_category: dict = field(default_factory=dict)
+    # True when the calibration folds were grouped (>= 2 groups); False: row folds, so the width
+    # knows only in-distribution error and says nothing about an unseen GPU or model
+    grouped: bool = False
 
     def widths(self, categories: np.ndarray | None) -> np.ndarray | float:
         if categories is None or not self.by_category:
@@ -103,7 +133,7 @@ class Predictor:
 
     def predict(self, X: np.ndarray, categories: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(point, low, high) in target units: power/TDP or ITL seconds."""
-        p = from_target(self.target, self.model.predict(X))
+        p = from_target(self.target, self.model.predict(X), X, self.config.target_form)
         q = self.widths(categories)
         return p, p * np.exp(-q), p * np.exp(q)
 
@@ -126,7 +156,8 @@ def mondrian_halfwidths(pred: np.ndarray, true: np.ndarray, categories: np.ndarr
 def oof_predictions(X: np.ndarray, y: np.ndarray, target: str, folds, cfg: XgbConfig) -> np.ndarray:
     out = np.full(len(y), np.nan)
     for tr, te in folds:
-        out[te] = from_target(target, fit_xgb(X[tr], to_target(target, y[tr]), cfg).predict(X[te]))
+        model = fit_xgb(X[tr], to_target(target, y[tr], X[tr], cfg.target_form), cfg)
+        out[te] = from_target(target, model.predict(X[te]), X[te], cfg.target_form)
     return out
 
 
@@ -140,9 +171,12 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
         grid: tuple[XgbConfig, ...] = (DEFAULT,), coverage: float = 0.9, k: int = 5,
         categories: np.ndarray | None = None) -> Predictor:
     """Choose a config from `grid` by inner-fold MdAPE, calibrate the interval on the same
-    out-of-fold predictions, refit the chosen config on all rows."""
+    out-of-fold predictions, refit the chosen config on all rows. A config whose target form does
+    not apply to `target` is tried in the direct form (duplicates once)."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    grid = tuple(dict.fromkeys(c if c.target_form in forms_for(target) else replace(c, target_form="direct")
+                               for c in grid))
     if len(y) < 2:
         raise ValueError(f"cannot train the {target} model on {len(y)} row(s): the training split is empty")
     folds = inner_folds(len(y), groups, k)
@@ -153,6 +187,7 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
         if best is None or score < best[0]:
             best = (score, cfg, oof)
     _, cfg, oof = best
-    model = fit_xgb(X, to_target(target, y), cfg)
+    model = fit_xgb(X, to_target(target, y, X, cfg.target_form), cfg)
+    grouped = groups is not None and len(set(groups.tolist())) >= 2
     return Predictor(target=target, model=model, config=cfg, halfwidth=conformal_halfwidth(oof, y, coverage),
-                     coverage=coverage, by_category=mondrian_halfwidths(oof, y, categories, coverage))
+                     coverage=coverage, by_category=mondrian_halfwidths(oof, y, categories, coverage), grouped=grouped)

@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,7 @@ from unbroken.fsutil import atomic_write_json
 from unbroken.predict import measurements
 from unbroken.predict.dataset import Table, build
 from unbroken.predict.features import FEATURES, OperatingPoint, matrix
-from unbroken.predict.models import DEFAULT, Predictor, XgbConfig, fit
+from unbroken.predict.models import DEFAULT, Predictor, XgbConfig, fit, forms_for
 from unbroken.predict.tables import GpuSpec, GpuTable, ModelSpec, ModelTable
 
 
@@ -51,10 +51,12 @@ def training_table(gpus: GpuTable, models: ModelTable, extra: list[measurements.
 
 
 def train(table: Table, *, coverage: float = 0.9, config: XgbConfig = DEFAULT, k: int = 5) -> Trained:
+    """Both predictors; the ITL target form (direct or roofline ratio) is chosen by GPU-grouped folds."""
     pw, it = table.with_target("power"), table.with_target("itl")
+    forms = tuple(replace(config, target_form=f) for f in forms_for("itl"))
     return Trained(power=fit(pw.X, pw.target("power"), "power", groups=pw.gpu, grid=(config,), coverage=coverage, k=k,
                              categories=pw.category()),
-                   itl=fit(it.X, it.target("itl"), "itl", groups=it.gpu, grid=(config,), coverage=coverage, k=k,
+                   itl=fit(it.X, it.target("itl"), "itl", groups=it.gpu, grid=forms, coverage=coverage, k=k,
                            categories=it.category()),
                    n_power_rows=len(pw), n_itl_rows=len(it))
 
@@ -77,7 +79,8 @@ def _save(p: Predictor, folder: Path) -> None:
     p.model.save_model(tmp)
     os.replace(tmp, folder / f"{p.target}.ubj")
     atomic_write_json(folder / f"{p.target}.json", {"config": asdict(p.config), "halfwidth": p.halfwidth,
-                                                   "coverage": p.coverage, "by_category": p.by_category})
+                                                   "coverage": p.coverage, "by_category": p.by_category,
+                                                   "grouped": p.grouped})
 
 
 def _load(target: str, folder: Path) -> Predictor | None:
@@ -93,7 +96,8 @@ def _load(target: str, folder: Path) -> Predictor | None:
     except (OSError, ValueError, xgb.core.XGBoostError):
         return None  # a damaged cache is retrained, not trusted
     return Predictor(target=target, model=model, config=XgbConfig(**meta["config"]), halfwidth=meta["halfwidth"],
-                     coverage=meta["coverage"], by_category={float(c): q for c, q in meta["by_category"].items()})
+                     coverage=meta["coverage"], by_category={float(c): q for c, q in meta["by_category"].items()},
+                     grouped=bool(meta.get("grouped", False)))
 
 
 def train_cached(table: Table, *, coverage: float = 0.9, config: XgbConfig = DEFAULT, k: int = 5,

@@ -1,0 +1,118 @@
+"""unbroken predict's physical terms, the roofline-ratio target form, nested search and LOGO diagnostics."""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+
+from unbroken.predict import diagnostics, evaluate, features, measurements, models, tables
+from unbroken.predict.dataset import build
+from unbroken.predict.features import ROOFLINE, OperatingPoint
+
+QUICK = models.XgbConfig(n_estimators=20, max_depth=3, learning_rate=0.3)
+
+
+@functools.cache
+def _specs():
+    return tables.load_gpus(), tables.load_models()
+
+
+@pytest.fixture(scope="module")
+def v2():
+    """ML.ENERGY v2 (A100 and H100, vLLM), the rows with an ITL."""
+    return build(measurements.load("ml-energy"), *_specs()).with_target("itl")
+
+
+def _roofline_world(table, factor=3.0):
+    """The same rows with ITL = factor x the per-token roofline: a world the ratio form fits exactly."""
+    rows = [measurements.Measurement(**{**m.__dict__, "itl_s": factor * math.exp(r)})
+            for m, r in zip(table.rows, table.X[:, ROOFLINE])]
+    return build(rows, *_specs())
+
+
+def test_kv_and_prefill_terms_by_hand():
+    gpus, mods = _specs()
+    a100, llama = gpus.get("A100"), mods.get("meta-llama/Llama-2-7b-hf")
+    op = OperatingPoint(batch=1, prompt_tokens=128, output_tokens=128, scenario="offline")
+    # K and V x 32 layers x 32 KV heads x 128 dims x 2 bytes = 524,288 B per token of context;
+    # mean context 128 + 64 = 192 tokens; read at 1,560 GB/s
+    assert features.kv_latency_s(a100, llama, op) == pytest.approx(524288 * 192 / 1560e9)
+    # prefill: 2 x 6.74e9 x 128 prompt tokens at 312 TFLOPS, spread over 128 output tokens
+    assert features.prefill_latency_s(a100, llama, op) == pytest.approx(2 * 6.74e9 * 128 / 312e12 / 128)
+    weights = 2 * 6.74 / 1560
+    assert features.roofline_s(a100, llama, op) == pytest.approx(
+        2 * 6.74e9 / 312e12 + weights + 524288 * 192 / 1560e9)
+    # unknown lengths: no prefill share, no KV term beyond what the known lengths give
+    assert features.prefill_latency_s(a100, llama, OperatingPoint()) == 0.0
+    assert features.kv_latency_s(a100, llama, OperatingPoint()) == 0.0
+
+
+@pytest.mark.parametrize("form", models.FORMS)
+def test_target_forms_round_trip(v2, form):
+    z = models.to_target("itl", v2.itl_s, v2.X, form)
+    np.testing.assert_allclose(models.from_target("itl", z, v2.X, form), v2.itl_s, rtol=1e-12)
+    assert models.forms_for("power") == ("direct",)
+
+
+def test_ratio_form_extrapolates_to_an_unseen_gpu_where_direct_cannot(v2):
+    world = _roofline_world(v2)
+    a100 = world.gpu == "NVIDIA A100-SXM4-40GB"
+    tr, te = np.flatnonzero(a100), np.flatnonzero(~a100)
+    err = {}
+    for form in models.FORMS:
+        cfg = models.XgbConfig(n_estimators=20, max_depth=3, learning_rate=0.3, target_form=form)
+        p = models.fit(world.X[tr], world.itl_s[tr], "itl", grid=(cfg,), k=2)
+        err[form] = models.mdape(p.predict(world.X[te])[0], world.itl_s[te])
+    assert err["roofline_ratio"] < 0.1 and err["roofline_ratio"] * 10 < err["direct"]
+
+
+def test_nested_search_under_logo_never_sees_the_held_out_gpu(v2, monkeypatch):
+    bw = features.FEATURES.index("memory_bandwidth_gb_s")
+    seen = []
+    real = models.fit_xgb
+    monkeypatch.setattr(models, "fit_xgb", lambda X, z, cfg: seen.append(set(X[:, bw].tolist())) or real(X, z, cfg))
+    grid = tuple(models.XgbConfig(n_estimators=5, max_depth=2, target_form=f) for f in models.FORMS)
+    preds = evaluate.predict_held_out(v2, "itl", "logo", grid=grid)
+    # 2 GPUs: every fit (inner folds, the search, the refit) sees exactly the one training GPU
+    assert seen and all(len(s) == 1 for s in seen)
+    assert preds["grouped"] is False  # one training GPU: the interval cannot be calibrated on GPU folds
+
+
+def test_interval_knows_whether_it_was_group_calibrated(v2):
+    p = models.fit(v2.X, v2.itl_s, "itl", groups=v2.gpu, grid=(QUICK,), k=2)
+    one = v2.gpu == v2.gpu[0]
+    q = models.fit(v2.X[one], v2.itl_s[one], "itl", groups=v2.gpu[one], grid=(QUICK,), k=2)
+    assert p.grouped and not q.grouped
+
+
+def test_offsets_recover_a_per_gpu_scale(v2):
+    scale = np.where(v2.gpu == "NVIDIA A100-SXM4-40GB", 2.0, 0.5)
+    d = diagnostics.gpu_offsets(v2, v2.itl_s, v2.itl_s * scale)
+    assert d["per_gpu"]["NVIDIA A100-SXM4-40GB"]["offset"] == pytest.approx(0.5)
+    assert d["per_gpu"]["NVIDIA H100 SXM5 80GB"]["mdape"] == pytest.approx(50.0)
+    assert d["mdape_after_offsets"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_roofline_efficiency_reads_the_factor(v2):
+    eff = diagnostics.roofline_efficiency(_roofline_world(v2, factor=4.0))
+    assert {g: v["vLLM"]["median"] for g, v in eff.items()} == pytest.approx(
+        {"NVIDIA A100-SXM4-40GB": 4.0, "NVIDIA H100 SXM5 80GB": 4.0})
+
+
+def test_power_bound_given_measured_itl_holds_out_the_group(monkeypatch):
+    t = build(measurements.load("ml-energy"), *_specs()).with_target("power")
+    seen = []
+    real = diagnostics.fit_xgb
+    monkeypatch.setattr(diagnostics, "fit_xgb", lambda X, z, cfg: seen.append(len(z)) or real(X, z, cfg))
+    out = diagnostics.power_given_measured_itl(t, "logo", QUICK)
+    assert sorted(seen) == sorted(int((t.gpu != g).sum()) for g in set(t.gpu.tolist()))
+    assert set(out["mdape_per_gpu"]) == set(t.gpu.tolist()) and 0 < out["mdape"] < 100
+
+
+def test_power_fits_a_ratio_config_in_the_direct_form():
+    t = build(measurements.load("ml-energy"), *_specs()).with_target("power")
+    cfg = models.XgbConfig(n_estimators=5, max_depth=2, target_form="roofline_ratio")
+    p = models.fit(t.X, t.target("power"), "power", grid=(cfg, models.replace(cfg, target_form="direct")), k=2)
+    assert p.config.target_form == "direct" and p.config.max_depth == 2
