@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import resource
+import warnings
 
 import torch
 
@@ -23,10 +24,11 @@ def live_tensor_bytes(extra: list[torch.Tensor] = ()) -> int:
     """Bytes of the distinct storages of every tensor the garbage collector can see, plus
     `extra` (tensors held only by C++ objects, e.g. a module's gradients)."""
     seen: dict[int, int] = {}
-    for obj in [*gc.get_objects(), *extra]:
+    with warnings.catch_warnings():  # isinstance() on a deprecated alias object warns: not the user's business
+        warnings.simplefilter("ignore")
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in [*objects, *extra]:
         try:
-            if not isinstance(obj, torch.Tensor):
-                continue
             t = obj._local_tensor if hasattr(obj, "_local_tensor") else obj  # a DTensor: its local shard
             storage = t.untyped_storage()
         except (RuntimeError, ReferenceError, TypeError):

@@ -80,12 +80,12 @@ def test_unreplayable_input_is_a_loud_event_not_a_silent_success(tmp_path):
 @pytest.mark.parametrize("flag,needle", [
     ("--no-optimizer", "pass the torch.optim optimizer"),
     pytest.param("--foreign-optimizer", "not parameters of the model", marks=pytest.mark.slow),
-    ("--foreign-scheduler", "built for another optimizer"),
+    pytest.param("--foreign-scheduler", "built for another optimizer", marks=pytest.mark.slow),
     pytest.param("--accumulation-steps=0", "accumulation_steps must be an integer >= 1", marks=pytest.mark.slow),
     ("--tiny-dataset", "fewer than one global batch"),
     pytest.param("--lbfgs", "use one of SGD, Adam, AdamW, RMSprop, Adagrad", marks=pytest.mark.slow),
-    ("--steps-disagree", "disagrees with --steps 3"),
-    ("--meta-model", "is on meta, but this rank trains on cpu"),
+    pytest.param("--steps-disagree", "disagrees with --steps 3", marks=pytest.mark.slow),
+    pytest.param("--meta-model", "is on meta, but this rank trains on cpu", marks=pytest.mark.slow),
 ])
 def test_bad_use_is_a_one_line_error_exit_2(tmp_path, flag, needle):
     steps = ["--steps", "3"] if flag == "--steps-disagree" else []
