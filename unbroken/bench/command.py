@@ -202,12 +202,12 @@ def _node_sections(out: Path, names: list[str], *, rounds: int) -> None:
     log = lambda m: Console(stderr=True).print(f"[dim]{m}[/]")  # noqa: E731
     run = {"node-loss": lambda: nl.measure_node_loss(log=log), "node0-loss": lambda: nl.measure_node0_loss(log=log),
            "store-cost": lambda: nl.measure_store_cost(rounds=rounds, log=log)}
-    sections = {_NODE_SECTIONS[n]: run[n]() for n in dict.fromkeys(names)}
-    for key, res in sections.items():
-        Console().print(f"{key}: " + json.dumps({k: v for k, v in res.items() if k != "runs"}, default=str))
     path = Path(out) / "multinode.json"
-    nl.write_sections(sections, path)
-    Console().print(f"wrote {', '.join(sections)} into {path}")
+    for n in dict.fromkeys(names):  # each section written once measured: a later failure keeps it
+        key, res = _NODE_SECTIONS[n], run[n]()
+        Console().print(f"{key}: " + json.dumps({k: v for k, v in res.items() if k != "runs"}, default=str))
+        nl.write_sections({key: res}, path)
+        Console().print(f"wrote {key} into {path}")
 
 
 def regroup(out: Path = _OUT, sizes: str = typer.Option("4,8,16,32,64", "--sizes", help="world sizes, comma-separated"),

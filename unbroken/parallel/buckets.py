@@ -4,7 +4,8 @@ Parameters are grouped, in reverse registration order (roughly the order backwar
 their gradients), into buckets of about `bucket_elems` contiguous elements of the flat
 gradient; the first bucket also covers the padding and the slots past the parameters. A
 post-accumulate-grad hook copies each gradient into its slice (and into the kept local
-copy); once a bucket is complete *and every bucket before it has been issued*, its
+copy) and drops the parameter's own `.grad` at once, so the step never holds two full
+gradients besides the kept copy; once a bucket is complete *and every bucket before it has been issued*, its
 all-reduce is issued. So every rank issues the same collectives in the same order, the
 boundaries never change (the reduction is bitwise reproducible), and a redo that issues
 the kept local gradient bucket by bucket (`issue_all`) gives the same bits.
@@ -105,6 +106,7 @@ class GradBuckets:
             return  # a backward unbroken did not start (or a second accumulation): leave it alone
         lo, n = self.offsets[i]
         r.grads[lo:lo + n].copy_(p.grad.reshape(-1))
+        p.grad = None  # copied: the flat buffer is the gradient now (one copy per rank, not two)
         r.seen[i] = True
         r.missing[self.bucket_of[i]] -= 1
         self._issue_ready(r)

@@ -100,6 +100,7 @@ class FlatModel:
                 self.grads[off:off + k].zero_()
             else:
                 self.grads[off:off + k].copy_(p.grad.reshape(-1))
+                p.grad = None  # the flat buffer holds it now
             off += k
         self.grads[self.n:self.n_pad].zero_()
         self.grads[self.loss] = loss

@@ -148,8 +148,8 @@ def _alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
+    except (FileNotFoundError, ProcessLookupError):
+        return False  # gone (any other OSError, e.g. out of file descriptors, is not an answer: raised)
     return stat.rsplit(")", 1)[1].split()[0] != "Z" and b"etcd" in cmd
 
 
