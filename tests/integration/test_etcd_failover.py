@@ -33,16 +33,8 @@ def config(tmp_path) -> Path:
 
 @pytest.fixture
 def cluster(tmp_path):
-    where = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path  # tmpfs: fsync costs nothing
-    directory = where / f"unbroken-etcd-{os.getpid()}-{tmp_path.name}"
-    members = etcd_cluster.start(directory)
-    try:
+    with etcd_cluster.running(etcd_cluster.scratch_dir(f"unbroken-etcd-{tmp_path.name}", tmp_path)) as members:
         yield members
-    finally:
-        etcd_cluster.stop(directory)
-        for leftover in directory.glob("*"):
-            leftover.unlink()
-        directory.rmdir()
 
 
 def test_node_0_lost_with_its_etcd_member_the_job_goes_on_from_tier_1(tmp_path, cluster, config):

@@ -4,11 +4,9 @@ need `etcd` and the etcd3gw client (skipped with the reason without them); the U
 tests run anywhere (failover over an in-process HashStore)."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -26,16 +24,8 @@ needs_etcd = pytest.mark.skipif(etcd_cluster.missing_reason() is not None,
 def cluster(tmp_path_factory):
     if etcd_cluster.missing_reason():
         pytest.skip(etcd_cluster.missing_reason())
-    shm = Path("/dev/shm")
-    directory = (shm if shm.is_dir() else tmp_path_factory.mktemp("etcd")) / f"unbroken-unit-etcd-{os.getpid()}"
-    members = etcd_cluster.start(directory)
-    try:
+    with etcd_cluster.running(etcd_cluster.scratch_dir("unbroken-unit-etcd", tmp_path_factory.mktemp("etcd"))) as members:
         yield members
-    finally:
-        etcd_cluster.stop(directory)
-        for f in directory.glob("*"):
-            f.unlink()
-        directory.rmdir()
 
 
 @pytest.fixture
@@ -114,18 +104,11 @@ def test_a_gloo_group_rendezvous_through_the_store(store):
 
 @needs_etcd
 def test_the_store_survives_the_loss_of_the_member_it_talks_to(tmp_path):
-    directory = Path("/dev/shm") / f"unbroken-unit-etcd-kill-{os.getpid()}"
-    members = etcd_cluster.start(directory)
-    try:
+    with etcd_cluster.running(etcd_cluster.scratch_dir("unbroken-unit-etcd-kill", tmp_path)) as members:
         s = EtcdStore(etcd_cluster.url(members, "k"), timeout_s=20)
         s.set("before", "1")
         etcd_cluster.kill_member(members[0])
         assert s.add("n", 1) == 1 and s.get("before") == b"1"
-    finally:
-        etcd_cluster.stop(directory)
-        for f in directory.glob("*"):
-            f.unlink()
-        directory.rmdir()
 
 
 class _Clock:

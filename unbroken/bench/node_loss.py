@@ -100,11 +100,6 @@ def _incident(summary: dict, reference: dict) -> dict:
             "ok": bool(summary.get("ok"))}
 
 
-def _cluster_dir(tmp: Path) -> Path:
-    shm = Path("/dev/shm")
-    return (shm if shm.is_dir() else tmp) / f"unbroken-bench-etcd-{os.getpid()}"
-
-
 def measure_node_loss(*, steps: int = 12, log=print) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "job.toml"
@@ -122,13 +117,8 @@ def _with_etcd():
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "job.toml"
         config.write_text(_LEASE)
-        directory = _cluster_dir(Path(tmp))
-        members = etcd_cluster.start(directory)
-        try:
+        with etcd_cluster.running(etcd_cluster.scratch_dir("unbroken-bench-etcd", Path(tmp))) as members:
             yield Path(tmp), config, members
-        finally:
-            etcd_cluster.stop(directory)
-            _remove(directory)
 
 
 def measure_node0_loss(*, steps: int = 12, log=print) -> dict:
@@ -142,12 +132,6 @@ def measure_node0_loss(*, steps: int = 12, log=print) -> dict:
     inc = _incident(got, ref)
     return {**inc, "survived": inc["ok"] and bool(elected), "leader_elected": elected, "layout": "2x2",
             "steps": steps, "store": "etcd (3 members, one lost with node 0)"}
-
-
-def _remove(directory: Path) -> None:
-    for f in directory.glob("*"):
-        f.unlink()
-    directory.rmdir()
 
 
 def _one_node(run_dir: Path, config: Path, steps: int, store: str | None) -> dict:

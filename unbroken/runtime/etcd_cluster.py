@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -200,3 +201,21 @@ def kill_member(member: Member) -> None:
     while _alive(member.pid) and time.monotonic() < deadline:
         _reap(member.pid)
         time.sleep(0.02)
+
+
+def scratch_dir(name: str, fallback: Path) -> Path:
+    """A directory for a throwaway cluster: on tmpfs (/dev/shm, where fsync costs nothing) if there is one."""
+    shm = Path("/dev/shm")
+    return (shm if shm.is_dir() else fallback) / f"{name}-{os.getpid()}"
+
+
+@contextmanager
+def running(directory: Path, **kwargs):
+    """A cluster for the length of a `with` block (tests, benchmarks): started in `directory`,
+    yielding its members; stopped and the directory removed after, also on failure."""
+    members = start(directory, **kwargs)
+    try:
+        yield members
+    finally:
+        stop(directory)
+        shutil.rmtree(directory, ignore_errors=True)
