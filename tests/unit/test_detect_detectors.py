@@ -86,6 +86,24 @@ def test_everyone_stuck_in_a_collective_is_one_stall():
     assert det.check(t + 3.0) == []                                # latched until reset
 
 
+def test_a_wait_on_a_late_node_is_no_stall_once_its_lease_decides():
+    det = Detector(CFG)
+    t = run_steps(det, range(20))
+
+    def wait_until(end: float, start: float) -> None:
+        for k in range(1, round((end - start) / 0.1) + 1):
+            for r in range(4):
+                det.observe(hb(r, 21, "allreduce", start + 0.1 * k, step_s=0.1))
+
+    wait_until(t + 2.9, t)
+    assert det.check(t + 2.9, hold_hangs=True) == []  # a node's lease is late: held
+    det.restart_clocks(t + 2.9)                        # its lease decided (the node was declared lost)
+    wait_until(t + 3.5, t + 2.9)
+    assert det.check(t + 3.5) == []                    # the wait so far is explained, not a stall
+    wait_until(t + 4.0, t + 3.5)
+    assert [f.fault for f in det.check(t + 4.0)] == ["stall"]  # a real one is still found after
+
+
 def test_heartbeat_silence_is_a_hang_within_two_intervals():
     det = Detector(CFG)
     t = run_steps(det, range(10))

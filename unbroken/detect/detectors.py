@@ -289,6 +289,12 @@ class Detector:
         self._strikes.clear()
         self._straggling.clear()
 
+    def restart_clocks(self, now: float) -> None:
+        """A wait explained elsewhere has ended (a late node's lease decided): every no-progress
+        deadline counts from `now`; open incidents stay open."""
+        for p in self._procs.values():
+            p.progress_at = max(p.progress_at, now)
+
     def forget(self, proc: str) -> None:
         """Stop watching `proc` (replaced or excluded)."""
         self._procs.pop(proc, None)

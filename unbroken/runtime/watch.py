@@ -102,6 +102,7 @@ class Watch:
         self._host_sampler = _Sampler("host", lambda: read_host(checkpoint_dir), timeout_s=timeout, clock=clock)
         self._gpu_sampler = _Sampler(probe.name, probe.probe, timeout_s=timeout, clock=clock)
         self._seen: dict[str, float] = {}  # proc -> time of the last heartbeat fed
+        self._held = False  # hang detection was held at the last poll (a node's lease was late)
 
     def spawned(self, child: Child, rank: int | None) -> None:
         self.detector.expect(child.proc, rank, self.node, time.time())
@@ -130,6 +131,11 @@ class Watch:
                                                 step=max(0, int(hb.get("step", 0))), phase=str(hb.get("phase", "")),
                                                 time=hb["t"], step_s=hb.get("step_s"), wait_s=hb.get("wait_s")))
         self._host(now)
+        if self._held and not hold_hangs:
+            # the late node was declared lost (or came back): a rank that waited on it meanwhile
+            # was not stalled; its no-progress deadline counts from now
+            self.detector.restart_clocks(now)
+        self._held = hold_hangs
         out = []
         for f in self.detector.check(now, states=states, hold_hangs=hold_hangs):
             d = classify(f, self.offenders, can_exclude=self.nnodes > 1 and f.node != 0)
