@@ -181,7 +181,9 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
                                 else int(cfg.protect_every), grad_slots=slots, nnodes=self.ctx.nnodes)
         self.buckets = GradBuckets(self.owned.flat, bucket_elems=max(16, self.cfg.bucket_kb * 1024 // 4))
         self.local_grads = torch.empty_like(self.owned.flat.grads)
-        self._shard_grad = torch.empty(self.owned.hi - self.owned.lo, device=self.owned.flat.device)
+        # zero2's reduce-scatter output (the other strategies all-reduce in place: nothing to allocate)
+        self._shard_grad = (torch.empty(self.owned.hi - self.owned.lo, device=self.owned.flat.device)
+                            if self.owned.sharded_grads else None)
         if self.ctx.role == "worker" or self.st.has_state is not None:
             self.ctx.phase["rank"] = rank
             self.ctx.events.rank = rank
