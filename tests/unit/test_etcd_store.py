@@ -139,3 +139,23 @@ def test_the_lowest_survivor_claims_the_leader_role_once_and_the_old_leader_is_d
     assert store.get(failover.LEADER_KEY) == b"1" and w1.poll(store) is None and w2.poll(store) is None
     with pytest.raises(LaunchError, match="node 1 leads"):
         failover.check_still_leader(store, 0)
+
+
+def test_a_throwaway_cluster_leaves_a_small_dev_shm_for_the_fallback(tmp_path, monkeypatch):
+    # CI's container gave /dev/shm 64 MB: every member panicked preallocating its 64 MB WAL
+    free = {"bytes": 64 << 20}
+    monkeypatch.setattr(etcd_cluster.shutil, "disk_usage", lambda _p: type("U", (), {"free": free["bytes"]})())
+    assert etcd_cluster.scratch_dir("c", tmp_path).parent == tmp_path
+    free["bytes"] = 4 << 30
+    expected = tmp_path if not etcd_cluster.Path("/dev/shm").is_dir() else etcd_cluster.Path("/dev/shm")
+    assert etcd_cluster.scratch_dir("c", tmp_path).parent == expected
+
+
+def test_a_member_that_exits_at_start_is_reported_with_its_logged_reason(tmp_path):
+    log = tmp_path / "m0.log"
+    log.write_text('{"level":"warn","msg":"failed to preallocate"}\n'
+                   '{"level":"panic","msg":"failed to create WAL","error":"no space left on device"}\n'
+                   "panic: failed to create WAL\n\tgoroutine 1\n")
+    assert etcd_cluster._log_reason(log) == "failed to create WAL: no space left on device"
+    log.write_text("plain text\nlast words\n")
+    assert etcd_cluster._log_reason(log) == "last words"

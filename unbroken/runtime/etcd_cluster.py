@@ -101,7 +101,7 @@ def start(directory: Path, *, members: int = 3, base_port: int = 0, timeout_s: f
             log.close()
             started.append(Member(name, c, p, proc.pid))
         _write_state(directory, started)
-        _wait_healthy(started, timeout_s)
+        _wait_healthy(started, directory, timeout_s)
     except BaseException:
         _stop_members(started)
         (directory / STATE).unlink(missing_ok=True)
@@ -122,7 +122,23 @@ def read_state(directory: Path) -> list[Member]:
     return [Member(**m) for m in json.loads(path.read_text())["members"]]
 
 
-def _wait_healthy(members: list[Member], timeout_s: float) -> None:
+def _log_reason(path: Path) -> str:
+    """The first error/fatal/panic message in an etcd (zap JSON) log, else its last line."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError as e:
+        return f"log unreadable: {e}"
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("level") in ("error", "fatal", "panic", "dpanic"):
+            return f"{entry.get('msg', '')}: {entry.get('error', '')}"[:200]
+    return (lines[-1][:200] if lines else "log empty")
+
+
+def _wait_healthy(members: list[Member], directory: Path, timeout_s: float) -> None:
     """Every member answers and one write goes through (a quorum elected a leader)."""
     import etcd3gw
 
@@ -131,8 +147,8 @@ def _wait_healthy(members: list[Member], timeout_s: float) -> None:
     while time.monotonic() < deadline:
         dead = [m.name for m in members if not _alive(m.pid)]
         if dead:
-            raise ClusterError(f"etcd member(s) {', '.join(dead)} exited at start; see their logs (NAME.log) "
-                               "beside cluster.json (a port in use?)")
+            raise ClusterError(f"etcd member(s) {', '.join(dead)} exited at start: "
+                               f"{_log_reason(directory / f'{dead[0]}.log')} (log: {directory}/{dead[0]}.log)")
         try:
             for m in members:
                 etcd3gw.client(host="127.0.0.1", port=m.client_port, timeout=2).status()
@@ -203,10 +219,16 @@ def kill_member(member: Member) -> None:
         time.sleep(0.02)
 
 
-def scratch_dir(name: str, fallback: Path) -> Path:
-    """A directory for a throwaway cluster: on tmpfs (/dev/shm, where fsync costs nothing) if there is one."""
+# each member preallocates a 64 MB WAL segment (and may hold a spare) plus its bbolt file
+_SCRATCH_BYTES_PER_MEMBER = 192 << 20
+
+
+def scratch_dir(name: str, fallback: Path, members: int = 3) -> Path:
+    """A directory for a throwaway cluster: on tmpfs (/dev/shm, where fsync costs nothing) if it has room
+    for `members` members (containers often give /dev/shm only 64 MB), else under `fallback`."""
     shm = Path("/dev/shm")
-    return (shm if shm.is_dir() else fallback) / f"{name}-{os.getpid()}"
+    roomy = shm.is_dir() and shutil.disk_usage(shm).free >= members * _SCRATCH_BYTES_PER_MEMBER
+    return (shm if roomy else fallback) / f"{name}-{os.getpid()}"
 
 
 @contextmanager
