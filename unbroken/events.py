@@ -41,7 +41,7 @@ KINDS: dict[str, str] = {
     "host": "load, mem_available_gb, disk_free_gb",
     "warning": "message",
     "collective_error": "step, phase, error (a worker saw its group fail)",
-    "worker_done": "steps, weights_sha256, peak_rss_bytes, tensor_bytes",
+    "worker_done": "steps, weights_sha256, peak_rss_bytes, tensor_bytes, protection_bytes (by part)",
     "node_fenced": "node, lease_age_s, fence_after_s (this node could not renew its lease: it stopped its processes and writes nothing more)",
     "events_missing": "nodes, timeout_s (followers whose events did not reach node 0 at the end: the summary lacks them)",
     "tier2_restore": "step, reason",

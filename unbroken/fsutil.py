@@ -4,12 +4,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int | None = None) -> None:
     """Write `data` to `path` atomically. With `mode` (e.g. 0o600) the file has exactly that
     mode from its creation on (the temp file is created with it), whatever the umask."""
+    atomic_write_with(path, lambda f: f.write(data), mode=mode)
+
+
+def atomic_write_with(path: str | os.PathLike, write: Callable[[BinaryIO], object], *, mode: int | None = None) -> None:
+    """Like atomic_write_bytes, but `write(f)` streams the content into the temp file (e.g.
+    `torch.save(obj, f)`), so no second copy of it is built in memory first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -17,7 +23,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int | None
     with open(fd, "wb") as f:
         if mode is not None:  # a leftover temp file keeps its old mode through O_TRUNC; the umask may narrow it
             os.fchmod(f.fileno(), mode)
-        f.write(data)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -106,7 +106,8 @@ def events(run_dir: Path) -> list[dict]:
 def reference(tmp_path_factory) -> dict:
     """Failure-free runs (zero1, zero2 and ddp) whose final weights every faulted run must equal."""
     root = tmp_path_factory.mktemp("reference")
-    return {s: run_job(root / s, *SMALL, "--strategy", s, "--checkpoint-every", "2") for s in ("zero1", "zero2", "ddp")}
+    return {s: {**run_job(root / s, *SMALL, "--strategy", s, "--checkpoint-every", "2"), "run_dir": str(root / s)}
+            for s in ("zero1", "zero2", "ddp")}
 
 
 # The default suite's budget (~15 min on 2 cores): one end-to-end test per recovery path and

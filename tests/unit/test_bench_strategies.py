@@ -9,7 +9,7 @@ from unbroken.bench.common import SKIP_STEPS
 
 def _run(step_s, rss, tensors, tx, protection=0):
     return {"step_s": [9.0] * SKIP_STEPS + step_s, "peak_rss_bytes": rss, "tensor_bytes": tensors, "tx_bytes": tx,
-            "protection_bytes": protection}
+            "protection_bytes": protection, "protection_parts": {"parity": protection}}
 
 
 def test_throughput_is_native_over_unbroken_and_memory_allows_the_protection():
@@ -18,7 +18,7 @@ def test_throughput_is_native_over_unbroken_and_memory_allows_the_protection():
     r = sb.pair_result(pair, steps=8)
     assert r["ratio"] == pytest.approx(0.5)  # warm-up steps dropped on both sides
     assert r["memory_ratio"] == pytest.approx(1.1) and r["memory_ratio_allowed"] == pytest.approx(1.15)
-    assert r["tensor_ratio"] == pytest.approx(3.0)
+    assert r["tensor_ratio"] == pytest.approx(3.0) and r["protection_parts"] == {"parity": 100}
     assert r["bytes_per_step"] == {"native": 100.0, "unbroken": 200.0}
     assert not r["goal_met"]  # slower than 0.98x
 

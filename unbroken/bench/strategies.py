@@ -16,7 +16,9 @@ the native peer runs failure-free without checkpoints. Per pair:
 - memory per rank: the highest peak RSS over the ranks, and the live tensor bytes at the
   end of the last step (parameters, gradients, optimizer state, communication and
   protection buffers: `unbroken.memory`), each as unbroken / native; unbroken's protection
-  memory (parity, snapshot, gradient log) is reported beside it, as the goal allows it;
+  memory (the worker_done event's `protection_bytes`: tier-1 parity and its pipeline windows,
+  the snapshot parity encodes, the gradient ring, the host staging of tier-2 checkpoints; the
+  most any rank holds) is reported beside it, as the goal allows it;
 - bytes on the wire per step: each job runs in a network namespace of its own (`unshare
   --net`, loopback only), whose loopback counter holds exactly that job's traffic, set-up
   and store included, divided by its steps. Without root the field is null, with why.
@@ -100,12 +102,13 @@ def run_unbroken(cfg: RunConfig, run_dir: Path, *, timeout_s: float = 900) -> di
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
     steps = {e["fields"]["step"]: e["fields"]["step_s"] for e in events if e["kind"] == "step" and e["rank"] == 0}
     done = [e["fields"] for e in events if e["kind"] == "worker_done"]
-    built = next((e["fields"] for e in events if e["kind"] == "parity_built"), {})
-    protection = sum(built.get(k, 0) for k in ("bytes", "snapshot_bytes", "gradient_log_bytes"))
+    # the most any rank holds for protection (rank 0 alone stages a replica's checkpoint)
+    protection = max(sum(d["protection_bytes"].values()) for d in done)
+    parts = {k: max(d["protection_bytes"][k] for d in done) for k in done[0]["protection_bytes"]}
     return {"wall_s": time.time() - t0, "step_s": [steps[s] for s in sorted(steps)],
             "peak_rss_bytes": max(d["peak_rss_bytes"] for d in done),
             "tensor_bytes": max(d["tensor_bytes"] for d in done), "protection_bytes": protection,
-            "tx_bytes": _tx_bytes(tx)}
+            "protection_parts": parts, "tx_bytes": _tx_bytes(tx)}
 
 
 def measure(*, steps: int, rounds: int, world: int, strategies: list[str], console: Console) -> dict:
@@ -141,7 +144,7 @@ def pair_result(pair: dict, steps: int) -> dict:
           for side, rs in (("native", nat), ("unbroken", ub))}
     return {"ratio": ratio, "ci95": list(bootstrap_ci(t_nat, t_ub)), "memory_ratio": mem,
             "memory_ratio_allowed": allowed, "tensor_ratio": _ratio(ub, "tensor_bytes", nat),
-            "protection_bytes": protection,
+            "protection_bytes": protection, "protection_parts": ub[-1]["protection_parts"],
             "peak_rss_bytes": {"native": [r["peak_rss_bytes"] for r in nat], "unbroken": [r["peak_rss_bytes"] for r in ub]},
             "tensor_bytes": {"native": [r["tensor_bytes"] for r in nat], "unbroken": [r["tensor_bytes"] for r in ub]},
             "bytes_per_step": tx,

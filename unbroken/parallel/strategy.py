@@ -102,6 +102,15 @@ class OwnedState:
     def snapshot_bytes(self) -> int:
         return 0 if self.snap is None else self.state.n_chunks * self.state.chunk_bytes
 
+    def protection_bytes(self, *, checkpoint_writer: bool) -> dict[str, int]:
+        """What protection holds on this rank beyond training itself, by part: tier-1 parity,
+        its pipeline windows, the snapshot parity encodes, the gradient ring (all K slots) and,
+        where this rank writes tier-2 checkpoints, their host staging copy of its tensors."""
+        t1 = self.tier1
+        staging = sum(t.numel() * t.element_size() for t in self.tensors().values()) if checkpoint_writer else 0
+        return {"parity": 0 if t1 is None else t1.parity_bytes, "parity_pipeline": 0 if t1 is None else t1.pipeline_bytes,
+                "snapshot": self.snapshot_bytes, "gradient_log": self.gradient_log_bytes, "checkpoint_staging": staging}
+
     @property
     def gradient_log_bytes(self) -> int:
         return 0 if self.tier1 is None else self.flat.grad_slots * self.flat.grads.numel() * 4

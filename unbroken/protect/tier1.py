@@ -86,6 +86,11 @@ class Tier1:
     def parity_bytes(self) -> int:
         return self.parity.numel() * 4
 
+    @property
+    def pipeline_bytes(self) -> int:
+        """The rotating outgoing/incoming delta windows of the parity update pipeline."""
+        return (self._windows.numel() + self._incoming.numel()) * 4
+
     def _crc_word(self) -> int:
         return self.state.data_words + self.member
 

@@ -14,7 +14,6 @@ generation, joins it, brings its state to the agreed version and continues.
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 import os
 import time
@@ -24,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from unbroken.comm.group import CollectiveError, Comm, GenerationChanged
-from unbroken.fsutil import atomic_write_bytes
+from unbroken.fsutil import atomic_write_bytes, atomic_write_with
 from unbroken.memory import live_tensor_bytes, peak_rss_bytes
 from unbroken.parallel.buckets import GradBuckets
 from unbroken.parallel.buffers import ModelBuffers
@@ -555,7 +554,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
     # --- the end ---------------------------------------------------------------------------
     def weights_sha256(self) -> str:
         flat = self.owned.flat
-        return hashlib.sha256(flat.params[:flat.n].numpy().tobytes()).hexdigest()
+        return hashlib.sha256(flat.params[:flat.n].numpy()).hexdigest()  # hashed in place: no copy
 
     def finish(self) -> str:
         """Write the final weights (rank 0, atomically, with checksum); returns their sha256."""
@@ -564,13 +563,16 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         if self.ckpt is not None:
             self.ckpt.close(timeout=self.cfg.collective_timeout_s)
         digest = self.weights_sha256()
-        if self.rank == 0:
-            buf = io.BytesIO()
-            torch.save({k: v.detach().clone() for k, v in self.model.state_dict().items()}, buf)
-            atomic_write_bytes(self.ctx.run_dir / "weights.pt", buf.getvalue())
-            atomic_write_bytes(self.ctx.run_dir / "weights.sha256", f"{digest}  parameters\n".encode())
+        # what training held (the final write below is not training memory: a native peer logs it here too)
         held = live_tensor_bytes([p.grad for _, p in self.named if p.grad is not None])
         self.ctx.events.emit("worker_done", steps=self.st.step_count, weights_sha256=digest,
-                             peak_rss_bytes=peak_rss_bytes(), tensor_bytes=held)
+                             peak_rss_bytes=peak_rss_bytes(), tensor_bytes=held,
+                             protection_bytes=self.owned.protection_bytes(checkpoint_writer=self.ckpt is not None))
+        if self.rank == 0:
+            # streamed into the temp file: no clone, no in-memory copy of the serialized weights
+            # (the trained parameters are views of one flat buffer, saved once)
+            state = self.model.state_dict()
+            atomic_write_with(self.ctx.run_dir / "weights.pt", lambda f: torch.save(state, f))
+            atomic_write_bytes(self.ctx.run_dir / "weights.sha256", f"{digest}  parameters\n".encode())
         membership.put(self.ctx.store, f"done/{self.rank}", {"sha256": digest, "steps": self.st.step_count})
         return digest
