@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from unbroken.plan.netns import Netns, Wiring, available
+from unbroken.runtime import etcd_cluster
 
 from .conftest import SMALL, _procs_of
 
@@ -113,4 +114,57 @@ def test_a_partitioned_node_fences_itself_and_its_ranks_are_rebuilt_from_tier_1(
     late = [str(f) for f in dirs[1].rglob("*") if f.is_file() and f.parent.name != "logs"
             and f.stat().st_mtime > fenced_at + 0.05]
     assert late == []  # the console copies in logs/ may still take the killed processes' last lines
+    assert _procs_of(dirs[0].resolve()) == [] and _procs_of(dirs[1].resolve()) == []
+
+
+@pytest.mark.slow  # ~3 min on 2 cores: every store call is an HTTP round trip to a replicated store
+@pytest.mark.skipif(etcd_cluster.missing_reason() is not None, reason=f"etcd store: {etcd_cluster.missing_reason()}")
+def test_node_0_dies_whole_with_its_store_member_and_node_1_finishes_the_job(tmp_path):
+    """Three namespaces: nodes 0 and 1 train (Slurm's variables), each with an etcd member beside it, and a
+    third member on a store-only host. Every process in node 0's namespace is SIGKILLed mid-run (its
+    supervisor, workers, shadows and etcd member): node 1 takes the leader role, rebuilds node 0's ranks
+    from tier 1 and finishes with the one-node run's weights, no step lost."""
+    args = ["--parity-group", "2", "--checkpoint-every", "2", "--shadows", "2"]
+    config = tmp_path / "job.toml"
+    config.write_text("node_lease_s = 8.0\n")  # a loaded 2-core host; losing a member costs an election
+    dirs = [tmp_path / "node0", tmp_path / "node1"]  # no shared file system: each node writes its own
+    with Netns(Wiring.uniform("1gbit", 3, 1000), prefix=f"ue{os.getpid() % 10000}", host_address=True) as net:
+        with etcd_cluster.running(tmp_path / "etcd", hosts=[net.address(i) for i in range(3)],
+                                  prefixes=[net.exec_prefix(i) for i in range(3)]) as members:
+            store = etcd_cluster.url(members, "ns-failover")
+            procs = []
+            try:
+                for node in (0, 1):
+                    cmd, env = _node_cmd(net, node, dirs[node], "--config", str(config), *args, "--store", store)
+                    procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                  text=True, start_new_session=True))
+                deadline = time.monotonic() + 150
+                while _steps_done(dirs[0]) < 3 and time.monotonic() < deadline and procs[1].poll() is None:
+                    time.sleep(0.05)
+                if _steps_done(dirs[0]) < 3:
+                    for p in procs:
+                        p.kill()
+                    pytest.fail("the job did not reach step 3: " + " | ".join(p.communicate(timeout=10)[1][-1500:]
+                                                                              for p in procs))
+                assert any(pid == members[0].pid for pid in net.kill_all(0))  # node 0 dies whole, etcd too
+                out, err = procs[1].communicate(timeout=180)
+                assert procs[1].returncode == 0, err[-3000:]
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        os.killpg(p.pid, 9)
+                    p.wait(timeout=10)
+    summary = json.loads(out)
+    assert summary["ok"] and summary["ranks_agree"] and summary["steps_lost"] == 0, summary
+    evs = _events(dirs[1])
+    [elected] = [e for e in evs if e["kind"] == "leader_elected"]
+    assert elected["fields"]["node"] == 1 and elected["fields"]["previous"] == 0
+    assert [e["fields"]["node"] for e in evs if e["kind"] == "node_lost"] == [0]
+    [rec] = summary["recoveries"]
+    assert rec["path"] == "tier1", rec
+    ref = subprocess.run([sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(tmp_path / "ref"),
+                          "--no-progress", "--json", *SMALL, "--config", str(config), *args],
+                         capture_output=True, text=True, timeout=240)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    assert summary["weights_sha256"] == json.loads(ref.stdout)["weights_sha256"]  # one node, TCPStore, no failure
     assert _procs_of(dirs[0].resolve()) == [] and _procs_of(dirs[1].resolve()) == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import signal
 import subprocess
 from typing import Sequence
 
@@ -81,7 +82,8 @@ def _tbf(dev: str, rate_mbit: float, netns: str | None) -> list[str]:
 class Netns:
     """Build a wiring on enter, tear every namespace, link and the bridge down on exit."""
 
-    def __init__(self, wiring: Wiring, *, prefix: str | None = None, net: int | None = None) -> None:
+    def __init__(self, wiring: Wiring, *, prefix: str | None = None, net: int | None = None,
+                 host_address: bool = False) -> None:
         why = available()
         if why:
             raise NetnsError(why)
@@ -91,6 +93,9 @@ class Netns:
         if len(self.prefix) > 8:
             raise ValueError(f"namespace prefix {self.prefix!r} is over 8 characters (interface names are <= 15)")
         self.bridge = f"{self.prefix}br"
+        # with host_address the bridge itself takes 10.<net>.0.254: the calling (root) namespace can
+        # reach the namespaces' addresses (a test's health checks of services living in them)
+        self.host_address = f"10.{self.net}.0.254" if host_address else None
         self._made: list[tuple[str, str]] = []  # what to delete, newest last: ("ns"|"link", name)
 
     def namespace(self, rank: int) -> str:
@@ -126,6 +131,8 @@ class Netns:
         _run(["ip", "link", "add", self.bridge, "type", "bridge"])
         self._made.append(("link", self.bridge))
         _run(["ip", "link", "set", self.bridge, "up"])
+        if self.host_address:
+            _run(["ip", "addr", "add", f"{self.host_address}/24", "dev", self.bridge])
         for r, rate in enumerate(self.wiring.rates_mbit):
             ns, outer = self.namespace(r), f"{self.prefix}v{r}"
             _run(["ip", "netns", "add", ns])
@@ -140,6 +147,18 @@ class Netns:
             if rate is not None:
                 _run(_tbf("eth0", rate, ns))  # what rank r sends
                 _run(_tbf(outer, rate, None))  # what rank r receives
+
+    def kill_all(self, rank: int) -> list[int]:
+        """SIGKILL every process living in rank's namespace (a whole node's sudden death); their pids."""
+        out = subprocess.run(["ip", "netns", "pids", self.namespace(rank)], capture_output=True, text=True,
+                             timeout=_IP_TIMEOUT_S).stdout.split()
+        pids = [int(p) for p in out]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
 
     def close(self) -> None:
         """Delete what was made (namespaces take their veth ends with them); never raises."""

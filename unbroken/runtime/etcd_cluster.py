@@ -34,10 +34,11 @@ class Member:
     client_port: int
     peer_port: int
     pid: int
+    host: str = "127.0.0.1"  # its address (a node's namespace address in the multi-node tests)
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
 
 def etcd_binary() -> str | None:
@@ -72,34 +73,45 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def start(directory: Path, *, members: int = 3, base_port: int = 0, timeout_s: float = 30.0) -> list[Member]:
-    """Start `members` etcd processes with their data under `directory`; return once the cluster answers."""
+def start(directory: Path, *, members: int = 3, base_port: int = 0, timeout_s: float = 30.0,
+          hosts: list[str] | None = None, prefixes: list[list[str]] | None = None) -> list[Member]:
+    """Start `members` etcd processes with their data under `directory`; return once the cluster answers.
+
+    By default every member listens on loopback (free ports). `hosts` gives each member an address of
+    its own (then every member uses ports base_port or 2379 / +1, as on separate machines) and
+    `prefixes` a command prefix each (e.g. `ip netns exec NS`: the member lives in a node's namespace)."""
     if reason := missing_reason():
         raise ClusterError(reason)
+    if hosts is not None and len(hosts) != members or prefixes is not None and len(prefixes) != members:
+        raise ClusterError(f"{members} members need {members} hosts and prefixes (got {hosts}, {prefixes})")
     directory = directory.resolve()
     if (directory / STATE).exists():
         raise ClusterError(f"{directory} already holds a cluster ({STATE}); stop it first: unbroken store stop "
                            f"--dir {directory}")
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    ports = [base_port + i for i in range(2 * members)] if base_port else _free_ports(2 * members)
+    if hosts is not None:
+        ports = [base_port or 2379, (base_port or 2379) + 1] * members
+    else:
+        hosts = ["127.0.0.1"] * members
+        ports = [base_port + i for i in range(2 * members)] if base_port else _free_ports(2 * members)
     names = [f"m{i}" for i in range(members)]
-    peers = ",".join(f"{n}=http://127.0.0.1:{ports[2 * i + 1]}" for i, n in enumerate(names))
+    peers = ",".join(f"{n}=http://{hosts[i]}:{ports[2 * i + 1]}" for i, n in enumerate(names))
     started: list[Member] = []
     try:
         for i, name in enumerate(names):
-            c, p = ports[2 * i], ports[2 * i + 1]
+            c, p, h = ports[2 * i], ports[2 * i + 1], hosts[i]
             log = open(directory / f"{name}.log", "ab")
             proc = subprocess.Popen(
-                [etcd_binary(), "--name", name, "--data-dir", str(directory / name),
-                 "--listen-client-urls", f"http://127.0.0.1:{c}", "--advertise-client-urls", f"http://127.0.0.1:{c}",
-                 "--listen-peer-urls", f"http://127.0.0.1:{p}", "--initial-advertise-peer-urls",
-                 f"http://127.0.0.1:{p}", "--initial-cluster", peers, "--initial-cluster-state", "new",
+                [*(prefixes[i] if prefixes else []), etcd_binary(), "--name", name, "--data-dir", str(directory / name),
+                 "--listen-client-urls", f"http://{h}:{c}", "--advertise-client-urls", f"http://{h}:{c}",
+                 "--listen-peer-urls", f"http://{h}:{p}", "--initial-advertise-peer-urls",
+                 f"http://{h}:{p}", "--initial-cluster", peers, "--initial-cluster-state", "new",
                  "--initial-cluster-token", f"unbroken-{os.getpid()}-{ports[0]}", "--heartbeat-interval",
                  str(_HEARTBEAT_MS), "--election-timeout", str(_ELECTION_MS), "--logger", "zap",
                  "--log-level", "warn"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
             log.close()
-            started.append(Member(name, c, p, proc.pid))
+            started.append(Member(name, c, p, proc.pid, h))
         _write_state(directory, started)
         _wait_healthy(started, directory, timeout_s)
     except BaseException:
@@ -151,8 +163,8 @@ def _wait_healthy(members: list[Member], directory: Path, timeout_s: float) -> N
                                f"{_log_reason(directory / f'{dead[0]}.log')} (log: {directory}/{dead[0]}.log)")
         try:
             for m in members:
-                etcd3gw.client(host="127.0.0.1", port=m.client_port, timeout=2).status()
-            etcd3gw.client(host="127.0.0.1", port=members[0].client_port, timeout=2).put("/unbroken-health", "1")
+                etcd3gw.client(host=m.host, port=m.client_port, timeout=2).status()
+            etcd3gw.client(host=members[0].host, port=members[0].client_port, timeout=2).put("/unbroken-health", "1")
             return
         except Exception as e:  # noqa: BLE001 - not up yet: retry until the deadline
             last = f"{type(e).__name__}: {e}"
