@@ -43,10 +43,11 @@ def _assert_all_passed(tmp_path: Path, p: subprocess.CompletedProcess, runs: int
     assert len(rec["per_schedule"]) == runs and len(rec["commit"] or "x") > 0
 
 
-@pytest.mark.timeout(5 * PER_JOB_S)
-def test_four_chaos_schedules_pass_bitwise(tmp_path):
-    p = _chaos_cli(tmp_path, "--runs", "4", "--seed", "12", timeout=5 * PER_JOB_S - 20)
-    _assert_all_passed(tmp_path, p, 4)
+@pytest.mark.timeout(3 * PER_JOB_S)
+def test_two_chaos_schedules_pass_bitwise(tmp_path):
+    # two keep the default suite short; `pytest -m slow` runs the two hundred below
+    p = _chaos_cli(tmp_path, "--runs", "2", "--seed", "12", timeout=3 * PER_JOB_S - 20)
+    _assert_all_passed(tmp_path, p, 2)
 
 
 @pytest.mark.slow

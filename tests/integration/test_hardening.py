@@ -118,6 +118,7 @@ def test_back_to_back_failures_grow_an_auto_pool_and_cold_takeovers_are_named(tm
     assert "cold" in takeovers  # the pool of one was drained before it grew
 
 
+@pytest.mark.slow  # ~90 s on CI's 2 cores; tier-2 restores stay in the default suite (test_recovery's tier2 cases)
 def test_every_rank_lost_at_once_restores_tier2_or_stops_saying_why(tmp_path, reference):
     kill_all = [x for r in range(4) for x in ("--inject", f"sigkill:rank={r},step=5,phase=optimizer")]
     got = run_job(tmp_path / "a", *SMALL, "--checkpoint-every", "2", "--shadows", "2", *kill_all)
