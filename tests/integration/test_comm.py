@@ -90,3 +90,33 @@ def test_a_pickle_payload_in_a_control_message_is_refused_and_never_unpickled(tm
     assert results[1] == "sent"
     assert results[0].startswith("refused: recovery status: rank 1 sent"), results[0]
     assert not marker.exists()  # the payload was never unpickled
+
+
+def _gather_member(rank: int, port: int, n: int, out: mp.Queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from unbroken.comm import group
+    from unbroken.comm.group import Comm
+
+    try:
+        group.GATHER_STAGING_BYTES = 2 * 4 * 7  # pieces of 7 elements: n is not a multiple of them
+        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+        comm = Comm(dist.PrefixStore("g/", store), rank=rank, world=2, gen=0, timeout_s=30)
+        flat = torch.full((2 * n,), -1.0)
+        flat[rank * n:(rank + 1) * n] = torch.arange(n, dtype=torch.float32) + 1000 * rank
+        comm.allgather_into(flat, flat[rank * n:(rank + 1) * n], what="in place")
+        apart = torch.zeros(2 * n)
+        comm.allgather_into(apart, torch.arange(n, dtype=torch.float32) - rank, what="separate input")
+        out.put((rank, flat.tolist(), apart.tolist()))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        out.put((rank, repr(e), None))
+
+
+def test_allgather_into_in_pieces_in_place_and_from_a_separate_input():
+    n = 45
+    results = {r: (a, b) for r, a, b in spawn_ranks(_gather_member, _free_port(), n)}
+    for r in range(2):
+        flat, apart = results[r]
+        assert flat == [float(i) for i in range(n)] + [float(i + 1000) for i in range(n)], flat
+        assert apart == [float(i) for i in range(n)] + [float(i - 1) for i in range(n)]

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from unbroken.comm import bitwise
 
 BACKENDS = ("gloo", "nccl")
+GATHER_STAGING_BYTES = 4 << 20  # the most an all-gather stages at once (see Comm.allgather_into)
 
 
 class Pending:
@@ -341,10 +342,17 @@ class Comm:
         self._wait(self._issue(inp, lambda pg: pg._reduce_scatter_base(out, inp, opts), what), what)
 
     def allgather_into(self, out: torch.Tensor, mine: torch.Tensor, what: str = "allgather") -> None:
-        """`out` is (world * n,) and `mine` is out's slice for this rank (n,)."""
+        """`out` is (world * n,) and `mine` is this rank's (n,) part: a separate tensor, or out's own
+        slice (in place). Gathered in pieces: gloo (and NCCL, for outputs that are not one flat
+        tensor) stage an all-gather in a temporary of the whole output, so a piece bounds that
+        temporary to about GATHER_STAGING_BYTES instead of a model-sized buffer."""
         n = mine.numel()
-        outs = [out[i * n:(i + 1) * n] for i in range(self.world)]
-        self._wait(self._issue(mine, lambda pg: pg.allgather([outs], [mine]), what), what)
+        piece = max(1, GATHER_STAGING_BYTES // max(1, self.world * mine.element_size()))
+        for a in range(0, n, piece):
+            b = min(n, a + piece)
+            outs = [out[i * n + a:i * n + b] for i in range(self.world)]
+            part = mine[a:b]
+            self._wait(self._issue(part, lambda pg, outs=outs, part=part: pg.allgather([outs], [part]), what), what)
 
     def allgather_json(self, obj: object, what: str = "allgather_json") -> list:
         """Small metadata exchange as JSON — never pickle: a peer's bytes must not be able to

@@ -78,7 +78,6 @@ class OwnedState:
         self.next_parity = self.protect_every  # the next step whose update brings parity up to date
         self.rebuild_at: int | None = None  # zero2: a redone step after which parity is rebuilt in full
         self.log_from = 1  # the first step whose averaged gradient our ring is known to hold
-        self._shard_copy = torch.zeros(n, device=dev) if sharded else None
 
     def reset_state(self) -> None:
         """The optimizer state of a fresh optimizer (zeros; Adagrad's initial accumulator)."""
@@ -174,8 +173,8 @@ class OwnedState:
         parity step, its completion proves every holder absorbed every window: the snapshot
         moves to this step."""
         if self.sharded and self.world > 1:
-            self._shard_copy.copy_(self.flat.params[self.lo:self.hi])
-            world.allgather_into(self.flat.params, self._shard_copy, what="parameter all-gather")
+            # in place: each rank's shard is already in its slot of the flat buffer
+            world.allgather_into(self.flat.params, self.flat.params[self.lo:self.hi], what="parameter all-gather")
         if parity_step is not None:
             self.take_snapshot(parity_step)
 
