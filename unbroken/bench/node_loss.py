@@ -142,18 +142,34 @@ def _one_node(run_dir: Path, config: Path, steps: int, store: str | None) -> dic
     return {"mean_step_s": statistics.fmean(times), "recovery_s": recs[0]["recovery_s"] if recs else None}
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes have used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / tick
+
+
 def measure_store_cost(*, steps: int = 16, rounds: int = 3, log=print) -> dict:
+    """Each run also records the CPU the etcd members used while it ran (`etcd_cpu_s`, 0 for
+    TCPStore runs): on a 2-core box that CPU is taken from the ranks; on a cluster the members
+    run on their own cores."""
     runs: dict[str, list[dict]] = {"tcp": [], "etcd": []}
     with _with_etcd() as (tmp, config, members):
         for r in range(rounds):
             for kind in ("tcp", "etcd"):
                 log(f"store-cost: {kind} round {r + 1}/{rounds}")
                 store = etcd_cluster.url(members, f"cost{r}") if kind == "etcd" else None
-                runs[kind].append(_one_node(tmp / f"{kind}{r}", config, steps, store))
+                before = _cpu_s([m.pid for m in members])
+                run = _one_node(tmp / f"{kind}{r}", config, steps, store)
+                runs[kind].append({**run, "etcd_cpu_s": _cpu_s([m.pid for m in members]) - before})
     mean = {k: {f: statistics.fmean(x[f] for x in v if x[f] is not None) for f in ("mean_step_s", "recovery_s")}
             for k, v in runs.items()}
     return {"job": "1 node x 4 ranks, rank 2 SIGKILLed mid-run", "steps": steps, "rounds": rounds, "runs": runs,
             "mean": mean, "per_step_s": mean["etcd"]["mean_step_s"] - mean["tcp"]["mean_step_s"],
+            "etcd_cpu_s_per_run": {k: statistics.fmean(x["etcd_cpu_s"] for x in v) for k, v in runs.items()},
             "per_recovery_s": mean["etcd"]["recovery_s"] - mean["tcp"]["recovery_s"]}
 
 
