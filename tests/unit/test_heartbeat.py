@@ -184,3 +184,16 @@ def test_the_real_heartbeat_thread_survives_a_broken_store_connection():
         assert thread.is_alive()
     finally:
         proxy.close()
+
+
+def test_heartbeats_go_to_the_node_store_the_supervisor_names_else_to_the_job_store(monkeypatch):
+    from unbroken.runtime import node_heartbeats
+
+    node = node_heartbeats.host(5.0)
+    monkeypatch.setenv(node_heartbeats.ENV, str(node.port))
+    client = node_heartbeats.connect(5.0, fallback=lambda: pytest.fail("the job's store was used"))
+    client.set("hb/n0-w1", "beat")
+    assert node.get("hb/n0-w1") == b"beat"
+    monkeypatch.delenv(node_heartbeats.ENV)
+    job = object()
+    assert node_heartbeats.connect(5.0, fallback=lambda: job) is job

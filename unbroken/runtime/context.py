@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from unbroken.config import RunConfig
 from unbroken.events import EventLog
-from unbroken.runtime import membership
+from unbroken.runtime import membership, node_heartbeats
 from unbroken.runtime.faults import FaultInjector, FaultSpec
 
 
@@ -74,14 +74,16 @@ class ProcessContext:
         hung): it reconnects and retries with backoff, and gives up only once the store has
         been unreachable for `collective_timeout_s` (the run is over)."""
         cfg = self.config
-        store = membership.connect_store(self.host, self.port, timeout_s=cfg.collective_timeout_s)
+        store = node_heartbeats.connect(cfg.collective_timeout_s, lambda: membership.connect_store(
+            self.host, self.port, timeout_s=cfg.collective_timeout_s))
 
         def send(client: dist.Store) -> None:
             membership.put(client, f"hb/{self.proc}", {**self.phase, "t": time.time(), "pid": os.getpid()})
 
         def connect() -> dist.Store:
             # A short timeout: a reconnect that cannot finish within a hang timeout is a failed attempt.
-            return membership.connect_store(self.host, self.port, timeout_s=cfg.hang_timeout_s)
+            return node_heartbeats.connect(cfg.hang_timeout_s, lambda: membership.connect_store(
+                self.host, self.port, timeout_s=cfg.hang_timeout_s))
 
         t = threading.Thread(target=beat_until_unreachable, args=(send, connect, store),
                              kwargs={"interval_s": cfg.heartbeat_s, "give_up_s": cfg.collective_timeout_s},

@@ -4,7 +4,7 @@ Keys (all JSON values):
   gen                 latest generation number
   gen/{g}             {"members": {rank: proc}, "replaced": [rank], "cause": str}
   assign/{proc}       {"rank": r, "gen": g} for a shadow taken into service
-  hb/{proc}           {"t": time, "step": s, "phase": p, "gen": g, "rank": r}
+  hb/{proc}           {"t": time, "step": s, "phase": p, "gen": g, "rank": r}  (the node's own heartbeat store, runtime/node_heartbeats.py)
   ready/{proc}        a shadow is built and waiting
   progress            rank 0's {"step", "loss", "tokens_per_s"}
   faults/n, faults/{i} the leader's fault log: supervisors' findings, members' failed collectives

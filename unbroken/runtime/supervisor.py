@@ -16,11 +16,9 @@ import signal
 import threading
 import time
 
-import torch.distributed as dist
-
 from unbroken.config import RunConfig
 from unbroken.events import EventLog
-from unbroken.runtime import admission, failover, handover, lease, membership
+from unbroken.runtime import admission, failover, handover, lease, membership, node_heartbeats
 from unbroken.runtime.crash import CrashJudge
 from unbroken.runtime.fence import FENCE_FRACTION, LeaseFence
 from unbroken.runtime.budget import RecoveryRateExceeded, RecoveryRateLimit
@@ -56,16 +54,18 @@ class Supervisor:
         self.on_finish = on_finish or (lambda done: None)
         self.run_dir = opts.run_dir
         self.events = EventLog(self.run_dir / "events.jsonl", source="supervisor", node=self.node)
-        self.store = self._open_store()
+        self.store, self.port, self._listener = admission.open_store(opts)
         if warning := trust_warning(opts):
             self.events.emit("warning", message=warning)
         self._agree_on_config()
         cfg = self.cfg
+        self.beats = node_heartbeats.host(cfg.collective_timeout_s)  # our children's heartbeats
         env = {"MASTER_ADDR": opts.host, "MASTER_PORT": str(self.port), "WORLD_SIZE": str(cfg.world_size),
                "NNODES": str(opts.nnodes), "NODE_RANK": str(self.node), "UNBROKEN_RUN_DIR": str(self.run_dir),
                "UNBROKEN_FAULTS": json.dumps([str(f) for f in opts.faults]), "OMP_NUM_THREADS": str(cfg.threads),
                "UNBROKEN_RESUME": "1" if self.resume else "0",
-               "LOCAL_WORLD_SIZE": str(self.local), **({"UNBROKEN_STORE": opts.store} if opts.store else {})}
+               "LOCAL_WORLD_SIZE": str(self.local), **({"UNBROKEN_STORE": opts.store} if opts.store else {}),
+               node_heartbeats.ENV: str(self.beats.port)}
         self.table = ProcessTable(self.run_dir, env, list(opts.script))
         self.tee = Tee(self.run_dir / "logs", opts.tee, node=self.node, write=on_output or stream_writer())
         self.gen: membership.Generation | None = None
@@ -95,10 +95,6 @@ class Supervisor:
         self._cursor = 0  # the fault log's cursor as last published (replicated store)
 
     # --- store and admission (runtime/admission.py) -----------------------------------
-    def _open_store(self) -> dist.Store:
-        store, self.port, self._listener = admission.open_store(self.opts)
-        return store
-
     def _agree_on_config(self) -> None:
         self.cfg, self.resume = admission.agree_on_config(self.store, self.cfg, self.opts, self.events)
 
@@ -165,7 +161,7 @@ class Supervisor:
         if self.status in ("stopping", "excluded"):
             return
         # while a node has gone quiet its lease decides: waiting on it is no hang or stall here
-        for f, d in self.watch.poll(self.store, list(self.table.children.values()), self._rank_of,
+        for f, d in self.watch.poll(self.beats, list(self.table.children.values()), self._rank_of,
                                     hold_hangs=self._node_quiet()):
             self.events.emit("fault_detected", rank=f.rank, **f.event_fields())
             self.events.emit("fault_classified", rank=d.rank, **d.event_fields())
