@@ -10,8 +10,9 @@ from unbroken.rl import grpo, policy, task
 from unbroken.rl.config import RLConfig
 
 
-def run_local(cfg: RLConfig, init_state: dict, reward=task.default_reward, log=None) -> list[dict]:
-    """cfg.steps GRPO steps on-policy; one {"step", "reward", "tokens", "lengths"} per step."""
+def run_local(cfg: RLConfig, init_state: dict, reward=task.default_reward, log=None) -> tuple[list[dict], dict]:
+    """cfg.steps GRPO steps on-policy: one {"step", "reward", "tokens", "lengths"} per step, and the
+    final weights."""
     model = policy.new_policy(cfg)
     model.load_state_dict(init_state)
     ref = copy.deepcopy(model).eval() if cfg.kl > 0 else None
@@ -27,4 +28,4 @@ def run_local(cfg: RLConfig, init_state: dict, reward=task.default_reward, log=N
         curve.append(rec)
         if log:
             log(rec)
-    return curve
+    return curve, model.state_dict()
