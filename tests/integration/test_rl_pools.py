@@ -77,3 +77,14 @@ def test_killed_rollout_worker_prompts_are_requeued(warm, tmp_path):
     assert res["samples"] == CFG.steps * CFG.samples_per_step
     ev = [e for e in _events(tmp_path) if e["kind"] == "rl_requeue"]
     assert len(ev) == 1 and ev[0]["fields"]["proc"] == dead[0]
+
+
+def test_killed_trainer_step_is_redone_by_the_survivors(warm, tmp_path):
+    with Pool(3) as p:
+        res = rlrun.run(p, CFG, "static", rlrun.state_bytes(warm), tmp_path, rollout=1, kill_trainer_at=2)
+        dead = [w for w in range(3) if not p.alive(w)]
+    assert len(dead) == 1
+    assert [c["step"] for c in res["curve"]] == list(range(CFG.steps))  # no step lost or applied twice
+    assert res["curve"][-1]["train"] == 1
+    kinds = [e["kind"] for e in _events(tmp_path)]
+    assert kinds.count("rl_step") == CFG.steps and kinds.count("rl_redo") == len(res["redos"]) <= 1

@@ -30,7 +30,7 @@ class RunError(RuntimeError):
 
 class Coordinator:
     def __init__(self, pool: Pool, cfg: RLConfig, method: str, rollout: int, events: EventLog,
-                 kill_rollout_at: int | None = None, controller=None) -> None:
+                 kill_rollout_at: int | None = None, kill_trainer_at: int | None = None, controller=None) -> None:
         self.pool, self.cfg, self.method, self.events = pool, cfg, method, events
         self.alive = set(range(pool.size))
         self.busy: dict[int, tuple | None] = {w: None for w in self.alive}
@@ -42,7 +42,7 @@ class Coordinator:
         self.training: dict[int, tuple | None] | None = None  # member -> reply, while a step trains
         self.moving: set[int] = set()  # rollout workers that join the trainers when idle
         self.controller = (controller or Controller()) if method == "dynamic" else None
-        self.kill_rollout_at = kill_rollout_at
+        self.kill_rollout_at, self.kill_trainer_at = kill_rollout_at, kill_trainer_at  # fault injection
         self.tl, self.curve, self.moves, self.requeues, self.redos = Timeline(), [], [], [], []
         self.lengths: list[int] = []
         self.latest: bytes | None = None
@@ -130,6 +130,9 @@ class Coordinator:
             self._send(w, ("train", step, self.gen, rank, len(members), shares[rank], norm,
                            self.method != "colocated"))
             self.busy[w] = ("train", step, None, self.now())
+        if self.kill_trainer_at is not None and step >= self.kill_trainer_at and len(members) > 1:
+            self.kill_trainer_at = None
+            self.pool.kill(members[-1])  # mid-step: the survivors' all-reduce fails, the step is redone
 
     def _on_train_reply(self, w: int, reply: tuple) -> None:
         self._end_busy(w)

@@ -27,7 +27,8 @@ def state_bytes(state: dict) -> bytes:
 
 
 def run(pool: Pool, cfg: RLConfig, method: str, init_state: bytes, out: Path, *, rollout: int | None = None,
-        reward: str | None = None, kill_rollout_at: int | None = None, controller=None) -> dict:
+        reward: str | None = None, kill_rollout_at: int | None = None, kill_trainer_at: int | None = None,
+        controller=None) -> dict:
     """Run `method` ("static": cfg.rollout / rollout rollout workers, the rest trainers; "dynamic": starts
     there and moves processes; "colocated": every process generates, then every process trains)."""
     if method not in METHODS:
@@ -45,7 +46,8 @@ def run(pool: Pool, cfg: RLConfig, method: str, init_state: bytes, out: Path, *,
     split = (pool.size, pool.size) if method == "colocated" else (rollout, pool.size - rollout)
     events.emit("rl_pools", method=method, rollout=split[0], train=split[1], staleness=_staleness(cfg, method),
                 processes=pool.size)
-    coord = Coordinator(pool, cfg, method, rollout, events, kill_rollout_at=kill_rollout_at, controller=controller)
+    coord = Coordinator(pool, cfg, method, rollout, events, kill_rollout_at=kill_rollout_at,
+                        kill_trainer_at=kill_trainer_at, controller=controller)
     try:
         coord.run()
     finally:
