@@ -30,7 +30,8 @@ class RunError(RuntimeError):
 
 class Coordinator:
     def __init__(self, pool: Pool, cfg: RLConfig, method: str, rollout: int, events: EventLog,
-                 kill_rollout_at: int | None = None, kill_trainer_at: int | None = None, controller=None) -> None:
+                 kill_rollout_at: int | None = None, kill_trainer_at: int | None = None, controller=None,
+                 progress=None) -> None:
         self.pool, self.cfg, self.method, self.events = pool, cfg, method, events
         self.alive = set(range(pool.size))
         self.busy: dict[int, tuple | None] = {w: None for w in self.alive}
@@ -42,6 +43,7 @@ class Coordinator:
         self.training: dict[int, tuple | None] | None = None  # member -> reply, while a step trains
         self.moving: set[int] = set()  # rollout workers that join the trainers when idle
         self.controller = (controller or Controller()) if method == "dynamic" else None
+        self.progress = progress  # called with each step's record
         self.kill_rollout_at, self.kill_trainer_at = kill_rollout_at, kill_trainer_at  # fault injection
         self.tl, self.curve, self.moves, self.requeues, self.redos = Timeline(), [], [], [], []
         self.lengths: list[int] = []
@@ -166,6 +168,8 @@ class Coordinator:
                "tokens": grpo.tokens(samples), "max_staleness": max(step - s.version for s in samples),
                "rollout": len(self._rollout_workers()), "train": len(self._trainers()), "gen": self.gen}
         self.curve.append(rec)
+        if self.progress:
+            self.progress(rec)
         self.events.emit("rl_step", step=step, reward=rec["reward"], samples=len(samples), tokens=rec["tokens"],
                          rollout=rec["rollout"], train=rec["train"], train_gen=self.gen,
                          max_staleness=rec["max_staleness"], wall_s=rec["t"])

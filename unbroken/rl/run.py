@@ -26,9 +26,13 @@ def state_bytes(state: dict) -> bytes:
     return buf.getvalue()
 
 
+def load_state(data: bytes) -> dict:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
 def run(pool: Pool, cfg: RLConfig, method: str, init_state: bytes, out: Path, *, rollout: int | None = None,
         reward: str | None = None, kill_rollout_at: int | None = None, kill_trainer_at: int | None = None,
-        controller=None) -> dict:
+        controller=None, progress=None) -> dict:
     """Run `method` ("static": cfg.rollout / rollout rollout workers, the rest trainers; "dynamic": starts
     there and moves processes; "colocated": every process generates, then every process trains)."""
     if method not in METHODS:
@@ -47,7 +51,7 @@ def run(pool: Pool, cfg: RLConfig, method: str, init_state: bytes, out: Path, *,
     events.emit("rl_pools", method=method, rollout=split[0], train=split[1], staleness=_staleness(cfg, method),
                 processes=pool.size)
     coord = Coordinator(pool, cfg, method, rollout, events, kill_rollout_at=kill_rollout_at,
-                        kill_trainer_at=kill_trainer_at, controller=controller)
+                        kill_trainer_at=kill_trainer_at, controller=controller, progress=progress)
     try:
         coord.run()
     finally:
