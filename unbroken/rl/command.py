@@ -16,6 +16,11 @@ rl_app = typer.Typer(no_args_is_help=True, help="Elastic RL post-training: rollo
                                                 "exchange processes at run time.")
 
 
+@rl_app.callback()
+def _group() -> None:
+    """Elastic RL post-training (`unbroken rl train --help`)."""
+
+
 @rl_app.command("train")
 def train_cmd(method: str = typer.Option("dynamic", "--method", help=" | ".join(METHODS)),
               processes: int = typer.Option(4, "--processes", help="worker processes in all (1: one process, "
@@ -33,6 +38,7 @@ def train_cmd(method: str = typer.Option("dynamic", "--method", help=" | ".join(
                                                                           "-> number; default: the task's check"),
               kill_rollout_at: Optional[int] = typer.Option(None, "--kill-rollout-at",
                                                             help="SIGKILL a rollout worker at this step"),
+              pretrain_steps: int = typer.Option(300, "--pretrain-steps", help="supervised warm-start steps"),
               seed: int = typer.Option(0, "--seed"),
               out: Path = typer.Option(Path("runs/rl"), "--out", help="directory for result.json, events, policy"),
               ) -> None:
@@ -50,7 +56,7 @@ def train_cmd(method: str = typer.Option("dynamic", "--method", help=" | ".join(
         half = processes // 2 if rollout is None else rollout
         cfg = RLConfig(processes=processes, rollout=max(1, half) if rollout is None else rollout, steps=steps,
                        lengths=lengths, staleness=staleness, digits=digits, prompts=prompts, group=group, kl=kl,
-                       seed=seed)
+                       pretrain_steps=pretrain_steps, seed=seed)
         if method not in METHODS:
             raise RLInputError(f"unknown --method {method!r}; choose one of {', '.join(METHODS)}")
         fn = task.load_reward(reward)
