@@ -66,6 +66,11 @@ def test_moves_form_new_generations_without_losing_a_step(pool, warm, tmp_path):
     kinds = [e["kind"] for e in _events(tmp_path)]
     assert kinds.count("rl_move") == 2 and kinds.count("rl_step") == 6
     assert tuple(res["pool_sizes"][-1][1:]) == (2, 2)
+    from unbroken.detect.report import pool_changes
+    from unbroken.events import read_events
+
+    shown = pool_changes(read_events(tmp_path))  # what `unbroken report` prints
+    assert [(c["rollout"], c["train"]) for c in shown] == [(2, 2), (3, 1), (2, 2)]
 
 
 def test_killed_rollout_worker_prompts_are_requeued(warm, tmp_path):

@@ -46,6 +46,7 @@ def run(pool: Pool, cfg: RLConfig, method: str, init_state: bytes, out: Path, *,
         if reply[0] == "input_error":
             raise RLInputError(reply[1])
     out.mkdir(parents=True, exist_ok=True)
+    (out / "events.jsonl").unlink(missing_ok=True)  # this run's events only (`unbroken report OUT`)
     events = EventLog(out / "events.jsonl", source="rl")
     split = (pool.size, pool.size) if method == "colocated" else (rollout, pool.size - rollout)
     events.emit("rl_pools", method=method, rollout=split[0], train=split[1], staleness=_staleness(cfg, method),
