@@ -5,18 +5,21 @@ from unbroken.rl.controller import Controller, Observation
 from unbroken.rl.metrics import Timeline, length_stats, time_to_target
 
 
-def obs(step, rollout=2, train=2, ri=0.0, ti=0.0):
-    return Observation(step, rollout, train, ri, ti, 0)
+def obs(step, rollout=2, train=2, rw=1.0, tw=1.0):
+    return Observation(step, rollout, train, rw, tw, 0.0, 0.0, 0)
 
 
-def test_controller_moves_toward_the_busier_pool_with_cooldown():
-    c = Controller(margin=0.15, cooldown=2)
-    assert c.decide(obs(0, ri=0.5, ti=0.1)).to_pool == "train"
-    assert c.decide(obs(1, ri=0.5, ti=0.1)) is None  # cooldown
-    assert c.decide(obs(2, ti=0.6, ri=0.1)).to_pool == "rollout"
-    assert c.decide(obs(4, ri=0.2, ti=0.1)) is None  # inside the margin
-    assert c.decide(obs(5, rollout=1, ri=0.9)) is None  # never empties a pool
-    assert c.decide(obs(6, train=1, ti=0.9)) is None
+def test_controller_moves_toward_the_balanced_split_with_cooldown():
+    c = Controller(gain=0.1, cooldown=2)
+    m = c.decide(obs(0, rw=3.0, tw=1.0))  # generation is 3x the training work: 3 rollout processes
+    assert m.to_pool == "rollout" and "3 rollout processes" in m.reason
+    assert c.decide(obs(1, rw=3.0, tw=1.0)) is None  # cooldown
+    assert c.decide(obs(2, rw=1.0, tw=3.0)).to_pool == "train"
+    assert c.decide(obs(4, rw=1.0, tw=1.0)) is None  # balanced already
+    assert c.decide(obs(6, rw=1.05, tw=1.0, rollout=2, train=2)) is None  # a gain under 10%: stay
+    assert c.decide(obs(8, rollout=1, train=3, rw=0.01, tw=5.0)) is None  # never empties a pool
+    assert c.decide(obs(10, rollout=3, train=1, rw=5.0, tw=0.01)) is None
+    assert c.decide(obs(12, rollout=3, train=1, rw=1.0, tw=1.0)).to_pool == "train"
 
 
 def test_idle_fraction_and_sizes():

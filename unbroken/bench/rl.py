@@ -8,6 +8,7 @@ curves, the dynamic run's pool sizes over time, idle fractions).
 """
 from __future__ import annotations
 
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -33,29 +34,35 @@ def even_name(processes: int) -> str:
     return f"static-{processes // 2}r{processes - processes // 2}t"
 
 
-def run_mode(pool, cfg: RLConfig, init: bytes, work: Path, console: Console) -> dict:
+def run_mode(pool, cfg: RLConfig, init: bytes, work: Path, console: Console, repeats: int) -> dict:
+    """Every method `repeats` times, interleaved (the shared machine's drift hits all alike):
+    samples/s and time to target are medians, reward and idle fractions means over the repeats."""
     from unbroken.rl import run as rlrun
     from unbroken.rl.metrics import smoothed, time_to_target
 
-    runs = {}
-    for name, method, rollout in methods(pool.size):
-        runs[name] = rlrun.run(pool, cfg, method, init, work / cfg.lengths / name, rollout=rollout)
-        r = runs[name]
-        console.print(f"  {cfg.lengths:8s} {name:12s} {r['samples_per_s']:7.1f} samples/s  reward "
-                      f"{r['reward_initial']:.3f} -> {r['reward_final']:.3f}  moves {len(r['moves'])}")
-    target = min(smoothed([c["reward"] for c in r["curve"]])[-1] for r in runs.values())
-    for r in runs.values():
-        r["time_to_target_s"] = time_to_target(r["curve"], target)
-    statics = {n: r for n, r in runs.items() if n.startswith("static-")}
-    best = max(statics, key=lambda n: statics[n]["samples_per_s"])
-    return {"runs": runs, "target_reward": target, "best_static": best,
-            "samples_per_s": {n: r["samples_per_s"] for n, r in runs.items()},
-            "reward_final": {n: r["reward_final"] for n, r in runs.items()},
-            "time_to_target_s": {n: r["time_to_target_s"] for n, r in runs.items()},
-            "idle": {n: r["idle"] for n, r in runs.items()}, "lengths": runs["dynamic"]["lengths"]}
+    reps: dict[str, list[dict]] = {}
+    for rep in range(repeats):
+        for name, method, rollout in methods(pool.size):
+            r = rlrun.run(pool, cfg, method, init, work / cfg.lengths / f"{name}-{rep}", rollout=rollout)
+            reps.setdefault(name, []).append(r)
+            console.print(f"  {cfg.lengths:8s} {name:12s} #{rep}  {r['samples_per_s']:7.1f} samples/s  reward "
+                          f"{r['reward_initial']:.3f} -> {r['reward_final']:.3f}  moves {len(r['moves'])}")
+    target = min(smoothed([c["reward"] for c in r["curve"]])[-1] for rs in reps.values() for r in rs)
+    ttt = {n: [time_to_target(r["curve"], target) for r in rs] for n, rs in reps.items()}
+    sps = {n: statistics.median(r["samples_per_s"] for r in rs) for n, rs in reps.items()}
+    statics = [n for n in sps if n.startswith("static-")]
+    best = max(statics, key=lambda n: sps[n])
+    return {"runs": {n: rs[-1] for n, rs in reps.items()}, "target_reward": target, "best_static": best,
+            "samples_per_s": sps, "samples_per_s_each": {n: [r["samples_per_s"] for r in rs] for n, rs in reps.items()},
+            "reward_final": {n: statistics.fmean(r["reward_final"] for r in rs) for n, rs in reps.items()},
+            "time_to_target_s": {n: statistics.median(t) if None not in t else None for n, t in ttt.items()},
+            "idle": {n: {p: statistics.fmean(r["idle"][p] or 0.0 for r in rs) for p in rs[0]["idle"]}
+                     for n, rs in reps.items()},
+            "moves": {n: [len(r["moves"]) for r in rs] for n, rs in reps.items()},
+            "lengths": reps["dynamic"][-1]["lengths"]}
 
 
-def measure(cfg: RLConfig, work: Path, console: Console) -> dict:
+def measure(cfg: RLConfig, work: Path, console: Console, repeats: int = 1) -> dict:
     from unbroken.rl.pool import Pool
     from unbroken.rl.run import run as rl_run
     from unbroken.rl.warm import warm_state
@@ -66,7 +73,8 @@ def measure(cfg: RLConfig, work: Path, console: Console) -> dict:
         warmup = RLConfig(**{**cfg.to_dict(), "steps": 2})  # first commands pay for imports: not measured
         rl_run(pool, warmup, "static", init, work / "warmup", rollout=cfg.processes // 2)
         for lengths in ("longtail", "uniform"):
-            modes[lengths] = run_mode(pool, RLConfig(**{**cfg.to_dict(), "lengths": lengths}), init, work, console)
+            modes[lengths] = run_mode(pool, RLConfig(**{**cfg.to_dict(), "lengths": lengths}), init, work, console,
+                                      repeats)
     lt, un = modes["longtail"], modes["uniform"]
     even = even_name(cfg.processes)
     sps, sps_u = lt["samples_per_s"], un["samples_per_s"]
@@ -79,8 +87,9 @@ def measure(cfg: RLConfig, work: Path, console: Console) -> dict:
             "samples_per_s": sps, "reward_final": lt["reward_final"],
             "time_to_target_s": lt["time_to_target_s"], "target_reward": lt["target_reward"],
             "idle": lt["idle"], "lengths": {"longtail": lt["lengths"], "uniform": un["lengths"]},
-            "uniform": {k: un[k] for k in ("samples_per_s", "reward_final", "time_to_target_s", "target_reward",
-                                           "idle", "best_static")},
+            "samples_per_s_each": lt["samples_per_s_each"], "moves": lt["moves"], "repeats": repeats,
+            "uniform": {k: un[k] for k in ("samples_per_s", "samples_per_s_each", "reward_final", "time_to_target_s",
+                                           "target_reward", "idle", "best_static", "moves")},
             "dynamic_pool_sizes": lt["runs"]["dynamic"]["pool_sizes"], "dynamic_moves": lt["runs"]["dynamic"]["moves"],
             "curves": {m: {n: [(c["t"], c["reward"]) for c in r["curve"]] for n, r in modes[m]["runs"].items()}
                        for m in modes}}
@@ -130,6 +139,7 @@ def plot(res: dict, path: Path) -> None:
 def rl(quick: bool = typer.Option(False, "--quick", help="smoke run: 1-digit task, few steps"),
        processes: int = typer.Option(4, "--processes", help="worker processes in every method"),
        steps: int = typer.Option(40, "--steps", help="training steps of every run"),
+       repeats: int = typer.Option(3, "--repeats", help="runs of every method (interleaved); medians reported"),
        staleness: int = typer.Option(1, "--staleness", help="static and dynamic: 0 or 1 (colocated is always 0)"),
        seed: int = typer.Option(0, "--seed"),
        out: Path = typer.Option(RESULTS_DIR, "--out", help="directory for rl.json and rl.png")) -> None:
@@ -140,6 +150,8 @@ def rl(quick: bool = typer.Option(False, "--quick", help="smoke run: 1-digit tas
 
     torch.set_num_threads(1)
     try:
+        if repeats < 1:
+            raise RLInputError(f"--repeats must be >= 1, got {repeats}")
         if processes < 2:
             raise RLInputError(f"--processes {processes}: the benchmark needs >= 2 (a rollout and a training pool)")
         base = dict(processes=processes, rollout=processes // 2, staleness=staleness, seed=seed)
@@ -149,7 +161,7 @@ def rl(quick: bool = typer.Option(False, "--quick", help="smoke run: 1-digit tas
         fail(str(e))
     console = Console()
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-rl-") as tmp:
-        res = measure(cfg, Path(tmp), console)
+        res = measure(cfg, Path(tmp), console, 1 if quick else repeats)
     res["quick"] = quick
     console.print(table(res))
     console.print(f"dynamic vs best static ({res['best_static']}): {res['speedup_vs_best_static']:.2f}x "

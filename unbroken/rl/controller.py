@@ -1,7 +1,9 @@
-"""The reallocation policy of the dynamic method: after each training step it compares the pools'
-idle fractions since its last move and moves one process from the idler pool to the busier one
-(a rollout worker becomes a trainer rank, or a trainer rank becomes a rollout worker), keeping at
-least one process in each pool and waiting `cooldown` steps between moves."""
+"""The reallocation policy of the dynamic method. After each training step it looks at the last
+few steps: the busy process-seconds each pool spent per step (the work), and each pool's idle
+fraction. It predicts the step time of a split r rollout / N-r training processes as
+max(rollout work / r, training work / (N - r)) and moves one process toward the split with the
+shortest predicted step when that beats the current one by `gain`; at least one process stays in
+each pool, and at most one move every `cooldown` steps."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,36 +12,43 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Observation:
     step: int
-    rollout: int          # processes in the rollout pool (those already moving out excluded)
+    rollout: int           # processes in the rollout pool (those already moving out excluded)
     train: int
-    rollout_idle: float   # idle fraction of the rollout pool since the last decision
+    rollout_work_s: float  # busy process-seconds of the rollout pool per step, over the window
+    train_work_s: float
+    rollout_idle: float    # idle fraction of each pool over the window (reported with a move)
     train_idle: float
-    queued: int           # prompt groups generated ahead and waiting for training
+    queued: int            # prompt groups generated ahead and waiting for training
 
 
 @dataclass(frozen=True)
 class Move:
-    to_pool: str          # "train" | "rollout"
+    to_pool: str           # "train" | "rollout"
     reason: str
+
+
+def predicted_step_s(obs: Observation, rollout: int) -> float:
+    n = obs.rollout + obs.train
+    return max(obs.rollout_work_s / rollout, obs.train_work_s / (n - rollout))
 
 
 @dataclass
 class Controller:
-    margin: float = 0.15
+    gain: float = 0.10
     cooldown: int = 2
     _last: int = -10**9
 
     def decide(self, obs: Observation) -> Move | None:
-        if obs.step - self._last < self.cooldown:
+        n = obs.rollout + obs.train
+        if obs.step - self._last < self.cooldown or n < 2 or obs.rollout_work_s + obs.train_work_s <= 0:
             return None
-        gap = obs.rollout_idle - obs.train_idle
-        move = None
-        if gap > self.margin and obs.rollout > 1:
-            move = Move("train", f"rollout pool idle {obs.rollout_idle:.2f} > training pool idle "
-                                 f"{obs.train_idle:.2f} ({obs.queued} groups queued for training)")
-        elif -gap > self.margin and obs.train > 1:
-            move = Move("rollout", f"training pool idle {obs.train_idle:.2f} > rollout pool idle "
-                                   f"{obs.rollout_idle:.2f} (trainers wait for samples)")
-        if move is not None:
-            self._last = obs.step
-        return move
+        now = predicted_step_s(obs, obs.rollout)
+        best = min(range(1, n), key=lambda r: predicted_step_s(obs, r))
+        if best == obs.rollout or predicted_step_s(obs, best) > (1 - self.gain) * now:
+            return None
+        self._last = obs.step
+        to = "rollout" if best > obs.rollout else "train"
+        return Move(to, f"work per step: rollout {obs.rollout_work_s:.3f} s, training {obs.train_work_s:.3f} s; "
+                        f"{best} rollout processes predict {predicted_step_s(obs, best):.3f} s/step vs {now:.3f} "
+                        f"(idle: rollout {obs.rollout_idle:.2f}, training {obs.train_idle:.2f}; "
+                        f"{obs.queued} groups queued)")

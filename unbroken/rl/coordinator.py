@@ -176,9 +176,13 @@ class Coordinator:
 
     def _decide(self, step: int) -> None:
         t1 = self.now()
-        starts = [c["t"] for c in self.curve[-WINDOW_STEPS - 1:-1]] or [0.0]
-        t0 = max(starts[0], self.moves[-1]["t"] if self.moves else 0.0)
-        obs = Observation(step, len(self._rollout_workers()), len(self._trainers()),
+        since = [c for c in self.curve if not self.moves or c["step"] > self.moves[-1]["step"]]
+        window = since[-WINDOW_STEPS - 1:]
+        if len(window) < 2:
+            return  # no whole step since the last move yet
+        t0, steps = window[0]["t"], len(window) - 1
+        (_, r_busy), (_, t_busy) = self.tl.pool_seconds("rollout", t0, t1), self.tl.pool_seconds("train", t0, t1)
+        obs = Observation(step, len(self._rollout_workers()), len(self._trainers()), r_busy / steps, t_busy / steps,
                           self.tl.idle_fraction("rollout", t0, t1) or 0.0,
                           self.tl.idle_fraction("train", t0, t1) or 0.0,
                           sum(len(g) for s, g in self.ready.items() if s > step))

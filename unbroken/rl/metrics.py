@@ -24,8 +24,8 @@ class Timeline:
         r = self.roles.get(wid, [])
         return [(t, (r[i + 1][0] if i + 1 < len(r) else t_end), role) for i, (t, role) in enumerate(r)]
 
-    def idle_fraction(self, pool: str, t0: float, t1: float) -> float | None:
-        """Of the process-seconds spent in `pool` during [t0, t1], the fraction not busy (None: no time)."""
+    def pool_seconds(self, pool: str, t0: float, t1: float) -> tuple[float, float]:
+        """(process-seconds spent in `pool`, of which busy) during [t0, t1]."""
         total = busy = 0.0
         for wid in self.roles:
             for a, b, role in self._spans(wid, t1):
@@ -34,6 +34,11 @@ class Timeline:
                     continue
                 total += hi - lo
                 busy += sum(max(0.0, min(y, hi) - max(x, lo)) for x, y in self.busy.get(wid, []))
+        return total, busy
+
+    def idle_fraction(self, pool: str, t0: float, t1: float) -> float | None:
+        """Of the process-seconds spent in `pool` during [t0, t1], the fraction not busy (None: no time)."""
+        total, busy = self.pool_seconds(pool, t0, t1)
         return None if total <= 0 else max(0.0, 1.0 - busy / total)
 
     def sizes(self, t_end: float) -> list[tuple[float, int, int]]:
