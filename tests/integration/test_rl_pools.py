@@ -81,7 +81,7 @@ def test_killed_rollout_worker_prompts_are_requeued(warm, tmp_path):
     assert [c["step"] for c in res["curve"]] == list(range(CFG.steps))
     assert res["samples"] == CFG.steps * CFG.samples_per_step
     ev = [e for e in _events(tmp_path) if e["kind"] == "rl_requeue"]
-    assert len(ev) == 1 and ev[0]["fields"]["proc"] == dead[0]
+    assert len(ev) == 1 and ev[0]["fields"]["proc"] == dead[0] and ev[0]["fields"]["rollout"] == 1
 
 
 def test_killed_trainer_step_is_redone_by_the_survivors(warm, tmp_path):

@@ -112,17 +112,20 @@ def table(res: dict) -> Table:
 
 def plot(res: dict, path: Path) -> None:
     from unbroken.figures import plt, save_png
+    from unbroken.rl.metrics import smoothed
 
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
     for name, pts in res["curves"]["longtail"].items():
-        ax[0].plot([p[0] for p in pts], [p[1] for p in pts], label=name)
-    ax[0].set(xlabel="seconds", ylabel="mean reward", title="reward (long-tail lengths)")
+        ax[0].plot([p[0] for p in pts], smoothed([p[1] for p in pts]), label=name)
+    ax[0].axhline(res["target_reward"], color="grey", lw=0.8, ls=":")
+    ax[0].set(xlabel="seconds", ylabel="mean reward (5-step mean)", title="reward (long-tail lengths), target dotted")
     ax[0].legend(fontsize=7)
     sizes = res["dynamic_pool_sizes"]
     ts = [s[0] for s in sizes] + [res["curves"]["longtail"]["dynamic"][-1][0]]
     ax[1].step(ts, [s[1] for s in sizes] + [sizes[-1][1]], where="post", label="rollout")
-    ax[1].step(ts, [s[2] for s in sizes] + [sizes[-1][2]], where="post", label="train")
-    ax[1].set(xlabel="seconds", ylabel="processes", title="dynamic: pool sizes over time")
+    ax[1].step(ts, [s[2] for s in sizes] + [sizes[-1][2]], where="post", label="train", ls="--")
+    ax[1].set(xlabel="seconds", ylabel="processes", title="dynamic: pool sizes over time",
+              ylim=(0, res["config"]["processes"] + 0.5))
     ax[1].legend()
     names = list(res["idle"])
     for i, pool in enumerate(("rollout", "train")):

@@ -48,6 +48,7 @@ def train_cmd(method: str = typer.Option("dynamic", "--method", help=" | ".join(
     from unbroken.fsutil import atomic_write_json
     from unbroken.rl import local, run as rlrun, task
     from unbroken.rl.coordinator import RunError
+    from unbroken.rl.metrics import length_stats
     from unbroken.rl.pool import Pool
     from unbroken.rl.warm import warm_state
 
@@ -63,7 +64,8 @@ def train_cmd(method: str = typer.Option("dynamic", "--method", help=" | ".join(
         init = warm_state(cfg, out)
         if processes == 1:
             curve, state = local.run_local(cfg, rlrun.load_state(init), fn, log=_print_step)
-            result = {"method": "single-process", "curve": curve, "config": cfg.to_dict()}
+            result = {"method": "single-process", "curve": curve, "config": cfg.to_dict(),
+                      "lengths": length_stats([n for c in curve for n in c.pop("lengths")])}
         else:
             with Pool(processes) as pool:
                 result = rlrun.run(pool, cfg, method, init, out, rollout=cfg.rollout, reward=reward,
@@ -85,14 +87,15 @@ def _print_step(rec: dict) -> None:
 
 
 def _print_summary(r: dict) -> None:
+    ls = r["lengths"]
+    lengths = f"completion lengths: mean {ls['mean']:.1f} p50 {ls['p50']} p90 {ls['p90']} p99 {ls['p99']} max {ls['max']}"
     if "samples_per_s" not in r:
+        typer.echo(lengths)
         return
     idle = "  ".join(f"{k} {v:.2f}" for k, v in r["idle"].items() if v is not None)
-    ls = r["lengths"]
     typer.echo(f"{r['method']}: {r['samples_per_s']:.1f} samples/s, reward {r['reward_initial']:.3f} -> "
                f"{r['reward_final']:.3f}, staleness {r['staleness']}, idle fraction {idle}")
-    typer.echo(f"completion lengths: mean {ls['mean']:.1f} p50 {ls['p50']} p90 {ls['p90']} p99 {ls['p99']} "
-               f"max {ls['max']}; moves {len(r['moves'])}, requeued groups {len(r['requeues'])}, "
+    typer.echo(f"{lengths}; moves {len(r['moves'])}, requeued groups {len(r['requeues'])}, "
                f"redone steps {len(r['redos'])}")
 
 

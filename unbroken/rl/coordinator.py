@@ -148,7 +148,8 @@ class Coordinator:
         self.training = None
         if not done:  # nobody applied the update: the survivors redo it in a new generation
             self.events.emit("rl_redo", step=step, proc=[m for m in self.members if m not in self.alive],
-                             why="a training rank was lost before the update")
+                             why="a training rank was lost before the update", rollout=len(self._rollout_workers()),
+                             train=len(self._trainers()))
             self.redos.append(step)
             return  # the dead member leaves self.members at the next dispatch: a new generation
         if self.members[0] not in done:  # a rank that completed the step holds the update: it leads
@@ -248,7 +249,8 @@ class Coordinator:
         self.busy[w] = None
         self.tl.set_role(w, self.now(), "gone")
         if task_ is not None and task_[0] == "rollout":
-            self.events.emit("rl_requeue", proc=w, step=task_[1], prompts=[task_[2].text], why="worker lost")
+            self.events.emit("rl_requeue", proc=w, step=task_[1], prompts=[task_[2].text], why="worker lost",
+                             rollout=len(self._rollout_workers()), train=len(self._trainers()))
             self.requeues.append({"t": self.now(), "proc": w, "step": task_[1]})
             self.queue.appendleft((task_[1], task_[2]))
         if self.training is not None and w in self.training and \
