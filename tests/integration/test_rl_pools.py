@@ -93,3 +93,12 @@ def test_killed_trainer_step_is_redone_by_the_survivors(warm, tmp_path):
     assert res["curve"][-1]["train"] == 1
     kinds = [e["kind"] for e in _events(tmp_path)]
     assert kinds.count("rl_step") == CFG.steps and kinds.count("rl_redo") == len(res["redos"]) <= 1
+
+
+def test_colocated_run_is_on_policy_and_keeps_its_weights(pool, warm, tmp_path):
+    cfg = RLConfig(**{**CFG.to_dict(), "steps": 3, "staleness": 1})  # colocated ignores it: always 0
+    res = rlrun.run(pool, cfg, "colocated", rlrun.state_bytes(warm), tmp_path)
+    assert [c["step"] for c in res["curve"]] == [0, 1, 2]
+    assert res["staleness"] == 0 and res["max_staleness_seen"] == 0
+    assert all(c["train"] == 4 and c["rollout"] == 4 for c in res["curve"]) and set(res["idle"]) == {"both"}
+    assert (tmp_path / "policy.pt").exists()

@@ -129,8 +129,10 @@ class Coordinator:
         norm = float(grpo.tokens(samples))
         self.training = {w: None for w in members}
         for rank, w in enumerate(members):
+            # disaggregated: every rank returns its weights, so any rank that completes the step can
+            # feed the rollout pool; colocated: the processes sample with their own weights (rank 0's kept)
             self._send(w, ("train", step, self.gen, rank, len(members), shares[rank], norm,
-                           self.method != "colocated"))
+                           self.method != "colocated" or rank == 0))
             self.busy[w] = ("train", step, None, self.now())
         if self.kill_trainer_at is not None and step >= self.kill_trainer_at and len(members) > 1:
             self.kill_trainer_at = None
@@ -154,7 +156,7 @@ class Coordinator:
             return  # the dead member leaves self.members at the next dispatch: a new generation
         if self.members[0] not in done:  # a rank that completed the step holds the update: it leads
             self.members = tuple(done + [m for m in self.members if m not in done])
-        self.latest = replies[done[0]][4]
+        self.latest = next((replies[m][4] for m in done if replies[m][4] is not None), self.latest)
         self.version += 1
         for m in done:
             self.wversion[m] = self.version
