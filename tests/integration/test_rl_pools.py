@@ -73,15 +73,19 @@ def test_moves_form_new_generations_without_losing_a_step(pool, warm, tmp_path):
     assert [(c["rollout"], c["train"]) for c in shown] == [(2, 2), (3, 1), (2, 2)]
 
 
-def test_killed_rollout_worker_prompts_are_requeued(warm, tmp_path):
+@pytest.mark.parametrize("rollout", [2, 1])  # 1: the rollout pool dies out and a trainer refills it
+def test_killed_rollout_worker_prompts_are_requeued(warm, tmp_path, rollout):
     with Pool(3) as p:
-        res = rlrun.run(p, CFG, "static", rlrun.state_bytes(warm), tmp_path, rollout=2, kill_rollout_at=1)
+        res = rlrun.run(p, CFG, "static", rlrun.state_bytes(warm), tmp_path, rollout=rollout, kill_rollout_at=1)
         dead = [w for w in range(3) if not p.alive(w)]
     assert len(dead) == 1 and len(res["requeues"]) == 1
     assert [c["step"] for c in res["curve"]] == list(range(CFG.steps))
     assert res["samples"] == CFG.steps * CFG.samples_per_step
-    ev = [e for e in _events(tmp_path) if e["kind"] == "rl_requeue"]
-    assert len(ev) == 1 and ev[0]["fields"]["proc"] == dead[0] and ev[0]["fields"]["rollout"] == 1
+    events = _events(tmp_path)
+    ev = [e for e in events if e["kind"] == "rl_requeue"]
+    assert len(ev) == 1 and ev[0]["fields"]["proc"] == dead[0] and ev[0]["fields"]["rollout"] == rollout - 1
+    refills = [e for e in events if e["kind"] == "rl_move" and "lost its last worker" in e["fields"]["reason"]]
+    assert len(refills) == (rollout == 1) and res["curve"][-1]["rollout"] == 1
 
 
 def test_killed_trainer_step_is_redone_by_the_survivors(warm, tmp_path):

@@ -61,6 +61,7 @@ class Coordinator:
         last = time.monotonic()
         while self.version < self.cfg.steps:
             self._admit()
+            self._refill_rollout()
             self._dispatch_rollouts()
             self._maybe_train()
             if self._handle(wait_s=TICK_S):
@@ -153,7 +154,8 @@ class Coordinator:
                              why="a training rank was lost before the update", rollout=len(self._rollout_workers()),
                              train=len(self._trainers()))
             self.redos.append(step)
-            return  # the dead member leaves self.members at the next dispatch: a new generation
+            self.gen += 1  # never reuse a failed generation's store prefix, even with the same members
+            return  # a dead member leaves self.members at the next dispatch
         if self.members[0] not in done:  # a rank that completed the step holds the update: it leads
             self.members = tuple(done + [m for m in self.members if m not in done])
         self.latest = next((replies[m][4] for m in done if replies[m][4] is not None), self.latest)
@@ -258,13 +260,17 @@ class Coordinator:
         if self.training is not None and w in self.training and \
                 all(r is not None for m, r in self.training.items() if m in self.alive):
             self._resolve_step()
-        if self.method != "colocated" and not self._rollout_workers() and len(self._trainers()) > 1:
-            t = self._trainers()[-1]  # the rollout pool died out: a trainer takes its place
-            if self.training is None:
-                self.tl.set_role(t, self.now(), "rollout")
-                self.events.emit("rl_move", proc=t, from_pool="train", to_pool="rollout", step=self.version,
-                                 reason="the rollout pool lost its last worker", rollout=1,
-                                 train=len(self._trainers()), train_gen=self.gen)
+
+    def _refill_rollout(self) -> None:
+        """The rollout pool died out: between steps, a trainer takes its place."""
+        if self.method == "colocated" or self.training is not None or self._rollout_workers() \
+                or len(self._trainers()) < 2:
+            return
+        t = self._trainers()[-1]
+        self.events.emit("rl_move", proc=t, from_pool="train", to_pool="rollout", step=self.version,
+                         reason="the rollout pool lost its last worker", rollout=1,
+                         train=len(self._trainers()) - 1, train_gen=self.gen)
+        self.tl.set_role(t, self.now(), "rollout")
 
 
 def _split(samples: list[grpo.Sample], n: int) -> list[list[grpo.Sample]]:
