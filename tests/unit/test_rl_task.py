@@ -83,3 +83,15 @@ def test_group_advantages_are_normalized():
     a = grpo.group_advantages([0.0, 1.0, 1.0, 0.0])
     assert math.isclose(sum(a), 0.0, abs_tol=1e-9) and all(math.isclose(abs(x), 1.0, rel_tol=1e-3) for x in a)
     assert grpo.group_advantages([0.5] * 4) == [0.0] * 4
+
+
+def test_kl_term_is_zero_against_itself_and_positive_against_another_policy():
+    cfg = RLConfig(digits=1, n_embd=32, kl=0.5)
+    model = policy.new_policy(cfg)
+    other = policy.new_policy(RLConfig(digits=1, n_embd=32, seed=1))
+    p = task.step_prompts(0, 0, 1, 1, "longtail", 6)[0]
+    samples = grpo.rollout_group(model, cfg, p, 0, 0, task.default_reward)
+    n = float(grpo.tokens(samples))
+    plain = grpo.loss(model, samples, RLConfig(digits=1, n_embd=32), n)
+    assert torch.allclose(grpo.loss(model, samples, cfg, n, ref=model), plain, atol=1e-6)
+    assert float(grpo.loss(model, samples, cfg, n, ref=other)) > float(plain) + 1e-4
