@@ -158,6 +158,8 @@ class Coordinator:
             return  # a dead member leaves self.members at the next dispatch
         if self.members[0] not in done:  # a rank that completed the step holds the update: it leads
             self.members = tuple(done + [m for m in self.members if m not in done])
+        if len(done) < len(replies):
+            self.gen += 1  # ranks whose collective failed rejoin in a new generation and get rank 0's state
         self.latest = next((replies[m][4] for m in done if replies[m][4] is not None), self.latest)
         self.version += 1
         for m in done:
