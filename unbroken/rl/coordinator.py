@@ -95,12 +95,12 @@ class Coordinator:
             if self.busy[w] is None:
                 step, prompt = self.queue.popleft()
                 weights = self.latest if self.wversion[w] < self.version else None
-                self._send(w, ("rollout", step, prompt, self.version, weights))
+                die = self.kill_rollout_at is not None and step >= self.kill_rollout_at
+                if die:  # the worker SIGKILLs itself once it holds the prompts: in flight for sure
+                    self.kill_rollout_at = None
+                self._send(w, ("rollout", step, prompt, self.version, weights, die))
                 self.wversion[w] = self.version
                 self.busy[w] = ("rollout", step, prompt, self.now())
-                if self.kill_rollout_at is not None and step >= self.kill_rollout_at:
-                    self.kill_rollout_at = None
-                    self.pool.kill(w)  # in flight for sure: the fault the requeue test needs
 
     def _send(self, w: int, msg: tuple) -> None:
         try:
@@ -129,15 +129,15 @@ class Coordinator:
         shares = _split(samples, len(members))
         norm = float(grpo.tokens(samples))
         self.training = {w: None for w in members}
+        victim = None  # fault injection: the last rank SIGKILLs itself mid-step, before the all-reduce
+        if self.kill_trainer_at is not None and step >= self.kill_trainer_at and len(members) > 1:
+            self.kill_trainer_at, victim = None, members[-1]
         for rank, w in enumerate(members):
             # disaggregated: every rank returns its weights, so any rank that completes the step can
             # feed the rollout pool; colocated: the processes sample with their own weights (rank 0's kept)
             self._send(w, ("train", step, self.gen, rank, len(members), shares[rank], norm,
-                           self.method != "colocated" or rank == 0))
+                           self.method != "colocated" or rank == 0, w == victim))
             self.busy[w] = ("train", step, None, self.now())
-        if self.kill_trainer_at is not None and step >= self.kill_trainer_at and len(members) > 1:
-            self.kill_trainer_at = None
-            self.pool.kill(members[-1])  # mid-step: the survivors' all-reduce fails, the step is redone
 
     def _on_train_reply(self, w: int, reply: tuple) -> None:
         self._end_busy(w)

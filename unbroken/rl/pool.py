@@ -1,6 +1,6 @@
 """The RL job's processes: the coordinator's TCPStore (training-group rendezvous) and N worker
 processes, each with a pipe. The pool started them, so the pool reaps them: `close` asks each to
-stop, waits, and SIGKILLs what is left; `kill` is the fault injector's SIGKILL."""
+stop, waits, and SIGKILLs what is left (injected faults are workers SIGKILLing themselves)."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -41,13 +41,6 @@ class Pool:
 
     def alive(self, wid: int) -> bool:
         return self.procs[wid].is_alive()
-
-    def kill(self, wid: int) -> None:
-        """SIGKILL one worker (fault injection); it is reaped here."""
-        p = self.procs[wid]
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-        p.join(timeout=STOP_TIMEOUT_S)
 
     def call(self, wid: int, msg: tuple, timeout_s: float = START_TIMEOUT_S) -> tuple:
         """Send one command and wait for its reply (used for `reset`, when nothing else is in flight)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import io
 import os
+import signal
 import time
 from datetime import timedelta
 
@@ -48,20 +49,24 @@ class Worker:
         self.group = None
         return ("ok",)
 
-    def rollout(self, step: int, prompt: task.Prompt, version: int, weights: bytes | None) -> tuple:
+    def rollout(self, step: int, prompt: task.Prompt, version: int, weights: bytes | None, die: bool) -> tuple:
         if weights is not None:
             self.model.load_state_dict(load_bytes(weights))
+        if die:  # fault injection (--kill-rollout-at): a real SIGKILL with the group in flight
+            os.kill(os.getpid(), signal.SIGKILL)
         t0 = time.perf_counter()
         samples = grpo.rollout_group(self.model, self.cfg, prompt, step, version, self.reward)
         return ("rollout_done", samples, time.perf_counter() - t0)
 
     def train(self, step: int, gen: int, rank: int, world: int, samples: list, normalizer: float,
-              send_state: bool) -> tuple:
+              send_state: bool, die: bool) -> tuple:
         t0 = time.perf_counter()
         if self.group is None or self.group.gen != gen:
             self.group = TrainGroup(self.store, self.run, gen, rank, world)
             self.groups.append(self.group)
             self.group.sync_state(self.model, self.opt)
+        if die:  # fault injection: a real SIGKILL mid-step, before this rank joins the all-reduce
+            os.kill(os.getpid(), signal.SIGKILL)
         loss = self.group.update(self.model, self.opt, samples, self.cfg, normalizer, self.ref)
         return ("trained", step, loss, time.perf_counter() - t0, state_bytes(self.model) if send_state else None)
 
