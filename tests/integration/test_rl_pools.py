@@ -36,7 +36,7 @@ def test_pooled_run_matches_the_single_process_loop(pool, warm, tmp_path):
     """Staleness 0, two trainers summing gradients of their shares: the same steps as one process
     (same prompts, same per-group sampling RNG; weights equal up to float summation order)."""
     cfg = RLConfig(**{**CFG.to_dict(), "steps": 2})
-    res = rlrun.run(pool, cfg, "static", rlrun.state_bytes(warm), tmp_path, rollout=2)
+    res = rlrun.run(pool, cfg, "static", policy.state_bytes(warm), tmp_path, rollout=2)
     ref, ref_state = local.run_local(cfg, warm)
     assert [c["step"] for c in res["curve"]] == [0, 1] and res["max_staleness_seen"] == 0
     assert [c["reward"] for c in res["curve"]] == [c["reward"] for c in ref]
@@ -56,7 +56,7 @@ class Scripted:
 
 def test_moves_form_new_generations_without_losing_a_step(pool, warm, tmp_path):
     cfg = RLConfig(**{**CFG.to_dict(), "steps": 6, "staleness": 1})
-    res = rlrun.run(pool, cfg, "dynamic", rlrun.state_bytes(warm), tmp_path, rollout=2, controller=Scripted())
+    res = rlrun.run(pool, cfg, "dynamic", policy.state_bytes(warm), tmp_path, rollout=2, controller=Scripted())
     assert [c["step"] for c in res["curve"]] == list(range(6))
     assert [m["to"] for m in res["moves"]] == ["rollout", "train"]
     by_step = {c["step"]: c for c in res["curve"]}
@@ -76,7 +76,7 @@ def test_moves_form_new_generations_without_losing_a_step(pool, warm, tmp_path):
 @pytest.mark.parametrize("rollout", [2, 1])  # 1: the rollout pool dies out and a trainer refills it
 def test_killed_rollout_worker_prompts_are_requeued(warm, tmp_path, rollout):
     with Pool(3) as p:
-        res = rlrun.run(p, CFG, "static", rlrun.state_bytes(warm), tmp_path, rollout=rollout, kill_rollout_at=1)
+        res = rlrun.run(p, CFG, "static", policy.state_bytes(warm), tmp_path, rollout=rollout, kill_rollout_at=1)
         dead = [w for w in range(3) if not p.alive(w)]
     assert len(dead) == 1 and len(res["requeues"]) == 1
     assert [c["step"] for c in res["curve"]] == list(range(CFG.steps))
@@ -90,7 +90,7 @@ def test_killed_rollout_worker_prompts_are_requeued(warm, tmp_path, rollout):
 
 def test_killed_trainer_step_is_redone_by_the_survivors(warm, tmp_path):
     with Pool(3) as p:
-        res = rlrun.run(p, CFG, "static", rlrun.state_bytes(warm), tmp_path, rollout=1, kill_trainer_at=2)
+        res = rlrun.run(p, CFG, "static", policy.state_bytes(warm), tmp_path, rollout=1, kill_trainer_at=2)
         dead = [w for w in range(3) if not p.alive(w)]
     assert len(dead) == 1
     assert [c["step"] for c in res["curve"]] == list(range(CFG.steps))  # no step lost or applied twice
@@ -101,7 +101,7 @@ def test_killed_trainer_step_is_redone_by_the_survivors(warm, tmp_path):
 
 def test_colocated_run_is_on_policy_and_keeps_its_weights(pool, warm, tmp_path):
     cfg = RLConfig(**{**CFG.to_dict(), "steps": 3, "staleness": 1})  # colocated ignores it: always 0
-    res = rlrun.run(pool, cfg, "colocated", rlrun.state_bytes(warm), tmp_path)
+    res = rlrun.run(pool, cfg, "colocated", policy.state_bytes(warm), tmp_path)
     assert [c["step"] for c in res["curve"]] == [0, 1, 2]
     assert res["staleness"] == 0 and res["max_staleness_seen"] == 0
     assert all(c["train"] == 4 and c["rollout"] == 4 for c in res["curve"]) and set(res["idle"]) == {"both"}

@@ -46,7 +46,7 @@ def train_cmd(method: str = typer.Option("dynamic", "--method", help=" | ".join(
     import torch
 
     from unbroken.fsutil import atomic_write_json
-    from unbroken.rl import local, run as rlrun, task
+    from unbroken.rl import local, policy, run as rlrun, task
     from unbroken.rl.coordinator import RunError
     from unbroken.rl.metrics import length_stats
     from unbroken.rl.pool import Pool
@@ -63,7 +63,7 @@ def train_cmd(method: str = typer.Option("dynamic", "--method", help=" | ".join(
         fn = task.load_reward(reward)
         init = warm_state(cfg, out)
         if processes == 1:
-            curve, state = local.run_local(cfg, rlrun.load_state(init), fn, log=_print_step)
+            curve, state = local.run_local(cfg, policy.load_state(init), fn, log=_print_step)
             result = {"method": "single-process", "curve": curve, "config": cfg.to_dict(),
                       "lengths": length_stats([n for c in curve for n in c.pop("lengths")])}
         else:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 
-import torch
-
 from unbroken.rl import grpo, policy, task
 from unbroken.rl.config import RLConfig
 

@@ -3,6 +3,7 @@
 log-probabilities for training; and the brief supervised pre-training that makes it partly right."""
 from __future__ import annotations
 
+import io
 import random
 
 import torch
@@ -12,6 +13,17 @@ from unbroken.config import ModelConfig
 from unbroken.models.gpt import TinyGPT, build_model
 from unbroken.rl import task
 from unbroken.rl.config import RLConfig
+
+
+def state_bytes(state: dict) -> bytes:
+    """A state_dict as torch.save bytes (what travels between the processes)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def load_state(data: bytes) -> dict:
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def model_config(cfg: RLConfig) -> ModelConfig:

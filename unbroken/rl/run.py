@@ -3,11 +3,8 @@ coordinator for cfg.steps, and condense what it saw (reward curve, samples/s, th
 fractions and sizes over time, the length distribution, moves, requeues, redos)."""
 from __future__ import annotations
 
-import io
 import uuid
 from pathlib import Path
-
-import torch
 
 from unbroken.events import EventLog
 from unbroken.fsutil import atomic_write_bytes
@@ -18,16 +15,6 @@ from unbroken.rl.metrics import length_stats
 from unbroken.rl.pool import Pool
 
 FINAL_WINDOW = 5
-
-
-def state_bytes(state: dict) -> bytes:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
-
-
-def load_state(data: bytes) -> dict:
-    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def run(pool: Pool, cfg: RLConfig, method: str, init_state: bytes, out: Path, *, rollout: int | None = None,

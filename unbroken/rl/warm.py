@@ -10,7 +10,6 @@ from pathlib import Path
 from unbroken.fsutil import atomic_write_bytes
 from unbroken.rl import policy
 from unbroken.rl.config import RLConfig
-from unbroken.rl.run import state_bytes
 
 KEY_FIELDS = ("digits", "lengths", "max_repeat", "n_layer", "n_head", "n_embd", "pretrain_steps", "pretrain_batch",
               "pretrain_lr", "pretrain_noise", "seed")
@@ -24,7 +23,7 @@ def warm_state(cfg: RLConfig, cache_dir: Path | None) -> bytes:
             data = f.read_bytes()
             if hashlib.sha256(data).hexdigest()[:16] == f.stem.rsplit("-", 1)[1]:
                 return data
-    data = state_bytes(policy.pretrain(cfg))
+    data = policy.state_bytes(policy.pretrain(cfg))
     if cache_dir is not None:
         atomic_write_bytes(Path(cache_dir) / f"warm-{key[:16]}-{hashlib.sha256(data).hexdigest()[:16]}.pt", data)
     return data

@@ -5,7 +5,6 @@ been silent for IDLE_EXIT_S (an orphan never lingers)."""
 from __future__ import annotations
 
 import copy
-import io
 import os
 import signal
 import time
@@ -22,16 +21,6 @@ from unbroken.rl.traingroup import GroupError, TrainGroup
 IDLE_EXIT_S = 300.0
 
 
-def state_bytes(model: torch.nn.Module) -> bytes:
-    buf = io.BytesIO()
-    torch.save(model.state_dict(), buf)
-    return buf.getvalue()
-
-
-def load_bytes(data: bytes) -> dict:
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
 class Worker:
     def __init__(self, wid: int, store: dist.Store) -> None:
         self.wid, self.store = wid, store
@@ -42,7 +31,7 @@ class Worker:
     def reset(self, run: str, cfg: dict, init_state: bytes, reward: str | None) -> tuple:
         self.run, self.cfg = run, RLConfig.from_dict(cfg)
         self.model = policy.new_policy(self.cfg)
-        self.model.load_state_dict(load_bytes(init_state))
+        self.model.load_state_dict(policy.load_state(init_state))
         self.ref = copy.deepcopy(self.model).eval() if self.cfg.kl > 0 else None
         self.opt = grpo.new_optimizer(self.model, self.cfg)
         self.reward = task.load_reward(reward)
@@ -51,7 +40,7 @@ class Worker:
 
     def rollout(self, step: int, prompt: task.Prompt, version: int, weights: bytes | None, die: bool) -> tuple:
         if weights is not None:
-            self.model.load_state_dict(load_bytes(weights))
+            self.model.load_state_dict(policy.load_state(weights))
         if die:  # fault injection (--kill-rollout-at): a real SIGKILL with the group in flight
             os.kill(os.getpid(), signal.SIGKILL)
         t0 = time.perf_counter()
@@ -68,7 +57,7 @@ class Worker:
         if die:  # fault injection: a real SIGKILL mid-step, before this rank joins the all-reduce
             os.kill(os.getpid(), signal.SIGKILL)
         loss = self.group.update(self.model, self.opt, samples, self.cfg, normalizer, self.ref)
-        return ("trained", step, loss, time.perf_counter() - t0, state_bytes(self.model) if send_state else None)
+        return ("trained", step, loss, time.perf_counter() - t0, policy.state_bytes(self.model.state_dict()) if send_state else None)
 
 
 def main(conn, wid: int, host: str, port: int) -> None:
