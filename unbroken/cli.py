@@ -25,6 +25,7 @@ from unbroken.runtime.export import export
 from unbroken.runtime.store_command import store_app
 from unbroken.serve.command import serve_app
 from unbroken.sim.command import simulate
+from unbroken.rl.command import register as register_rl
 from unbroken.split.command import register as register_split
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -55,6 +56,7 @@ bench_app.command("strategies")(strategies_bench)
 bench_app.command("multinode")(multinode)
 bench_app.command("regroup")(regroup)
 register_split(app, bench_app)
+register_rl(app, bench_app)
 bench_app.command("serve")(serve_bench)
 bench_app.command("predict")(predict_bench)
 

@@ -54,6 +54,11 @@ KINDS: dict[str, str] = {
     "shadow_pool": "node, size, reason (the per-node standby pool was resized)",
     "node_joined": "node, attempt, failures (node 0 admitted a node that proved it knows the join token)",
     "join_refused": "node, attempt, failures, retry_after_s, why (a join attempt with a wrong token; the next is delayed)",
+    "rl_pools": "method, rollout, train, staleness, processes (an RL run's pools at its start)",
+    "rl_move": "proc, from_pool, to_pool, step, reason, rollout, train, train_gen (the controller moved a process between the RL pools)",
+    "rl_step": "step, reward, samples, tokens, rollout, train, train_gen, max_staleness, wall_s (an RL training step completed)",
+    "rl_requeue": "proc, step, prompts, why, rollout, train (a lost rollout worker's in-flight prompts went back to the queue)",
+    "rl_redo": "step, proc, why, rollout, train (a lost trainer rank: the step is redone by the survivors in a new training generation)",
     "nonfinite": "step, tensor, attempts, action (skip|stop: non-finite gradients persisted past the retry bound)",
 }
 

@@ -325,6 +325,27 @@ def _latency(faults: list[dict[str, Any]]) -> dict[str, Any]:
     return {"count": len(xs), "mean": statistics.fmean(xs), "median": statistics.median(xs), "max": max(xs)}
 
 
+def pool_changes(events: list[Event]) -> list[dict[str, Any]]:
+    """Pool sizes over time in a run that has pools (RL post-training: rl_pools at the start, then
+    every rl_move, rl_requeue and rl_redo), seconds from the first event; empty for other runs."""
+    kinds = ("rl_pools", "rl_move", "rl_requeue", "rl_redo")
+    mine = [e for e in events if e.kind in kinds]
+    if not mine:
+        return []
+    t0, out = events[0].time, []
+    rollout = train = None
+    for e in mine:
+        f = e.fields
+        rollout, train = f.get("rollout", rollout), f.get("train", train)
+        why = {"rl_pools": f"start ({f.get('method')}, staleness {f.get('staleness')})",
+               "rl_move": f"process {f.get('proc')}: {f.get('from_pool')} -> {f.get('to_pool')}: {f.get('reason')}",
+               "rl_requeue": f"process {f.get('proc')} lost: {len(f.get('prompts') or [])} prompt(s) requeued",
+               "rl_redo": f"trainer(s) {f.get('proc')} lost: step redone"}[e.kind]
+        out.append({"t": e.time - t0, "step": f.get("step"), "rollout": rollout, "train": train,
+                    "train_gen": f.get("train_gen"), "what": why})
+    return out
+
+
 def analyze(runs: list[RunLog], *, match_window_s: float = MATCH_WINDOW_S) -> dict[str, Any]:
     """The whole report as one JSON-able dict (floats rounded to 4 decimals)."""
     per = [_analyze_run(r, match_window_s) for r in runs if r.events]
@@ -353,6 +374,9 @@ def analyze(runs: list[RunLog], *, match_window_s: float = MATCH_WINDOW_S) -> di
         "offenders": offenders(faults, excluded), "excluded_nodes": sorted(excluded),
         "stragglers": [s for p in per for s in p["stragglers"]],
     }
+    pools = [c for r in runs for c in pool_changes(r.events)]
+    if pools:
+        report["pools"] = pools
     known = [p for p in per if p["not_fired"] is not None]
     if known:  # only runs whose summary.json lists them know which injected specs never fired
         report["faults_not_fired"] = [{"run": p["run"], "fault": f} for p in known for f in p["not_fired"]]

@@ -85,10 +85,18 @@ def _runs(r: dict[str, Any]) -> Section:
     return "Runs", ["run", "wall", "ETTR", "steps", "detections", "false positives"], rows
 
 
+def _pools(report: dict[str, Any]) -> Section:
+    rows = [[f"{c['t']:.2f}", str(c["step"] if c["step"] is not None else "–"), str(c["rollout"]), str(c["train"]),
+             str(c["train_gen"] if c["train_gen"] is not None else "–"), c["what"]] for c in report["pools"]]
+    return "Pool sizes over time", ["t (s)", "step", "rollout", "train", "train gen", "change"], rows
+
+
 def sections(report: dict[str, Any]) -> list[Section]:
     out = [_overview(report), _by_class(report), _faults(report), _offenders(report), _retries(report)]
     if len(report["runs"]) > 1:
         out.append(_runs(report))
+    if report.get("pools"):
+        out.append(_pools(report))
     return [s for s in out if s[2]]
 
 

@@ -1,0 +1,108 @@
+"""RL pools as processes: a pooled on-policy run computes the same update as the single-process
+loop; the controller's moves form new training generations with no lost step; a killed rollout
+worker's in-flight prompts are re-queued."""
+import io
+import json
+
+import pytest
+import torch
+
+from unbroken.rl import local, policy, run as rlrun
+from unbroken.rl.config import RLConfig
+from unbroken.rl.controller import Move
+from unbroken.rl.pool import Pool
+
+CFG = RLConfig(digits=1, pretrain_steps=30, pretrain_batch=16, prompts=4, group=4, steps=5, staleness=0)
+
+
+@pytest.fixture(scope="module")
+def warm():
+    torch.set_num_threads(1)
+    return policy.pretrain(CFG)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with Pool(4) as p:
+        yield p
+    assert not any(pr.is_alive() for pr in p.procs.values())
+
+
+def _events(out):
+    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+
+
+def test_pooled_run_matches_the_single_process_loop(pool, warm, tmp_path):
+    """Staleness 0, two trainers summing gradients of their shares: the same steps as one process
+    (same prompts, same per-group sampling RNG; weights equal up to float summation order)."""
+    cfg = RLConfig(**{**CFG.to_dict(), "steps": 2})
+    res = rlrun.run(pool, cfg, "static", policy.state_bytes(warm), tmp_path, rollout=2)
+    ref, ref_state = local.run_local(cfg, warm)
+    assert [c["step"] for c in res["curve"]] == [0, 1] and res["max_staleness_seen"] == 0
+    assert [c["reward"] for c in res["curve"]] == [c["reward"] for c in ref]
+    final = torch.load(io.BytesIO((tmp_path / "policy.pt").read_bytes()), weights_only=True)
+    moved = max(float((ref_state[k] - warm[k]).abs().max()) for k in warm)
+    assert moved > 1e-4  # the updates did change the weights
+    for k in warm:  # Adam amplifies summation-order noise where a gradient is ~0 (the key bias): < 10% of a step
+        assert torch.allclose(final[k], ref_state[k], atol=0.1 * moved), k
+
+
+class Scripted:
+    """Moves at fixed steps: train->rollout after step 1, rollout->train after step 3."""
+
+    def decide(self, obs):
+        return {1: Move("rollout", "scripted"), 3: Move("train", "scripted")}.get(obs.step)
+
+
+def test_moves_form_new_generations_without_losing_a_step(pool, warm, tmp_path):
+    cfg = RLConfig(**{**CFG.to_dict(), "steps": 6, "staleness": 1})
+    res = rlrun.run(pool, cfg, "dynamic", policy.state_bytes(warm), tmp_path, rollout=2, controller=Scripted())
+    assert [c["step"] for c in res["curve"]] == list(range(6))
+    assert [m["to"] for m in res["moves"]] == ["rollout", "train"]
+    by_step = {c["step"]: c for c in res["curve"]}
+    assert by_step[2]["train"] == 1 and by_step[5]["train"] == 2
+    assert by_step[2]["gen"] > by_step[1]["gen"] and by_step[5]["gen"] > by_step[2]["gen"]
+    assert all(c["max_staleness"] <= 1 for c in res["curve"])
+    kinds = [e["kind"] for e in _events(tmp_path)]
+    assert kinds.count("rl_move") == 2 and kinds.count("rl_step") == 6
+    assert tuple(res["pool_sizes"][-1][1:]) == (2, 2)
+    from unbroken.detect.report import pool_changes
+    from unbroken.events import read_events
+
+    shown = pool_changes(read_events(tmp_path))  # what `unbroken report` prints
+    assert [(c["rollout"], c["train"]) for c in shown] == [(2, 2), (3, 1), (2, 2)]
+
+
+@pytest.mark.parametrize("rollout", [2, 1])  # 1: the rollout pool dies out and a trainer refills it
+def test_killed_rollout_worker_prompts_are_requeued(warm, tmp_path, rollout):
+    with Pool(3) as p:
+        res = rlrun.run(p, CFG, "static", policy.state_bytes(warm), tmp_path, rollout=rollout, kill_rollout_at=1)
+        dead = [w for w in range(3) if not p.alive(w)]
+    assert len(dead) == 1 and len(res["requeues"]) == 1
+    assert [c["step"] for c in res["curve"]] == list(range(CFG.steps))
+    assert res["samples"] == CFG.steps * CFG.samples_per_step
+    events = _events(tmp_path)
+    ev = [e for e in events if e["kind"] == "rl_requeue"]
+    assert len(ev) == 1 and ev[0]["fields"]["proc"] == dead[0] and ev[0]["fields"]["rollout"] == rollout - 1
+    refills = [e for e in events if e["kind"] == "rl_move" and "lost its last worker" in e["fields"]["reason"]]
+    assert len(refills) == (rollout == 1) and res["curve"][-1]["rollout"] == 1
+
+
+def test_killed_trainer_step_is_redone_by_the_survivors(warm, tmp_path):
+    with Pool(3) as p:
+        res = rlrun.run(p, CFG, "static", policy.state_bytes(warm), tmp_path, rollout=1, kill_trainer_at=2)
+        dead = [w for w in range(3) if not p.alive(w)]
+    assert len(dead) == 1
+    assert [c["step"] for c in res["curve"]] == list(range(CFG.steps))  # no step lost or applied twice
+    assert res["curve"][-1]["train"] == 1
+    kinds = [e["kind"] for e in _events(tmp_path)]
+    assert kinds.count("rl_step") == CFG.steps and kinds.count("rl_redo") == 1 and res["redos"] == [2]
+
+
+def test_colocated_run_is_on_policy_and_keeps_its_weights(pool, warm, tmp_path):
+    cfg = RLConfig(**{**CFG.to_dict(), "steps": 3, "staleness": 1})  # colocated ignores it: always 0
+    res = rlrun.run(pool, cfg, "colocated", policy.state_bytes(warm), tmp_path)
+    assert [c["step"] for c in res["curve"]] == [0, 1, 2]
+    assert res["staleness"] == 0 and res["max_staleness_seen"] == 0
+    assert all(c["train"] == 4 and c["rollout"] == 4 for c in res["curve"]) and set(res["idle"]) == {"both"}
+    assert (tmp_path / "policy.pt").exists()

@@ -1,0 +1,44 @@
+"""The reallocation policy and the pools' accounting (idle fractions, pool sizes, lengths)."""
+import math
+
+from unbroken.rl.controller import Controller, Observation
+from unbroken.rl.metrics import Timeline, length_stats, time_to_target
+
+
+def obs(step, rollout=2, train=2, rw=1.0, tw=1.0):
+    return Observation(step, rollout, train, rw, tw, 0.0, 0.0, 0)
+
+
+def test_controller_moves_toward_the_balanced_split_with_cooldown():
+    c = Controller(gain=0.1, cooldown=2)
+    m = c.decide(obs(0, rw=3.0, tw=1.0))  # generation is 3x the training work: 3 rollout processes
+    assert m.to_pool == "rollout" and "3 rollout processes" in m.reason
+    assert c.decide(obs(1, rw=3.0, tw=1.0)) is None  # cooldown
+    assert c.decide(obs(2, rw=1.0, tw=3.0)).to_pool == "train"
+    assert c.decide(obs(4, rw=1.0, tw=1.0)) is None  # balanced already
+    assert c.decide(obs(6, rw=1.05, tw=1.0, rollout=2, train=2)) is None  # a gain under 10%: stay
+    assert c.decide(obs(8, rollout=1, train=3, rw=0.01, tw=5.0)) is None  # never empties a pool
+    assert c.decide(obs(10, rollout=3, train=1, rw=5.0, tw=0.01)) is None
+    assert c.decide(obs(12, rollout=3, train=1, rw=1.0, tw=1.0)).to_pool == "train"
+
+
+def test_idle_fraction_and_sizes():
+    tl = Timeline()
+    tl.set_role(0, 0.0, "rollout")
+    tl.set_role(1, 0.0, "train")
+    tl.add_busy(0, 0.0, 10.0)
+    tl.add_busy(1, 2.0, 4.0)
+    tl.set_role(1, 5.0, "rollout")  # moved at t=5
+    tl.add_busy(1, 5.0, 10.0)
+    assert math.isclose(tl.idle_fraction("train", 0, 10), 1 - 2 / 5)
+    assert math.isclose(tl.idle_fraction("rollout", 0, 10), 0.0)
+    assert tl.idle_fraction("both", 0, 10) is None
+    assert tl.sizes(10.0) == [(0.0, 1, 1), (5.0, 2, 0)]
+
+
+def test_length_stats_and_time_to_target():
+    s = length_stats([3] * 90 + [20] * 10)
+    assert s["p50"] == 3 and s["p90"] == 20 and s["max"] == 20 and s["histogram"] == {"3": 90, "20": 10}
+    curve = [{"t": float(i), "reward": r} for i, r in enumerate([0.1, 0.2, 0.5, 0.5, 0.5])]
+    assert time_to_target(curve, 0.4, window=2) == 3.0
+    assert time_to_target(curve, 0.9, window=2) is None

@@ -1,0 +1,54 @@
+"""The reallocation policy of the dynamic method. After each training step it looks at the last
+few steps: the busy process-seconds each pool spent per step (the work), and each pool's idle
+fraction. It predicts the step time of a split r rollout / N-r training processes as
+max(rollout work / r, training work / (N - r)) and moves one process toward the split with the
+shortest predicted step when that beats the current one by `gain`; at least one process stays in
+each pool, and at most one move every `cooldown` steps."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Observation:
+    step: int
+    rollout: int           # processes in the rollout pool (those already moving out excluded)
+    train: int
+    rollout_work_s: float  # busy process-seconds of the rollout pool per step, over the window
+    train_work_s: float
+    rollout_idle: float    # idle fraction of each pool over the window (reported with a move)
+    train_idle: float
+    queued: int            # prompt groups generated ahead and waiting for training
+
+
+@dataclass(frozen=True)
+class Move:
+    to_pool: str           # "train" | "rollout"
+    reason: str
+
+
+def predicted_step_s(obs: Observation, rollout: int) -> float:
+    n = obs.rollout + obs.train
+    return max(obs.rollout_work_s / rollout, obs.train_work_s / (n - rollout))
+
+
+@dataclass
+class Controller:
+    gain: float = 0.10
+    cooldown: int = 2
+    _last: int = -10**9
+
+    def decide(self, obs: Observation) -> Move | None:
+        n = obs.rollout + obs.train
+        if obs.step - self._last < self.cooldown or n < 2 or obs.rollout_work_s + obs.train_work_s <= 0:
+            return None
+        now = predicted_step_s(obs, obs.rollout)
+        best = min(range(1, n), key=lambda r: predicted_step_s(obs, r))
+        if best == obs.rollout or predicted_step_s(obs, best) > (1 - self.gain) * now:
+            return None
+        self._last = obs.step
+        to = "rollout" if best > obs.rollout else "train"
+        return Move(to, f"work per step: rollout {obs.rollout_work_s:.3f} s, training {obs.train_work_s:.3f} s; "
+                        f"{best} rollout processes predict {predicted_step_s(obs, best):.3f} s/step vs {now:.3f} "
+                        f"(idle: rollout {obs.rollout_idle:.2f}, training {obs.train_idle:.2f}; "
+                        f"{obs.queued} groups queued)")

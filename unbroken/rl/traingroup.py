@@ -1,0 +1,79 @@
+"""One generation of the training pool: a gloo group over a store prefix per generation, the state
+sync that brings a process that just joined up to date (rank 0 of the generation, always a process
+that holds the current state, sends the weights and the optimizer state), and the data-parallel
+update: every rank's gradient of its share of the step, summed by all-reduce, one identical step."""
+from __future__ import annotations
+
+import io
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from unbroken.rl import grpo
+from unbroken.rl.config import RLConfig
+
+TIMEOUT_S = 60.0
+
+
+class GroupError(RuntimeError):
+    """A collective of the training group failed or timed out (a rank died): the step was not applied."""
+
+
+def _wait(work, what: str) -> None:
+    try:
+        work.wait(timedelta(seconds=TIMEOUT_S))
+    except RuntimeError as e:
+        raise GroupError(f"{what} failed in the training group: {e}") from None
+
+
+class TrainGroup:
+    """Rank `rank` of `world` in generation `gen` of run `run` (group prefix rl/RUN/train/GEN/)."""
+
+    def __init__(self, store: dist.Store, run: str, gen: int, rank: int, world: int) -> None:
+        self.gen, self.rank, self.world = gen, rank, world
+        prefixed = dist.PrefixStore(f"rl/{run}/train/{gen}/", store)
+        try:
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=TIMEOUT_S))
+        except RuntimeError as e:
+            raise GroupError(f"forming training generation {gen} (rank {rank} of {world}) failed: {e}") from None
+
+    def sync_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        """Everyone leaves with rank 0's weights and optimizer state (bytes broadcast: size, then data)."""
+        if self.world == 1:
+            return
+        data = b""
+        if self.rank == 0:
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+            data = buf.getvalue()
+        size = torch.tensor([len(data)], dtype=torch.long)
+        _wait(self.pg.broadcast([size], dist.BroadcastOptions()), "the state size broadcast")
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
+            torch.empty(int(size), dtype=torch.uint8)
+        _wait(self.pg.broadcast([payload], dist.BroadcastOptions()), "the state broadcast")
+        if self.rank != 0:
+            state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+
+    def update(self, model, opt, samples: list[grpo.Sample], cfg: RLConfig, normalizer: float, ref=None) -> float:
+        """One optimizer step on the whole step's samples, of which this rank holds `samples`."""
+        opt.zero_grad(set_to_none=True)
+        params = [p for p in model.parameters()]
+        if samples:
+            loss = grpo.loss(model, samples, cfg, normalizer, ref)
+            loss.backward()
+            value = float(loss.detach())
+        else:  # more ranks than samples: contribute a zero gradient
+            value = 0.0
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        if self.world > 1:
+            _wait(self.pg.allreduce([flat]), "the gradient all-reduce")
+        offset = 0
+        for p in params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        torch.nn.utils.clip_grad_norm_(params, grpo.GRAD_CLIP)
+        opt.step()
+        return value

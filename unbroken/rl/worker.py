@@ -1,0 +1,90 @@
+"""An RL worker process: it holds the policy and, while it is a trainer, the optimizer and its
+training-group generation; it executes the coordinator's commands one at a time (a group of
+rollouts, or its share of a training step) and exits when told to, or when the coordinator has
+been silent for IDLE_EXIT_S (an orphan never lingers)."""
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from unbroken.rl import grpo, policy, task
+from unbroken.rl.config import RLConfig
+from unbroken.rl.errors import RLInputError
+from unbroken.rl.traingroup import GroupError, TrainGroup
+
+IDLE_EXIT_S = 300.0
+
+
+class Worker:
+    def __init__(self, wid: int, store: dist.Store) -> None:
+        self.wid, self.store = wid, store
+        self.cfg: RLConfig | None = None
+        self.group: TrainGroup | None = None
+        self.groups: list[TrainGroup] = []  # old generations stay referenced: never destroy a group
+
+    def reset(self, run: str, cfg: dict, init_state: bytes, reward: str | None) -> tuple:
+        self.run, self.cfg = run, RLConfig.from_dict(cfg)
+        self.model = policy.new_policy(self.cfg)
+        self.model.load_state_dict(policy.load_state(init_state))
+        self.ref = copy.deepcopy(self.model).eval() if self.cfg.kl > 0 else None
+        self.opt = grpo.new_optimizer(self.model, self.cfg)
+        self.reward = task.load_reward(reward)
+        self.group = None
+        return ("ok",)
+
+    def rollout(self, step: int, prompt: task.Prompt, version: int, weights: bytes | None, die: bool) -> tuple:
+        if weights is not None:
+            self.model.load_state_dict(policy.load_state(weights))
+        if die:  # fault injection (--kill-rollout-at): a real SIGKILL with the group in flight
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.perf_counter()
+        samples = grpo.rollout_group(self.model, self.cfg, prompt, step, version, self.reward)
+        return ("rollout_done", samples, time.perf_counter() - t0)
+
+    def train(self, step: int, gen: int, rank: int, world: int, samples: list, normalizer: float,
+              send_state: bool, die: bool) -> tuple:
+        t0 = time.perf_counter()
+        if self.group is None or self.group.gen != gen:
+            self.group = TrainGroup(self.store, self.run, gen, rank, world)
+            self.groups.append(self.group)
+            self.group.sync_state(self.model, self.opt)
+        if die:  # fault injection: a real SIGKILL mid-step, before this rank joins the all-reduce
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = self.group.update(self.model, self.opt, samples, self.cfg, normalizer, self.ref)
+        return ("trained", step, loss, time.perf_counter() - t0, policy.state_bytes(self.model.state_dict()) if send_state else None)
+
+
+def main(conn, wid: int, host: str, port: int) -> None:
+    """The process entry point (multiprocessing spawn)."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+    w = Worker(wid, store)
+    handlers = {"reset": w.reset, "rollout": w.rollout, "train": w.train}
+    while True:
+        try:
+            if not conn.poll(IDLE_EXIT_S):
+                break
+            op, *args = conn.recv()
+        except (EOFError, OSError):
+            break
+        if op == "stop":
+            break
+        try:
+            reply = handlers[op](*args)
+        except RLInputError as e:
+            reply = ("input_error", str(e))
+        except GroupError as e:
+            w.group = None  # this generation is broken: the next command names a new one
+            reply = ("group_failed", str(e))
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, OSError):
+            break
+    conn.close()
+    os._exit(0)  # skip teardown: gloo's native threads may abort in their destructors
