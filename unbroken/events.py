@@ -54,6 +54,8 @@ KINDS: dict[str, str] = {
     "shadow_pool": "node, size, reason (the per-node standby pool was resized)",
     "node_joined": "node, attempt, failures (node 0 admitted a node that proved it knows the join token)",
     "join_refused": "node, attempt, failures, retry_after_s, why (a join attempt with a wrong token; the next is delayed)",
+    "link_congestion": "link (up|down:rank), congested, seq, rate_Bps, baseline_Bps (comm/flows.py: a link's estimate crossed its threshold)",
+    "collective_plan": "seq, plan, previous, predicted_s, congested (comm/adaptive.py: the all-reduce pattern from collective seq on)",
     "nonfinite": "step, tensor, attempts, action (skip|stop: non-finite gradients persisted past the retry bound)",
 }
 

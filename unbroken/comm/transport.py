@@ -7,7 +7,8 @@ and stamps each with the wall-clock time it ended: a transfer's duration is its 
 the time the caller happened to look. Every wait is bounded by the collective's deadline; a
 dead peer fails the work ("connection closed") and the caller raises CollectiveError at once.
 
-Each finished transfer is handed to `on_transfer(kind, peer, nbytes, posted, ended)` (flow
+Each finished transfer is handed to `on_transfer(kind, peer, tag, nbytes, posted,
+ended)` (flow
 statistics, comm/flows.py); times are `time.time()` so peers' records can be joined.
 """
 from __future__ import annotations
@@ -23,16 +24,16 @@ import torch.distributed as dist
 
 from unbroken.comm.group import CollectiveError
 
-OnTransfer = Callable[[str, int, int, float, float], None]  # kind, peer, nbytes, posted, ended
+OnTransfer = Callable[[str, int, int, int, float, float], None]  # kind, peer, tag, nbytes, posted, ended
 
 
 class Transfer:
     """One posted send or recv: `done` is set when it ended; `error` holds its exception, if any."""
 
-    __slots__ = ("kind", "peer", "nbytes", "posted", "ended", "error", "done", "work")
+    __slots__ = ("kind", "peer", "tag", "nbytes", "posted", "ended", "error", "done", "work")
 
-    def __init__(self, kind: str, peer: int, nbytes: int, work) -> None:
-        self.kind, self.peer, self.nbytes, self.work = kind, peer, nbytes, work
+    def __init__(self, kind: str, peer: int, tag: int, nbytes: int, work) -> None:
+        self.kind, self.peer, self.tag, self.nbytes, self.work = kind, peer, tag, nbytes, work
         self.posted, self.ended, self.error = time.time(), 0.0, None
         self.done = threading.Event()
 
@@ -71,7 +72,7 @@ class Transport:
         except RuntimeError as e:  # a closed link fails at issue
             self.broken = f"{kind} with rank {peer}: {str(e).splitlines()[0][:160]}"
             raise CollectiveError(f"rank {self.rank}: {self.broken}") from e
-        x = Transfer(kind, peer, t.numel() * t.element_size(), work)
+        x = Transfer(kind, peer, tag, t.numel() * t.element_size(), work)
         self._queue(kind, peer).put(x)
         return x
 
@@ -106,4 +107,4 @@ class Transport:
                 self.broken = f"{what}: {x.kind} with rank {x.peer} failed: {str(x.error).splitlines()[0][:160]}"
                 raise CollectiveError(f"rank {self.rank}/{self.world}: {self.broken}") from x.error
             if self.on_transfer is not None and x.nbytes:
-                self.on_transfer(x.kind, x.peer, x.nbytes, x.posted, x.ended)
+                self.on_transfer(x.kind, x.peer, x.tag, x.nbytes, x.posted, x.ended)

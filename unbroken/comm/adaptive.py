@@ -1,0 +1,117 @@
+"""The congestion-aware all-reduce: run the current plan, learn the links, re-plan, all ranks alike.
+
+After every collective each rank all-gathers one small fixed-size table of what its transfers
+saw (per peer and phase: bytes, when it posted, when the receive ended), so every rank folds
+the same flows into the same estimates (comm/flows.py) and computes the same plan
+(comm/planner.py) for the next collective: no plan ever has to be broadcast, and a change takes
+effect at the next collective on every rank. A congestion flag change and a plan change are
+events (`link_congestion`, `collective_plan`), written by rank 0 before the plan is used.
+
+mode "static" always runs the static ring and learns nothing (the baseline).
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+from unbroken.comm import flows, planner
+from unbroken.comm.group import CollectiveError
+from unbroken.comm.patterns import Pattern, allreduce
+from unbroken.comm.transport import Transport
+
+MODES = ("adaptive", "static")
+PHASES = 4  # tag phases: reduce-scatter rows, all-gather results, tree up, tree down
+Emit = Callable[..., object]  # EventLog.emit
+
+
+class AdaptiveAllreduce:
+    """Sum-all-reduces of `rank` of `world` over gloo group `pg`; every wait ends by `timeout_s`."""
+
+    def __init__(self, pg, *, rank: int, world: int, timeout_s: float, mode: str = "adaptive",
+                 flow_cfg: flows.FlowConfig | None = None, min_gain: float = 0.1,
+                 emit: Emit | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"collectives mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.pg, self.rank, self.world, self.mode, self.min_gain = pg, rank, world, mode, min_gain
+        self.emit = emit if rank == 0 else None
+        self.tp = Transport(pg, rank=rank, world=world, timeout_s=timeout_s, on_transfer=self._record)
+        self.table = flows.FlowTable(flow_cfg)
+        self.plan: Pattern | None = Pattern.static_ring(world) if mode == "static" else None
+        self.seq = 0
+        self.history: list[dict] = []  # per collective: seq, plan, seconds (bench time series)
+        self._slots = torch.zeros(world, PHASES, 4, dtype=torch.float64)  # per peer, phase: bytes, posted, ended, sent
+
+    def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
+        nbytes = t.numel() * t.element_size()
+        if self.plan is None:
+            self.plan, _ = planner.choose(None, planner.Rates.uniform(self.world), nbytes, min_gain=self.min_gain)
+        self.seq += 1
+        plan, t0 = self.plan, time.perf_counter()
+        self._slots.zero_()
+        allreduce(self.tp, t, plan, self.seq, what)
+        self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": time.perf_counter() - t0})
+        if self.mode == "adaptive" and self.world > 1:
+            self._replan(nbytes, what)
+
+    # --- flow records ------------------------------------------------------------------------
+    def _record(self, kind: str, peer: int, tag: int, nbytes: int, posted: float, ended: float) -> None:
+        s = self._slots[peer, (tag >> 18) & 3]
+        if kind == "send":
+            s[3] = posted if s[3] == 0 else min(float(s[3]), posted)
+            return
+        s[1] = posted if s[0] == 0 else min(float(s[1]), posted)
+        s[2] = max(float(s[2]), ended)
+        s[0] += nbytes
+
+    def _gather(self, what: str) -> torch.Tensor:
+        """Every rank's slots (world, world, PHASES, 4); bounded by the transport's timeout."""
+        out = torch.empty((self.world, *self._slots.shape), dtype=torch.float64)
+        try:
+            work = self.pg.allgather([[out[r] for r in range(self.world)]], [self._slots])
+            work.wait(timedelta(seconds=self.tp.timeout_s))
+        except RuntimeError as e:
+            self.tp.broken = f"{what} (flow statistics): {str(e).splitlines()[0][:160]}"
+            raise CollectiveError(f"rank {self.rank}/{self.world}: {self.tp.broken}") from e
+        return out
+
+    def flows_of(self, slots: torch.Tensor) -> list[flows.Flow]:
+        """The collective's flows from every rank's slots (rank j's row: what j received and sent)."""
+        recvs, sends = [], []
+        for j in range(self.world):
+            for i in range(self.world):
+                for ph in range(PHASES):
+                    nb, posted, ended, sent = (float(x) for x in slots[j, i, ph])
+                    if nb > 0:
+                        recvs.append((i, j, ph, int(nb), posted, ended))
+                    if sent > 0:
+                        sends.append((j, i, ph, sent))
+        return flows.join(recvs, sends)
+
+    # --- planning ------------------------------------------------------------------------------
+    def rates(self) -> planner.Rates:
+        """The links' estimates; a link not seen yet is taken at the median of those seen."""
+        seen = sorted(r for r in (e.rate for e in self.table.links.values()) if r)
+        fill = seen[len(seen) // 2] if seen else 1e9
+        up = tuple(self.table.rate(("up", r)) or fill for r in range(self.world))
+        down = tuple(self.table.rate(("down", r)) or fill for r in range(self.world))
+        return planner.Rates(up=up, down=down)
+
+    def _replan(self, nbytes: int, what: str) -> None:
+        for link, congested in self.table.observe_flows(self.flows_of(self._gather(what))):
+            if self.emit:
+                est = self.table.links[link]
+                self.emit("link_congestion", link=f"{link[0]}:{link[1]}", congested=congested, seq=self.seq,
+                          rate_Bps=est.rate, baseline_Bps=est.baseline)
+        self.decide(nbytes)
+
+    def decide(self, nbytes: int) -> None:
+        """The plan for the next collective of `nbytes`, from the current estimates."""
+        plan, predicted = planner.choose(self.plan, self.rates(), nbytes, min_gain=self.min_gain)
+        if plan != self.plan:
+            if self.emit:
+                self.emit("collective_plan", seq=self.seq + 1, plan=plan.to_json(), previous=self.plan.to_json(),
+                          predicted_s=predicted, congested=[f"{k}:{r}" for k, r in self.table.congested()])
+            self.plan = plan
