@@ -31,7 +31,7 @@ class AdaptiveAllreduce:
     """Sum-all-reduces of `rank` of `world` over gloo group `pg`; every wait ends by `timeout_s`."""
 
     def __init__(self, pg, *, rank: int, world: int, timeout_s: float, mode: str = "adaptive",
-                 flow_cfg: flows.FlowConfig | None = None, min_gain: float = 0.1,
+                 flow_cfg: flows.FlowConfig | None = None, min_gain: float = 0.05,
                  emit: Emit | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"collectives mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -92,12 +92,19 @@ class AdaptiveAllreduce:
 
     # --- planning ------------------------------------------------------------------------------
     def rates(self) -> planner.Rates:
-        """The links' estimates; a link not seen yet is taken at the median of those seen."""
+        """The links' estimates as the planner sees them. A link within the congestion threshold of the
+        median link counts as the median: on shared hosts estimates wander by tens of percent, and a
+        plan tuned to that noise loses to the ring. A link not seen yet counts as the median too."""
         seen = sorted(r for r in (e.rate for e in self.table.links.values()) if r)
-        fill = seen[len(seen) // 2] if seen else 1e9
-        up = tuple(self.table.rate(("up", r)) or fill for r in range(self.world))
-        down = tuple(self.table.rate(("down", r)) or fill for r in range(self.world))
-        return planner.Rates(up=up, down=down)
+        med = seen[len(seen) // 2] if seen else 1e9
+        low = self.table.cfg.congested_below * med
+
+        def used(link: flows.Link) -> float:
+            r = self.table.rate(link)
+            return r if r is not None and r < low else med
+
+        return planner.Rates(up=tuple(used(("up", r)) for r in range(self.world)),
+                             down=tuple(used(("down", r)) for r in range(self.world)))
 
     def _replan(self, nbytes: int, what: str) -> None:
         for link, congested in self.table.observe_flows(self.flows_of(self._gather(what))):

@@ -158,7 +158,7 @@ def candidates(rates: Rates, nbytes: int) -> list[Pattern]:
     return out
 
 
-def choose(current: Pattern | None, rates: Rates, nbytes: int, *, min_gain: float = 0.1) -> tuple[Pattern, float]:
+def choose(current: Pattern | None, rates: Rates, nbytes: int, *, min_gain: float = 0.05) -> tuple[Pattern, float]:
     """The plan for the next collectives and its predicted seconds; `current` stays unless another
     is predicted at least `min_gain` (a fraction) faster."""
     if not 0 <= min_gain < 1:
