@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from unbroken.comm.transport import Transfer, Transport
+from unbroken.comm.transport import Transport
 
 KINDS = ("ring", "pipelined", "tree")
 MAX_WORLD = 64  # the tag layout gives a source rank 6 bits
@@ -174,20 +174,18 @@ def _exchange(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str
            for r in range(tp.world)}
     recvs = [[tp.recv(got[src][a - lo:z - lo], h, tag(seq, 0, src, i)) for h in peers for src in holders[h]]
              for i, (a, z) in enumerate(my_pieces)]
-    sends = []
-    for h in peers:  # my rows, for each other owner's chunk, piece by piece
+    sends, results = [], []
+    for h in peers:  # my rows for each other owner's chunk, piece by piece; its result back into place
         for i, (a, z) in enumerate(pieces_of(*b[h], p.pieces)):
-            sends.append([(h, i, (a, z), tp.send(rows_of[src][a:z], h, tag(seq, 0, src, i))) for src in holders[me]])
-    results: list[Transfer] = []
+            sends += [tp.send(rows_of[src][a:z], h, tag(seq, 0, src, i)) for src in holders[me]]
+            # posted now, into the rows just sent: the owner sends a result only after it has
+            # received my rows for it, so no result byte can arrive before they left this buffer
+            results.append(tp.recv(flat[a:z], h, tag(seq, 1, h, i)))
     for i, (a, z) in enumerate(my_pieces):
         tp.wait(recvs[i], f"{what} (reduce-scatter piece {i})")
         flat[a:z] = reduce_rows([got[r][a - lo:z - lo] for r in range(tp.world)])
         results += [tp.send(flat[a:z], h, tag(seq, 1, me, i)) for h in peers]
-    for group in sends:  # a chunk's result may land only after my rows for it have gone
-        h, i, (a, z), xs = group[0][0], group[0][1], group[0][2], [x for *_, x in group]
-        tp.wait(xs, f"{what} (reduce-scatter to rank {h})")
-        results.append(tp.recv(flat[a:z], h, tag(seq, 1, h, i)))
-    tp.wait(results, f"{what} (all-gather)")
+    tp.wait(sends + results, f"{what} (all-gather)")
 
 
 def _tree(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) -> None:
