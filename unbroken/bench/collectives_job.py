@@ -77,6 +77,7 @@ def rank_main(args) -> None:
                    "start": start, "sha": _digest(t)}
             if method == "adaptive":
                 rec["plan"] = adaptive.history[-1]["plan"]
+                rec["estimates"] = adaptive.history[-1].get("estimates")
             out.write(json.dumps(rec) + "\n")
             out.flush()
 

@@ -11,6 +11,7 @@ mode "static" always runs the static ring and learns nothing (the baseline).
 """
 from __future__ import annotations
 
+import statistics
 import time
 from datetime import timedelta
 from typing import Callable
@@ -19,7 +20,7 @@ import torch
 
 from unbroken.comm import flows, planner
 from unbroken.comm.group import CollectiveError
-from unbroken.comm.patterns import Pattern, allreduce
+from unbroken.comm.patterns import PHASE_RESULTS, Pattern, allreduce
 from unbroken.comm.transport import Transport
 
 MODES = ("adaptive", "static")
@@ -41,6 +42,7 @@ class AdaptiveAllreduce:
         self.table = flows.FlowTable(flow_cfg)
         self.plan: Pattern | None = Pattern.static_ring(world) if mode == "static" else None
         self.seq = 0
+        self._decided: tuple | None = None  # what the last plan was chosen for
         self.history: list[dict] = []  # per collective: seq, plan, seconds (bench time series)
         self._slots = torch.zeros(world, PHASES, 4, dtype=torch.float64)  # per peer, phase: bytes, posted, ended, sent
 
@@ -58,7 +60,10 @@ class AdaptiveAllreduce:
 
     # --- flow records ------------------------------------------------------------------------
     def _record(self, kind: str, peer: int, tag: int, nbytes: int, posted: float, ended: float) -> None:
-        s = self._slots[peer, (tag >> 18) & 3]
+        phase = (tag >> 18) & 3
+        if phase == PHASE_RESULTS:  # paced by the owners' reductions, not by the link: no rate
+            return
+        s = self._slots[peer, phase]
         if kind == "send":
             s[3] = posted if s[3] == 0 else min(float(s[3]), posted)
             return
@@ -92,16 +97,18 @@ class AdaptiveAllreduce:
 
     # --- planning ------------------------------------------------------------------------------
     def rates(self) -> planner.Rates:
-        """The links' estimates as the planner sees them. A link within the congestion threshold of the
-        median link counts as the median: on shared hosts estimates wander by tens of percent, and a
-        plan tuned to that noise loses to the ring. A link not seen yet counts as the median too."""
-        seen = sorted(r for r in (e.rate for e in self.table.links.values()) if r)
-        med = seen[len(seen) // 2] if seen else 1e9
-        low = self.table.cfg.congested_below * med
+        """The links' estimates as the planner sees them, relative to a reference: the median over
+        ranks of each rank's slower known direction. A link within the congestion threshold of it counts as the
+        reference (on shared hosts estimates wander by tens of percent, and a plan tuned to noise
+        loses to the ring), and so does a link not seen yet; a slower link counts as itself."""
+        est = {k: v.rate for k, v in self.table.links.items() if v.rate}
+        per_rank = [min(x) for r in range(self.world) if len(x := [est[k] for k in (("up", r), ("down", r)) if k in est])]
+        ref = statistics.median(per_rank) if per_rank else 1e9
+        low = self.table.cfg.congested_below * ref
 
         def used(link: flows.Link) -> float:
-            r = self.table.rate(link)
-            return r if r is not None and r < low else med
+            r = est.get(link)
+            return r if r is not None and r < low else ref
 
         return planner.Rates(up=tuple(used(("up", r)) for r in range(self.world)),
                              down=tuple(used(("down", r)) for r in range(self.world)))
@@ -112,11 +119,19 @@ class AdaptiveAllreduce:
                 est = self.table.links[link]
                 self.emit("link_congestion", link=f"{link[0]}:{link[1]}", congested=congested, seq=self.seq,
                           rate_Bps=est.rate, baseline_Bps=est.baseline)
+        self.history[-1]["estimates"] = {f"{k}:{r}": round(v.rate) for (k, r), v in sorted(self.table.links.items())}
         self.decide(nbytes)
 
     def decide(self, nbytes: int) -> None:
-        """The plan for the next collective of `nbytes`, from the current estimates."""
-        plan, predicted = planner.choose(self.plan, self.rates(), nbytes, min_gain=self.min_gain)
+        """The plan for the next collective of `nbytes`, from the current estimates (the planner runs
+        only when the links' picture changed: which links are slow and by how much, to 5%)."""
+        rates = self.rates()
+        ref = max(rates.up + rates.down)
+        key = (nbytes, tuple(round(x / ref * 20) for x in rates.up + rates.down))
+        if key == self._decided:
+            return
+        self._decided = key
+        plan, predicted = planner.choose(self.plan, rates, nbytes, min_gain=self.min_gain)
         if plan != self.plan:
             if self.emit:
                 self.emit("collective_plan", seq=self.seq + 1, plan=plan.to_json(), previous=self.plan.to_json(),

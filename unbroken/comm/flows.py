@@ -8,14 +8,17 @@ flow's rate = bytes / (end - start), start = when both ends had posted it). The 
 mean: a fast rank's link is idle while it waits for a slow peer, and that says nothing about
 the fast link.
 
-Each link keeps an exponential moving average (`FlowConfig.alpha`) of its observations, a
-baseline (the highest average seen) and a congestion flag with hysteresis: set when the
-estimate falls below `congested_below` x baseline, cleared only above `clear_above` x baseline.
+Each link's estimate is the median of its last `FlowConfig.window` observations (one outlier,
+a rank descheduled on a shared host, moves nothing; a real change shows within window//2 + 1
+collectives), with a baseline (the highest estimate seen) and a congestion flag with
+hysteresis: set when the estimate falls below `congested_below` x baseline, cleared only above
+`clear_above` x baseline.
 Pure logic: no clocks, no I/O; comm/adaptive.py feeds it.
 """
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Iterable, NamedTuple
 
 Link = tuple[str, int]  # ("up" | "down", rank)
@@ -23,18 +26,21 @@ Link = tuple[str, int]  # ("up" | "down", rank)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FlowConfig:
-    alpha: float = 0.6  # weight of a new observation in the moving estimate
+    window: int = 3  # observations the moving median is taken over
     congested_below: float = 0.6  # congested when estimate < this x baseline
     clear_above: float = 0.8  # not congested again only when estimate > this x baseline
     min_bytes: int = 64 << 10  # smaller flows are all latency: they say nothing of bandwidth
-    min_seconds: float = 1e-4  # shorter flows: clock resolution, not a rate
+    min_seconds: float = 1e-3  # shorter flows: thread wake-up jitter, not a rate
+    stale_after: int = 5  # a link without observations in this many collectives is unknown again
 
     def __post_init__(self) -> None:
-        if not 0 < self.alpha <= 1:
-            raise ValueError(f"FlowConfig alpha must be in (0, 1], got {self.alpha!r}")
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"FlowConfig window must be an integer >= 1 (observations), got {self.window!r}")
         if not 0 < self.congested_below < self.clear_above <= 1:
             raise ValueError("FlowConfig needs 0 < congested_below < clear_above <= 1 (hysteresis), got "
                              f"{self.congested_below!r} and {self.clear_above!r}")
+        if not isinstance(self.stale_after, int) or self.stale_after < 1:
+            raise ValueError(f"FlowConfig stale_after must be an integer >= 1 (collectives), got {self.stale_after!r}")
         if self.min_bytes < 0 or self.min_seconds < 0:
             raise ValueError(f"FlowConfig min_bytes/min_seconds must be >= 0, got {self.min_bytes}, {self.min_seconds}")
 
@@ -52,6 +58,7 @@ class LinkEstimate:
 
     def __init__(self, cfg: FlowConfig) -> None:
         self.cfg = cfg
+        self.recent: list[float] = []
         self.rate: float | None = None
         self.baseline = 0.0
         self.congested = False
@@ -61,8 +68,8 @@ class LinkEstimate:
         """Fold in one observation; True when the congestion flag changed."""
         if not rate > 0:
             raise ValueError(f"a link observation must be a rate > 0 bytes/s, got {rate!r}")
-        a = self.cfg.alpha
-        self.rate = rate if self.rate is None else a * rate + (1 - a) * self.rate
+        self.recent = [*self.recent, rate][-self.cfg.window:]
+        self.rate = statistics.median(self.recent)
         self.baseline = max(self.baseline, self.rate)
         self.samples += 1
         was = self.congested
@@ -74,22 +81,33 @@ class LinkEstimate:
 
 
 class FlowTable:
-    """Every link's estimate; `observe_flows` takes one collective's flows."""
+    """Every link's estimate; `observe_flows` takes one collective's flows. A link that carried no
+    measurable flow for `stale_after` collectives is forgotten (a pattern that spares a slow link
+    stops measuring it: forgetting lets the planner try it again once it may have recovered)."""
 
     def __init__(self, cfg: FlowConfig | None = None) -> None:
         self.cfg = cfg or FlowConfig()
         self.links: dict[Link, LinkEstimate] = {}
+        self.tick = 0  # collectives observed
+        self._seen: dict[Link, int] = {}
 
     def observe(self, link: Link, rate: float) -> bool:
         est = self.links.setdefault(link, LinkEstimate(self.cfg))
+        self._seen[link] = self.tick
         return est.observe(rate)
 
     def observe_flows(self, flows: Iterable[Flow]) -> list[tuple[Link, bool]]:
-        """Fold in one collective's flows; the links whose congestion flag changed, with the new flag."""
+        """Fold in one collective's flows; the links whose congestion flag changed, with the new flag
+        (a forgotten congested link counts as cleared)."""
+        self.tick += 1
         changed = []
         for link, rate in sorted(peak_rates(flows, self.cfg).items()):
             if self.observe(link, rate):
                 changed.append((link, self.links[link].congested))
+        for link in sorted(k for k, t in self._seen.items() if self.tick - t >= self.cfg.stale_after):
+            del self._seen[link]
+            if self.links.pop(link).congested:
+                changed.append((link, False))
         return changed
 
     def rate(self, link: Link) -> float | None:

@@ -95,6 +95,10 @@ def pieces_of(start: int, end: int, pieces: int) -> list[tuple[int, int]]:
     return [(start + n * i // k, start + n * (i + 1) // k) for i in range(k)] if n else []
 
 
+# tag phases: what a transfer carries (comm/adaptive.py measures links on all but results)
+PHASE_ROWS, PHASE_RESULTS, PHASE_RING_GATHER, PHASE_TREE_UP, PHASE_TREE_DOWN = 0, 1, 2, 2, 3
+
+
 def tag(seq: int, phase: int, src: int, piece: int) -> int:
     """A unique tag per collective (seq), phase, source rank and piece: messages never cross."""
     return ((seq % 1024) << 20) | (phase << 18) | (src << 12) | (piece % MAX_PIECES)
@@ -128,8 +132,8 @@ def reference(tp: Transport, t: torch.Tensor, seq: int, what: str = "reference a
         return
     tp.begin()
     rows = [flat if r == tp.rank else torch.empty_like(flat) for r in range(tp.world)]
-    xs = [tp.recv(rows[r], r, tag(seq, 0, r, 0)) for r in range(tp.world) if r != tp.rank]
-    xs += [tp.send(flat, r, tag(seq, 0, tp.rank, 0)) for r in range(tp.world) if r != tp.rank]
+    xs = [tp.recv(rows[r], r, tag(seq, PHASE_ROWS, r, 0)) for r in range(tp.world) if r != tp.rank]
+    xs += [tp.send(flat, r, tag(seq, PHASE_ROWS, tp.rank, 0)) for r in range(tp.world) if r != tp.rank]
     tp.wait(xs, what)
     flat.copy_(reduce_rows(rows))
 
@@ -141,9 +145,9 @@ def _ring(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) ->
     rows: list[torch.Tensor] = [flat[lo:hi] if r == me else torch.empty(hi - lo, dtype=flat.dtype) for r in range(n)]
     for s in range(1, n):  # reduce-scatter: raw contributions straight to their owner
         dst, src = order[(pos + s) % n], order[(pos - s) % n]
-        xs = [tp.recv(rows[src], src, tag(seq, 0, src, 0))] if hi > lo else []
+        xs = [tp.recv(rows[src], src, tag(seq, PHASE_ROWS, src, 0))] if hi > lo else []
         if b[dst][1] > b[dst][0]:
-            xs.append(tp.send(flat[b[dst][0]:b[dst][1]], dst, tag(seq, 0, me, 0)))
+            xs.append(tp.send(flat[b[dst][0]:b[dst][1]], dst, tag(seq, PHASE_ROWS, me, 0)))
         tp.wait(xs, f"{what} (reduce-scatter round {s})")
     if hi > lo:
         flat[lo:hi] = reduce_rows(rows)
@@ -152,9 +156,9 @@ def _ring(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) ->
         out_owner, in_owner = order[(pos - s) % n], order[(pos - s - 1) % n]
         xs = []
         if b[in_owner][1] > b[in_owner][0]:
-            xs.append(tp.recv(flat[b[in_owner][0]:b[in_owner][1]], prv, tag(seq, 1, in_owner, 0)))
+            xs.append(tp.recv(flat[b[in_owner][0]:b[in_owner][1]], prv, tag(seq, PHASE_RING_GATHER, in_owner, 0)))
         if b[out_owner][1] > b[out_owner][0]:
-            xs.append(tp.send(flat[b[out_owner][0]:b[out_owner][1]], nxt, tag(seq, 1, out_owner, 0)))
+            xs.append(tp.send(flat[b[out_owner][0]:b[out_owner][1]], nxt, tag(seq, PHASE_RING_GATHER, out_owner, 0)))
         tp.wait(xs, f"{what} (all-gather round {s})")
 
 
@@ -172,19 +176,19 @@ def _exchange(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str
     my_pieces = pieces_of(lo, hi, p.pieces)
     got = {r: rows_of[r][lo:hi] if r in rows_of else torch.empty(hi - lo, dtype=flat.dtype)
            for r in range(tp.world)}
-    recvs = [[tp.recv(got[src][a - lo:z - lo], h, tag(seq, 0, src, i)) for h in peers for src in holders[h]]
+    recvs = [[tp.recv(got[src][a - lo:z - lo], h, tag(seq, PHASE_ROWS, src, i)) for h in peers for src in holders[h]]
              for i, (a, z) in enumerate(my_pieces)]
     sends, results = [], []
     for h in peers:  # my rows for each other owner's chunk, piece by piece; its result back into place
         for i, (a, z) in enumerate(pieces_of(*b[h], p.pieces)):
-            sends += [tp.send(rows_of[src][a:z], h, tag(seq, 0, src, i)) for src in holders[me]]
+            sends += [tp.send(rows_of[src][a:z], h, tag(seq, PHASE_ROWS, src, i)) for src in holders[me]]
             # posted now, into the rows just sent: the owner sends a result only after it has
             # received my rows for it, so no result byte can arrive before they left this buffer
-            results.append(tp.recv(flat[a:z], h, tag(seq, 1, h, i)))
+            results.append(tp.recv(flat[a:z], h, tag(seq, PHASE_RESULTS, h, i)))
     for i, (a, z) in enumerate(my_pieces):
         tp.wait(recvs[i], f"{what} (reduce-scatter piece {i})")
         flat[a:z] = reduce_rows([got[r][a - lo:z - lo] for r in range(tp.world)])
-        results += [tp.send(flat[a:z], h, tag(seq, 1, me, i)) for h in peers]
+        results += [tp.send(flat[a:z], h, tag(seq, PHASE_RESULTS, me, i)) for h in peers]
     tp.wait(sends + results, f"{what} (all-gather)")
 
 
@@ -193,13 +197,13 @@ def _tree(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) ->
     leaves = [r for r in range(tp.world) if r not in aggs]
     parent = {leaf: aggs[i % len(aggs)] for i, leaf in enumerate(leaves)}
     if me in parent:  # a leaf: whole tensor up, whole result down
-        up = tp.send(flat, parent[me], tag(seq, 2, me, 0))
+        up = tp.send(flat, parent[me], tag(seq, PHASE_TREE_UP, me, 0))
         tp.wait([up], f"{what} (to aggregator {parent[me]})")
-        tp.wait([tp.recv(flat, parent[me], tag(seq, 3, me, 0))], f"{what} (from aggregator {parent[me]})")
+        tp.wait([tp.recv(flat, parent[me], tag(seq, PHASE_TREE_DOWN, me, 0))], f"{what} (from aggregator {parent[me]})")
         return
     mine = [leaf for leaf in leaves if parent[leaf] == me]
     rows_of = {me: flat, **{leaf: torch.empty_like(flat) for leaf in mine}}
-    tp.wait([tp.recv(rows_of[leaf], leaf, tag(seq, 2, leaf, 0)) for leaf in mine], f"{what} (from leaves)")
+    tp.wait([tp.recv(rows_of[leaf], leaf, tag(seq, PHASE_TREE_UP, leaf, 0)) for leaf in mine], f"{what} (from leaves)")
     holders = {a: [a] + [leaf for leaf in leaves if parent[leaf] == a] for a in aggs}
     _exchange(tp, flat, p, seq, what, holders=holders, rows_of=rows_of)
-    tp.wait([tp.send(flat, leaf, tag(seq, 3, leaf, 0)) for leaf in mine], f"{what} (to leaves)")
+    tp.wait([tp.send(flat, leaf, tag(seq, PHASE_TREE_DOWN, leaf, 0)) for leaf in mine], f"{what} (to leaves)")

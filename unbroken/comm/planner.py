@@ -45,8 +45,11 @@ class Rates:
         return cls(up=(rate,) * world, down=(rate,) * world)
 
 
+PIECES = (1, 2, 4, 8, 16, 32)  # pipeline depths tried: more overlap, more messages
+
+
 def pieces_for(nbytes: int) -> int:
-    """Pipeline depth: pieces of at least ~2 MB (every message costs), at most 32."""
+    """The default pipeline depth: pieces of at least ~2 MB, at most 32 (`candidates` tries others)."""
     return max(1, min(32, nbytes // (2 << 20)))
 
 
@@ -147,6 +150,7 @@ def candidates(rates: Rates, nbytes: int) -> list[Pattern]:
     by_speed = sorted(range(n), key=lambda r: (-min(rates.up[r], rates.down[r]), r))
     out = [Pattern.static_ring(n), Pattern(kind="pipelined", order=ident, split=(1,) * n, pieces=pieces)]
     split = balanced_split(rates, list(range(n)))
+    out += [Pattern(kind="pipelined", order=ident, split=split, pieces=k) for k in PIECES if k != pieces]
     out.append(Pattern(kind="pipelined", order=ident, split=split, pieces=pieces))
     out.append(Pattern(kind="ring", order=tuple(by_speed), split=split))
     for k in range(1, n):
