@@ -33,12 +33,13 @@ class AdaptiveAllreduce:
 
     def __init__(self, pg, *, rank: int, world: int, timeout_s: float, mode: str = "adaptive",
                  flow_cfg: flows.FlowConfig | None = None, min_gain: float = 0.05,
-                 emit: Emit | None = None) -> None:
+                 emit: Emit | None = None, interrupted: Callable[[], bool] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"collectives mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.pg, self.rank, self.world, self.mode, self.min_gain = pg, rank, world, mode, min_gain
         self.emit = emit if rank == 0 else None
-        self.tp = Transport(pg, rank=rank, world=world, timeout_s=timeout_s, on_transfer=self._record)
+        self.tp = Transport(pg, rank=rank, world=world, timeout_s=timeout_s, on_transfer=self._record,
+                            interrupted=interrupted)
         self.table = flows.FlowTable(flow_cfg)
         self.plan: Pattern | None = Pattern.static_ring(world) if mode == "static" else None
         self.seq = 0
@@ -57,6 +58,10 @@ class AdaptiveAllreduce:
         self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": time.perf_counter() - t0})
         if self.mode == "adaptive" and self.world > 1:
             self._replan(nbytes, what)
+
+    def close(self) -> None:
+        """The group is retired: its transport's waiter threads may end."""
+        self.tp.close()
 
     # --- flow records ------------------------------------------------------------------------
     def _record(self, kind: str, peer: int, tag: int, nbytes: int, posted: float, ended: float) -> None:
@@ -137,3 +142,15 @@ class AdaptiveAllreduce:
                 self.emit("collective_plan", seq=self.seq + 1, plan=plan.to_json(), previous=self.plan.to_json(),
                           predicted_s=predicted, congested=[f"{k}:{r}" for k, r in self.table.congested()])
             self.plan = plan
+
+
+def for_comm(comm, mode: str, *, emit: Emit | None = None,
+             interrupted: Callable[[], bool] | None = None) -> AdaptiveAllreduce | None:
+    """The gradient all-reduce for a generation's `Comm` (group.py): None for mode "gloo" (its own)."""
+    if mode == "gloo":
+        return None
+    if comm.dev_pg is not None:
+        raise ValueError(f"--collectives {mode} moves CPU tensors over gloo, but this job's gradients are on "
+                         "CUDA (NCCL); use --collectives gloo or --backend gloo")
+    return AdaptiveAllreduce(comm.pg, rank=comm.rank, world=comm.world, timeout_s=comm.timeout_s, mode=mode,
+                             emit=emit, interrupted=interrupted)

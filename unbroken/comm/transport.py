@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from unbroken.comm.group import CollectiveError
+from unbroken.comm.group import CollectiveError, GenerationChanged
 
 OnTransfer = Callable[[str, int, int, int, float, float], None]  # kind, peer, tag, nbytes, posted, ended
 
@@ -42,11 +42,12 @@ class Transport:
     """Sends and receives of `rank` in a gloo group `pg` of `world` ranks; waits end by `timeout_s`."""
 
     def __init__(self, pg, *, rank: int, world: int, timeout_s: float,
-                 on_transfer: OnTransfer | None = None) -> None:
+                 on_transfer: OnTransfer | None = None, interrupted: Callable[[], bool] | None = None) -> None:
         if not timeout_s > 0:
             raise ValueError(f"Transport timeout_s must be > 0 seconds, got {timeout_s!r}; e.g. 30.0")
         self.pg, self.rank, self.world, self.timeout_s = pg, rank, world, timeout_s
         self.on_transfer = on_transfer
+        self._interrupted = interrupted  # a newer generation was published: stop waiting at once
         self._queues: dict[tuple[str, int], queue.SimpleQueue] = {}
         self._deadline = 0.0  # monotonic; set by begin()
         self.broken: str | None = None  # set once a transfer failed: the group is unusable
@@ -84,9 +85,14 @@ class Transport:
                              name=f"unbroken-p2p-{kind}-{peer}").start()
         return q
 
+    def close(self) -> None:
+        """Let the waiter threads end once they have waited for what was posted (a retired group)."""
+        for q in self._queues.values():
+            q.put(None)
+        self._queues = {}
+
     def _wait_loop(self, q: queue.SimpleQueue) -> None:
-        while True:
-            x = q.get()
+        while (x := q.get()) is not None:
             left = max(0.001, self._deadline - time.monotonic())
             try:
                 x.work.wait(timedelta(seconds=left))
@@ -97,12 +103,17 @@ class Transport:
             x.done.set()
 
     def wait(self, transfers: list[Transfer], what: str) -> None:
-        """Block until every transfer ended; CollectiveError on a failure or past the deadline."""
+        """Block until every transfer ended; CollectiveError on a failure or past the deadline,
+        GenerationChanged as soon as `interrupted()` says a newer generation exists."""
+        pace = 0.005 if self._interrupted else float("inf")  # how often to look for a newer generation
         for x in transfers:
-            left = self._deadline - time.monotonic()
-            if left <= 0 or not x.done.wait(left):
-                self.broken = f"{what}: {x.kind} with rank {x.peer} did not end within {self.timeout_s:.1f}s"
-                raise CollectiveError(f"rank {self.rank}/{self.world}: {self.broken}")
+            while not x.done.wait(max(0.0, min(self._deadline - time.monotonic(), pace))):
+                if self._interrupted is not None and self._interrupted():
+                    self.broken = f"{what}: a newer generation was published while waiting on rank {x.peer}"
+                    raise GenerationChanged(f"rank {self.rank}/{self.world}: {self.broken}")
+                if time.monotonic() >= self._deadline:
+                    self.broken = f"{what}: {x.kind} with rank {x.peer} did not end within {self.timeout_s:.1f}s"
+                    raise CollectiveError(f"rank {self.rank}/{self.world}: {self.broken}")
             if x.error is not None:
                 self.broken = f"{what}: {x.kind} with rank {x.peer} failed: {str(x.error).splitlines()[0][:160]}"
                 raise CollectiveError(f"rank {self.rank}/{self.world}: {self.broken}") from x.error
