@@ -78,6 +78,7 @@ def rank_main(args) -> None:
             if method == "adaptive":
                 rec["plan"] = adaptive.history[-1]["plan"]
                 rec["estimates"] = adaptive.history[-1].get("estimates")
+                rec["sync_s"] = adaptive.history[-1].get("sync_s")
             out.write(json.dumps(rec) + "\n")
             out.flush()
 

@@ -57,7 +57,9 @@ class AdaptiveAllreduce:
         allreduce(self.tp, t, plan, self.seq, what)
         self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": time.perf_counter() - t0})
         if self.mode == "adaptive" and self.world > 1:
+            t1 = time.perf_counter()
             self._replan(nbytes, what)
+            self.history[-1]["sync_s"] = time.perf_counter() - t1  # what learning costs per collective
 
     def close(self) -> None:
         """The group is retired: its transport's waiter threads may end."""
@@ -90,10 +92,10 @@ class AdaptiveAllreduce:
     def flows_of(self, slots: torch.Tensor) -> list[flows.Flow]:
         """The collective's flows from every rank's slots (rank j's row: what j received and sent)."""
         recvs, sends = [], []
+        rows = slots.tolist()  # one conversion: indexing a tensor element by element costs microseconds each
         for j in range(self.world):
             for i in range(self.world):
-                for ph in range(PHASES):
-                    nb, posted, ended, sent = (float(x) for x in slots[j, i, ph])
+                for ph, (nb, posted, ended, sent) in enumerate(rows[j][i]):
                     if nb > 0:
                         recvs.append((i, j, ph, int(nb), posted, ended))
                     if sent > 0:
