@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from datetime import timedelta
 from typing import Callable
 
@@ -44,8 +45,8 @@ class AdaptiveAllreduce:
         self.plan: Pattern | None = Pattern.static_ring(world) if mode == "static" else None
         self.seq = 0
         self._decided: tuple | None = None  # what the last plan was chosen for
-        self.history: list[dict] = []  # per collective: seq, plan, seconds (bench time series)
-        self._slots = torch.zeros(world, PHASES, 4, dtype=torch.float64)  # per peer, phase: bytes, posted, ended, sent
+        self.history: deque[dict] = deque(maxlen=1024)  # the last collectives: seq, plan, seconds, estimates
+        self._slots = self._empty_slots()  # per peer, phase: bytes, posted, ended (receives), posted (sends)
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
         nbytes = t.numel() * t.element_size()
@@ -53,7 +54,7 @@ class AdaptiveAllreduce:
             self.plan, _ = planner.choose(None, planner.Rates.uniform(self.world), nbytes, min_gain=self.min_gain)
         self.seq += 1
         plan, t0 = self.plan, time.perf_counter()
-        self._slots.zero_()
+        self._slots = self._empty_slots()
         allreduce(self.tp, t, plan, self.seq, what)
         self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": time.perf_counter() - t0})
         if self.mode == "adaptive" and self.world > 1:
@@ -66,23 +67,27 @@ class AdaptiveAllreduce:
         self.tp.close()
 
     # --- flow records ------------------------------------------------------------------------
+    def _empty_slots(self) -> list[list[list[float]]]:
+        return [[[0.0] * 4 for _ in range(PHASES)] for _ in range(self.world)]
+
     def _record(self, kind: str, peer: int, tag: int, nbytes: int, posted: float, ended: float) -> None:
         phase = (tag >> 18) & 3
         if phase == PHASE_RESULTS:  # paced by the owners' reductions, not by the link: no rate
             return
-        s = self._slots[peer, phase]
+        s = self._slots[peer][phase]
         if kind == "send":
-            s[3] = posted if s[3] == 0 else min(float(s[3]), posted)
+            s[3] = posted if s[3] == 0 else min(s[3], posted)
             return
-        s[1] = posted if s[0] == 0 else min(float(s[1]), posted)
-        s[2] = max(float(s[2]), ended)
+        s[1] = posted if s[0] == 0 else min(s[1], posted)
+        s[2] = max(s[2], ended)
         s[0] += nbytes
 
     def _gather(self, what: str) -> torch.Tensor:
         """Every rank's slots (world, world, PHASES, 4); bounded by the transport's timeout."""
-        out = torch.empty((self.world, *self._slots.shape), dtype=torch.float64)
+        mine = torch.tensor(self._slots, dtype=torch.float64)
+        out = torch.empty((self.world, *mine.shape), dtype=torch.float64)
         try:
-            work = self.pg.allgather([[out[r] for r in range(self.world)]], [self._slots])
+            work = self.pg.allgather([[out[r] for r in range(self.world)]], [mine])
             work.wait(timedelta(seconds=self.tp.timeout_s))
         except RuntimeError as e:
             self.tp.broken = f"{what} (flow statistics): {str(e).splitlines()[0][:160]}"
