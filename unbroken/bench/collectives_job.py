@@ -152,7 +152,7 @@ def main(argv=None) -> None:
         r.add_argument(name, type=typ, required=True)
     r.add_argument("--rounds", type=int, default=3)
     r.add_argument("--warmup", type=int, default=3)
-    r.add_argument("--warmup-bytes", type=int, default=4 << 20)
+    r.add_argument("--warmup-bytes", type=int, default=16 << 20)
     r.add_argument("--methods", default=",".join(METHODS))
     r.add_argument("--timeout", type=float, default=120.0)
     for name in ("sink", "source"):

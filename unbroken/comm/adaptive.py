@@ -7,7 +7,10 @@ the same flows into the same estimates (comm/flows.py) and computes the same pla
 effect at the next collective on every rank. A congestion flag change and a plan change are
 events (`link_congestion`, `collective_plan`), written by rank 0 before the plan is used.
 
-mode "static" always runs the static ring and learns nothing (the baseline).
+mode "static" always runs the static ring and learns nothing (the baseline). All-reduces under
+`learn_bytes` (the same decision on every rank: the size is the same) skip the exchange: their
+flows are too short to measure a link (flows.FlowConfig.min_seconds) and the sync would cost
+more than it could win.
 """
 from __future__ import annotations
 
@@ -34,10 +37,12 @@ class AdaptiveAllreduce:
 
     def __init__(self, pg, *, rank: int, world: int, timeout_s: float, mode: str = "adaptive",
                  flow_cfg: flows.FlowConfig | None = None, min_gain: float = 0.05,
-                 emit: Emit | None = None, interrupted: Callable[[], bool] | None = None) -> None:
+                 emit: Emit | None = None, interrupted: Callable[[], bool] | None = None,
+                 learn_bytes: int = 4 << 20) -> None:
         if mode not in MODES:
             raise ValueError(f"collectives mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.pg, self.rank, self.world, self.mode, self.min_gain = pg, rank, world, mode, min_gain
+        self.learn_bytes = learn_bytes  # smaller all-reduces neither pay for the sync nor change the plan
         self.emit = emit if rank == 0 else None
         self.tp = Transport(pg, rank=rank, world=world, timeout_s=timeout_s, on_transfer=self._record,
                             interrupted=interrupted)
@@ -57,7 +62,7 @@ class AdaptiveAllreduce:
         self._slots = self._empty_slots()
         allreduce(self.tp, t, plan, self.seq, what)
         self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": time.perf_counter() - t0})
-        if self.mode == "adaptive" and self.world > 1:
+        if self.mode == "adaptive" and self.world > 1 and nbytes >= self.learn_bytes:
             t1 = time.perf_counter()
             self._replan(nbytes, what)
             self.history[-1]["sync_s"] = time.perf_counter() - t1  # what learning costs per collective
