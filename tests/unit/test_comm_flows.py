@@ -56,7 +56,7 @@ def test_hysteresis_keeps_the_flag_between_the_thresholds(base, level):
     assert not est.congested
 
 
-@given(spans=st.lists(st.tuples(st.floats(0, 10), st.floats(0.06, 5), st.integers(1 << 17, 1 << 26)),
+@given(spans=st.lists(st.tuples(st.floats(0, 10), st.floats(0.01, 5), st.integers(1 << 20, 1 << 26)),
                       min_size=1, max_size=12))
 def test_the_peak_is_at_least_each_flow_and_at_most_their_sum(spans):
     flows = [Flow(0, 1, n, s, s + d) for s, d, n in spans]
@@ -78,7 +78,7 @@ def test_disjoint_flows_do_not_add_and_overlapping_ones_do():
 
 def test_small_or_instant_flows_are_not_rates():
     cfg = FlowConfig()
-    assert peak_rates([Flow(0, 1, 100, 0.0, 1.0), Flow(0, 1, 1 << 20, 1.0, 1.0)], cfg) == {}
+    assert peak_rates([Flow(0, 1, 100 << 10, 0.0, 1.0), Flow(0, 1, 1 << 20, 1.0, 1.0)], cfg) == {}
 
 
 def test_join_starts_a_flow_when_both_ends_posted():

@@ -9,7 +9,7 @@ events (`link_congestion`, `collective_plan`), written by rank 0 before the plan
 
 mode "static" always runs the static ring and learns nothing (the baseline). All-reduces under
 `learn_bytes` (the same decision on every rank: the size is the same) skip the exchange: their
-flows are too short to measure a link (flows.FlowConfig.min_seconds) and the sync would cost
+flows are too small to measure a link (flows.FlowConfig.min_bytes) and the sync would cost
 more than it could win.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ class AdaptiveAllreduce:
     def __init__(self, pg, *, rank: int, world: int, timeout_s: float, mode: str = "adaptive",
                  flow_cfg: flows.FlowConfig | None = None, min_gain: float = 0.05,
                  emit: Emit | None = None, interrupted: Callable[[], bool] | None = None,
-                 learn_bytes: int = 4 << 20) -> None:
+                 learn_bytes: int = 8 << 20) -> None:
         if mode not in MODES:
             raise ValueError(f"collectives mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.pg, self.rank, self.world, self.mode, self.min_gain = pg, rank, world, mode, min_gain
@@ -65,7 +65,7 @@ class AdaptiveAllreduce:
         if self.mode == "adaptive" and self.world > 1 and nbytes >= self.learn_bytes:
             t1 = time.perf_counter()
             self._replan(nbytes, what)
-            self.history[-1]["sync_s"] = time.perf_counter() - t1  # what learning costs per collective
+            self.history[-1]["sync_s"] = time.perf_counter() - t1  # learning: the exchange, waits for the last rank included
 
     def close(self) -> None:
         """The group is retired: its transport's waiter threads may end."""

@@ -29,10 +29,12 @@ class FlowConfig:
     window: int = 3  # observations the moving median is taken over
     congested_below: float = 0.6  # congested when estimate < this x baseline
     clear_above: float = 0.8  # not congested again only when estimate > this x baseline
-    min_bytes: int = 64 << 10  # smaller flows are all latency: they say nothing of bandwidth
-    # shorter flows say more about buffers (a token bucket's burst, socket buffers, slow start) and
-    # thread wake-ups than about the link: a 1.4 MB flow measured 161..638 MB/s on 125 MB/s links
-    min_seconds: float = 0.05
+    # Smaller flows say more about buffers (a token bucket's burst, socket buffers) than about the
+    # link: 1.4 MB flows measured 161..638 MB/s on 125 MB/s links. Short flows are kept: a flow
+    # that ended fast is the evidence that its two links are fast (dropping them left only the
+    # flows to a slow peer, and every link looked slow).
+    min_bytes: int = 1 << 20
+    min_seconds: float = 2e-3  # thread wake-up jitter
     stale_after: int = 5  # a link without observations in this many collectives is unknown again
 
     def __post_init__(self) -> None:
