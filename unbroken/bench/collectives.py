@@ -161,6 +161,10 @@ def rows_of(runs: dict) -> list[dict]:
                     med = statistics.median(secs)
                     rows.append({"scenario": sc, "bytes": nbytes, "method": m, "seconds": secs, "median_s": med,
                                  "algbw_GBps": nbytes / med / 1e9})
+                    if m == "adaptive":  # which plans ran, and what learning cost (waiting for the last rank included)
+                        ad = [r for r in recs if r["bytes"] == nbytes and r["method"] == m]
+                        rows[-1]["plans"] = [r.get("plan") for r in ad]
+                        rows[-1]["sync_s"] = [r.get("sync_s") for r in ad]
     return rows
 
 

@@ -57,6 +57,8 @@ class AdaptiveAllreduce:
         nbytes = t.numel() * t.element_size()
         if self.plan is None:
             self.plan, _ = planner.choose(None, planner.Rates.uniform(self.world), nbytes, min_gain=self.min_gain)
+        elif self.mode == "adaptive":
+            self.decide(nbytes)  # a new size may want other pieces (a no-op while size and links hold)
         self.seq += 1
         plan, t0 = self.plan, time.perf_counter()
         self._slots = self._empty_slots()

@@ -1,7 +1,9 @@
 """Choose the all-reduce pattern with the least predicted time from the links' rate estimates.
 
 The cost model is the switch of comm/flows.py: rank r sends at up[r] and receives at down[r]
-(bytes/s), a pair moves at min(up[src], down[dst]), each message round costs `latency_s`.
+(bytes/s), a pair moves at min(up[src], down[dst]), each message round costs `latency_s` and
+every transfer a rank posts and waits for costs it `op_s` of its own time (a pipelined plan of
+many small pieces pays for its messages).
 Candidates: the static ring; the pipelined exchange with an even split and with the split
 that balances every rank's bytes against its link (a slow rank owns less, or nothing, and
 then only sends its rows and receives results: S bytes each way instead of 2(N-1)/N x S);
@@ -25,13 +27,14 @@ class Rates:
     up: tuple[float, ...]
     down: tuple[float, ...]
     latency_s: float = 2e-4
+    op_s: float = 1e-4
 
     def __post_init__(self) -> None:
         if len(self.up) != len(self.down) or not self.up:
             raise ValueError(f"Rates needs one up and one down rate per rank, got {len(self.up)} and {len(self.down)}")
-        if any(not x > 0 for x in (*self.up, *self.down)) or self.latency_s < 0:
-            raise ValueError(f"Rates must be > 0 bytes/s and latency >= 0 s, got {self.up}, {self.down}, "
-                             f"{self.latency_s}")
+        if any(not x > 0 for x in (*self.up, *self.down)) or self.latency_s < 0 or self.op_s < 0:
+            raise ValueError(f"Rates must be > 0 bytes/s and latency, op_s >= 0 s, got {self.up}, {self.down}, "
+                             f"{self.latency_s}, {self.op_s}")
 
     @property
     def world(self) -> int:
@@ -69,7 +72,7 @@ def predict(p: Pattern, nbytes: float, rates: Rates) -> float:
             total += lat + max(c[order[(i + s) % n]] / rates.pair(order[i], order[(i + s) % n]) for i in range(n))
         for s in range(n - 1):  # all-gather: position i forwards chunk of position i-s to i+1
             total += lat + max(c[order[(i - s) % n]] / rates.pair(order[i], order[(i + 1) % n]) for i in range(n))
-        return total
+        return total + rates.op_s * 4 * (n - 1)
     if p.kind == "pipelined":
         return _exchange_time(c, {r: [r] for r in range(n)}, rates, p.pieces)
     aggs = p.aggregators
@@ -98,7 +101,8 @@ def _exchange_time(c: list[float], holders: dict[int, list[int]], rates: Rates, 
         results_in = total - c[a]
         busy = max(busy, (rows_out + results_out) / rates.up[a], (rows_in + results_in) / rates.down[a])
         fill = max(fill, rows_out / rates.up[a], rows_in / rates.down[a])
-    return rates.latency_s * 2 * pieces + busy + fill / pieces
+    ops = 4 * (n - 1) * pieces  # rows and results, out and in, per piece
+    return rates.latency_s * 2 * pieces + rates.op_s * ops + busy + fill / pieces
 
 
 def balanced_split(rates: Rates, members: list[int], holders: dict[int, int] | None = None) -> tuple[int, ...]:
