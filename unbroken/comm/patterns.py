@@ -152,14 +152,22 @@ def _ring(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) ->
     if hi > lo:
         flat[lo:hi] = reduce_rows(rows)
     nxt, prv = order[(pos + 1) % n], order[(pos - 1) % n]
-    for s in range(n - 1):  # all-gather: finished chunks travel along the ring
-        out_owner, in_owner = order[(pos - s) % n], order[(pos - s - 1) % n]
-        xs = []
-        if b[in_owner][1] > b[in_owner][0]:
-            xs.append(tp.recv(flat[b[in_owner][0]:b[in_owner][1]], prv, tag(seq, PHASE_RING_GATHER, in_owner, 0)))
-        if b[out_owner][1] > b[out_owner][0]:
-            xs.append(tp.send(flat[b[out_owner][0]:b[out_owner][1]], nxt, tag(seq, PHASE_RING_GATHER, out_owner, 0)))
-        tp.wait(xs, f"{what} (all-gather round {s})")
+    # all-gather: finished chunks travel along the ring. Every receive is posted at once (each into
+    # its own chunk); a chunk is forwarded as soon as it has arrived, without waiting for the
+    # previous send to end, so consecutive rounds overlap
+    span = {o: b[o] for o in order if b[o][1] > b[o][0]}
+    ins = {order[(pos - s - 1) % n]: s for s in range(n - 1)}
+    recvs = {o: tp.recv(flat[span[o][0]:span[o][1]], prv, tag(seq, PHASE_RING_GATHER, o, 0))
+             for o in ins if o in span}
+    sends = []
+    for s in range(n - 1):
+        out_owner = order[(pos - s) % n]
+        if s > 0 and out_owner in recvs:
+            tp.wait([recvs[out_owner]], f"{what} (all-gather round {s - 1})")
+        if out_owner in span:
+            sends.append(tp.send(flat[span[out_owner][0]:span[out_owner][1]], nxt,
+                                 tag(seq, PHASE_RING_GATHER, out_owner, 0)))
+    tp.wait([*sends, *recvs.values()], f"{what} (all-gather)")
 
 
 def _pipelined(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) -> None:
