@@ -67,7 +67,8 @@ class AdaptiveAllreduce:
         if self.mode == "adaptive" and self.world > 1 and nbytes >= self.learn_bytes:
             t1 = time.perf_counter()
             self._replan(nbytes, what)
-            self.history[-1]["sync_s"] = time.perf_counter() - t1  # learning: the exchange, waits for the last rank included
+            # learning's cost: the exchange, the wait for the last rank to finish included
+            self.history[-1]["sync_s"] = time.perf_counter() - t1
 
     def close(self) -> None:
         """The group is retired: its transport's waiter threads may end."""
@@ -121,7 +122,8 @@ class AdaptiveAllreduce:
         reference (on shared hosts estimates wander by tens of percent, and a plan tuned to noise
         loses to the ring), and so does a link not seen yet; a slower link counts as itself."""
         est = {k: v.rate for k, v in self.table.links.items() if v.rate}
-        per_rank = [min(x) for r in range(self.world) if len(x := [est[k] for k in (("up", r), ("down", r)) if k in est])]
+        known = ([est[k] for k in (("up", r), ("down", r)) if k in est] for r in range(self.world))
+        per_rank = [min(x) for x in known if x]
         ref = statistics.median(per_rank) if per_rank else 1e9
         low = self.table.cfg.congested_below * ref
 
