@@ -254,8 +254,8 @@ def collectives(out: Path = _OUT, world: int = typer.Option(4, "--world-size", h
     mb = cb.MB
     res = cb.measure(world=world, payloads=[1 * mb, 16 * mb] if quick else [s * mb for s in sizes],
                      rounds=2 if quick else rounds, fast=fast, slow=slow,
-                     changing_payload=16 * mb, changing_rounds=16 if quick else 60,
-                     period=12.0 if quick else 20.0, scenarios=names,
+                     changing_payload=16 * mb, changing_rounds=24 if quick else 60,
+                     period=10.0 if quick else 20.0, scenarios=names,
                      log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
     res["quick"] = quick
     cb.plot(res, Path(out) / "collectives.png")
