@@ -61,3 +61,26 @@ def test_one_slow_link_scenario_runs_in_namespaces(tmp_path):
     methods = [r["method"] for r in run["records"] if r["phase"] == "measure"]
     assert sorted(methods) == sorted(cb.METHODS)
     assert cb.result({"one_slow": run}, world=3, fast=1000, slow=250, rounds=1, period=1)["bitwise_equal"]
+
+
+@pytest.mark.parametrize("args,needle", [(["--scenarios", "bogus"], "unknown --scenarios bogus"),
+                                         (["--slow-mbit", "2000"], "--slow-mbit < --fast-mbit"),
+                                         (["--world-size", "3", "--scenarios", "two_slow"], "--world-size >= 4"),
+                                         (["--payloads", "0"], "--payloads")])
+def test_bad_options_are_one_line_errors(args, needle):
+    from typer.testing import CliRunner
+
+    from unbroken.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "collectives", *args])
+    assert res.exit_code == 2 and needle in res.output
+
+
+def test_collectives_flag_is_validated():
+    from unbroken.config import ConfigError, RunConfig
+
+    assert RunConfig(collectives="adaptive").collectives == "adaptive"
+    with pytest.raises(ConfigError, match="collectives must be one of"):
+        RunConfig(collectives="fast")
+    with pytest.raises(ConfigError, match="use --backend gloo"):
+        RunConfig(collectives="adaptive", backend="nccl")
