@@ -16,6 +16,7 @@ STRATEGIES = ("zero1", "zero2", "ddp")
 SHARDED = ("zero1", "zero2")  # each rank owns one shard of the parameters and optimizer state
 NONFINITE_POLICIES = ("stop", "skip")
 BACKENDS = ("auto", "gloo", "nccl")  # auto: nccl when CUDA is available, else gloo (runtime/devices.py)
+COLLECTIVES = ("gloo", "static", "adaptive")  # the gradient all-reduce: gloo's own, our static ring, congestion-aware
 BITWISE_REDUCE = ("auto", "exchange")  # XOR/AND: the backend's BXOR/BAND where it has them, or always exchange
 
 
@@ -92,6 +93,7 @@ class RunConfig:
     threads: int = 1
     backend: str = "auto"  # the data collectives' backend; control traffic stays on the store and gloo
     bitwise_reduce: str = "auto"  # "exchange": XOR/AND by all-to-all/gather + local op even where gloo has BXOR
+    collectives: str = "gloo"  # ddp/zero1 gradient all-reduce: gloo's, our static ring or adaptive (comm/adaptive.py)
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def __post_init__(self) -> None:
@@ -153,6 +155,11 @@ class RunConfig:
               f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}; e.g. --backend gloo")
         _need(self.bitwise_reduce in BITWISE_REDUCE,
               f"bitwise_reduce must be one of {', '.join(BITWISE_REDUCE)}, got {self.bitwise_reduce!r}")
+        _need(self.collectives in COLLECTIVES,
+              f"collectives must be one of {', '.join(COLLECTIVES)}, got {self.collectives!r}; e.g. --collectives adaptive")
+        _need(self.collectives == "gloo" or self.backend != "nccl",
+              f"collectives {self.collectives!r} runs on gloo (CPU tensors), but backend is nccl; "
+              "use --backend gloo or --collectives gloo")
         if isinstance(self.model, dict):  # from JSON/TOML
             object.__setattr__(self, "model", ModelConfig(**_known(ModelConfig, self.model, "model.")))
 

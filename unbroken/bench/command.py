@@ -227,3 +227,36 @@ def regroup(out: Path = _OUT, sizes: str = typer.Option("4,8,16,32,64", "--sizes
     path = Path(out) / "multinode.json"
     rg.write_into_multinode(res, path)
     Console().print(f"wrote regroup_fit into {path}")
+
+
+def collectives(out: Path = _OUT, world: int = typer.Option(4, "--world-size", help="ranks, one network namespace each"),
+                payloads: str = typer.Option("1,4,16,64,256", "--payloads", help="MB, comma-separated"),
+                rounds: int = typer.Option(3, "--rounds", help="timed rounds of every method per payload, interleaved"),
+                fast: float = typer.Option(1000.0, "--fast-mbit", help="every link's rate"),
+                slow: float = typer.Option(250.0, "--slow-mbit", help="a congested link's rate"),
+                scenarios: str = typer.Option("", "--scenarios", help="comma-separated; default: all"),
+                quick: bool = _QUICK) -> None:
+    """gloo's all-reduce vs our static ring vs the congestion-aware one, on shaped links in namespaces (needs root)."""
+    from unbroken.bench import collectives as cb
+    from unbroken.plan.netns import available
+
+    sizes = _int_list(payloads, "--payloads")
+    names = tuple(s for s in scenarios.split(",") if s) or cb.SCENARIOS
+    if bad := [s for s in names if s not in cb.SCENARIOS]:
+        fail(f"unknown --scenarios {', '.join(bad)}; choose from {', '.join(cb.SCENARIOS)}")
+    if not 2 <= world <= 64 or rounds < 1 or not 0 < slow < fast:
+        fail(f"need 2 <= --world-size <= 64, --rounds >= 1 and 0 < --slow-mbit < --fast-mbit; "
+             f"got {world}, {rounds}, {slow}, {fast}")
+    if world < 4 and {"two_slow", "background"} & set(names):
+        fail(f"scenarios two_slow and background need --world-size >= 4, got {world}")
+    if why := available():
+        fail(f"bench collectives builds network namespaces: {why}")
+    mb = cb.MB
+    res = cb.measure(world=world, payloads=[1 * mb, 16 * mb] if quick else [s * mb for s in sizes],
+                     rounds=2 if quick else rounds, fast=fast, slow=slow,
+                     changing_payload=16 * mb, changing_rounds=24 if quick else 60,
+                     period=10.0 if quick else 20.0, scenarios=names,
+                     log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
+    res["quick"] = quick
+    cb.plot(res, Path(out) / "collectives.png")
+    _finish("collectives", res, cb.table, out)

@@ -280,7 +280,15 @@ def _analyze_run(run: RunLog, window_s: float) -> dict[str, Any]:
             "steps_lost": sum(n for n in steps_lost_by_gen(run.events).values() if n is not None),
             "excluded": sorted({n for e in run.events if e.kind == "node_excluded" and (n := _node(e)) is not None}),
             "retry_events": [e for e in run.events if e.kind == "retry"],
-            "stragglers": [_straggler(e, start) for e in run.events if e.kind == "straggler"]}
+            "stragglers": [_straggler(e, start) for e in run.events if e.kind == "straggler"],
+            "collective_plans": [_plan(e, start, run.name) for e in run.events if e.kind == "collective_plan"]}
+
+
+def _plan(ev: Event, start: float, run: str) -> dict[str, Any]:
+    """A re-planned all-reduce (comm/adaptive.py): from which collective, what pattern, around which links."""
+    plan = ev.fields.get("plan") if isinstance(ev.fields.get("plan"), dict) else {}
+    return {"run": run, "time_s": ev.time - start, "seq": as_int(ev.fields.get("seq")), "kind": plan.get("kind"),
+            "split": plan.get("split"), "congested": ev.fields.get("congested") or []}
 
 
 def _straggler(ev: Event, start: float) -> dict[str, Any]:
@@ -373,6 +381,7 @@ def analyze(runs: list[RunLog], *, match_window_s: float = MATCH_WINDOW_S) -> di
         "retries": retry_summary([e for p in per for e in p["retry_events"]]),
         "offenders": offenders(faults, excluded), "excluded_nodes": sorted(excluded),
         "stragglers": [s for p in per for s in p["stragglers"]],
+        "collective_plans": [c for p in per for c in p["collective_plans"]],
     }
     pools = [c for r in runs for c in pool_changes(r.events)]
     if pools:

@@ -79,6 +79,13 @@ def _retries(r: dict[str, Any]) -> Section:
             [[str(t["chains"]), str(t["links"]), str(t["succeeded"]), _pct(t["success_rate"])]])
 
 
+def _plans(r: dict[str, Any]) -> Section:
+    rows = [[c["run"], _f(c["time_s"], " s", 1), str(c["seq"]), str(c["kind"]), str(c["split"]),
+             ", ".join(c["congested"]) or "none"] for c in r.get("collective_plans", [])]
+    return ("All-reduce re-plans (--collectives adaptive)", ["run", "at", "from collective", "pattern", "split",
+                                                             "congested links"], rows)
+
+
 def _runs(r: dict[str, Any]) -> Section:
     rows = [[x["run"], _f(x["wall_s"], " s", 1), _pct(x["ettr"]), str(x["steps"]), str(x["faults"]),
              str(x["false_positives"])] for x in r["runs"]]
@@ -92,7 +99,8 @@ def _pools(report: dict[str, Any]) -> Section:
 
 
 def sections(report: dict[str, Any]) -> list[Section]:
-    out = [_overview(report), _by_class(report), _faults(report), _offenders(report), _retries(report)]
+    out = [_overview(report), _by_class(report), _faults(report), _offenders(report), _retries(report),
+           _plans(report)]
     if len(report["runs"]) > 1:
         out.append(_runs(report))
     if report.get("pools"):

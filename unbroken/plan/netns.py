@@ -160,6 +160,13 @@ class Netns:
                 pass
         return pids
 
+    def set_rate(self, rank: int, rate_mbit: float) -> None:
+        """Change rank's link rate (both directions) while the wiring is up: `tc qdisc replace`."""
+        if not rate_mbit > 0:
+            raise ValueError(f"link rate must be > 0 Mbit/s, got {rate_mbit!r}")
+        _run(_tbf("eth0", rate_mbit, self.namespace(rank)))
+        _run(_tbf(f"{self.prefix}v{rank}", rate_mbit, None))
+
     def close(self) -> None:
         """Delete what was made (namespaces take their veth ends with them); never raises."""
         while self._made:

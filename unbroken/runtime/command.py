@@ -91,6 +91,9 @@ def run(
                                                     "(default) or skip the step"),
     backend: Optional[str] = typer.Option(None, "--backend", help="data collectives: auto (nccl when CUDA is "
                                                                   "available, else gloo), gloo or nccl"),
+    collectives: Optional[str] = typer.Option(None, "--collectives",
+                                              help="gradient all-reduce of ddp/zero1: gloo (default), static "
+                                                   "(our ring) or adaptive (re-planned around slow links)"),
     protect_every: Optional[str] = typer.Option(None, "--protect-every",
                                                 help="bring tier-1 parity up to date every K steps (1 = every step, "
                                                      "or auto)"),
@@ -129,7 +132,8 @@ def run(
                                      shadows=_int_or_auto("--shadows", shadows, "2"), retry_budget=retry_budget,
                                      max_recoveries_per_hour=max_recoveries_per_hour, on_nonfinite=on_nonfinite,
                                      protect_every=_int_or_auto("--protect-every", protect_every, "8"),
-                                     model_n_layer=n_layer, model_n_embd=n_embd, backend=backend))
+                                     model_n_layer=n_layer, model_n_embd=n_embd, backend=backend,
+                                     collectives=collectives))
     if json_out:
         print(json.dumps(summary, indent=2, default=str))
     elif "steps" in summary:
@@ -143,7 +147,7 @@ _JOB_FLAGS = {"script": "a script", "config": "--config", "run_dir": "--run-dir"
               "steps": "--steps", "seed": "--seed", "batch_size": "--batch-size", "lr": "--lr",
               "strategy": "--strategy", "parity_group": "--parity-group", "chunk_kb": "--chunk-kb",
               "checkpoint_every": "--checkpoint-every", "protect_every": "--protect-every", "backend": "--backend",
-              "n_layer": "--n-layer", "n_embd": "--n-embd"}
+              "collectives": "--collectives", "n_layer": "--n-layer", "n_embd": "--n-embd"}
 
 
 def _refuse_job_changes(given: dict) -> None:

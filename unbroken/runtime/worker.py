@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from unbroken.comm import adaptive
 from unbroken.comm.group import CollectiveError, Comm, GenerationChanged
 from unbroken.fsutil import atomic_write_bytes, atomic_write_with
 from unbroken.memory import live_tensor_bytes, peak_rss_bytes
@@ -98,6 +99,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         self.local_grads: torch.Tensor | None = None  # allocated with the state (_build_state)
         self.comm: Comm | None = None
         self.group: Comm | None = None
+        self.ours: adaptive.AdaptiveAllreduce | None = None  # --collectives static|adaptive
         self.gen: membership.Generation | None = None
         self._pg_stores: list = []  # one store connection per generation's groups, kept alive
         self._nan_pending = False
@@ -282,6 +284,8 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         cfg = self.cfg
         if self.comm is not None:
             self.comm.retire()
+        if self.ours is not None:
+            self.ours.close()
         if self.group is not None and self.group is not self.comm:
             self.group.retire()
         self.gen = gen
@@ -295,6 +299,10 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         kinds = dict(backend=devices.group_backend(cfg.backend), bitwise_reduce=cfg.bitwise_reduce)
         self.comm = Comm(membership.group_store(pg_store, gen.gen), rank=self.rank, world=self.world_size,
                          gen=gen.gen, timeout_s=cfg.collective_timeout_s, interrupted=stale, **kinds)
+        try:
+            self.ours = adaptive.for_comm(self.comm, cfg.collectives, emit=self.ctx.events.emit, interrupted=stale)
+        except ValueError as e:
+            self._refuse(str(e))
         k = self.owned.k
         if k < 2 or k == self.world_size:
             self.group = self.comm
@@ -356,7 +364,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         else:
             # a pending decode votes on the world group first: then no bucket may be issued before it;
             # zero2 reduce-scatters the whole gradient at once (below)
-            overlapped = self.st.deferred is None and not self.owned.sharded_grads
+            overlapped = self.st.deferred is None and not self.owned.sharded_grads and self.ours is None
             self._compute_local_gradient(t, closure, overlap=overlapped)
         if self.st.deferred is not None:
             finish_deferred_decode(self._recovery_inputs())
@@ -369,6 +377,8 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         else:
             if overlapped:
                 self.buckets.finish()
+            elif self.ours is not None:  # one whole-gradient all-reduce, after backward
+                self.ours(grads, what=f"gradient all-reduce step {t}")
             else:
                 self.buckets.issue_all(self.comm, grads, what=f"gradient all-reduce step {t}")
             flat.grads[:flat.n_avg].div_(self.world_size)

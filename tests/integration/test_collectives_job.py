@@ -1,0 +1,27 @@
+"""--collectives static|adaptive: the gradient all-reduce of ddp/zero1 on our patterns, recovery included."""
+from __future__ import annotations
+
+import pytest
+
+from .conftest import SMALL, events, run_job
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_a_killed_rank_recovers_to_the_failure_free_weights_with_adaptive_collectives(tmp_path, strategy):
+    args = [*SMALL, "--strategy", strategy, "--collectives", "adaptive", "--checkpoint-every", "2"]
+    free = run_job(tmp_path / "free", *args)
+    assert free["ok"] and free["ranks_agree"]
+    got = run_job(tmp_path / "killed", *args, "--inject", "sigkill:rank=1,step=5,phase=backward")
+    assert got["ok"] and got["weights_sha256"] == free["weights_sha256"]
+    assert got["recoveries"]
+
+
+def test_static_and_adaptive_collectives_train_to_the_same_bits(tmp_path):
+    """Both use the same reduction order (comm/patterns.py), whatever pattern the adaptive one picks."""
+    args = [*SMALL, "--strategy", "ddp"]
+    static = run_job(tmp_path / "static", *args, "--collectives", "static")
+    adaptive = run_job(tmp_path / "adaptive", *args, "--collectives", "adaptive")
+    assert static["weights_sha256"] == adaptive["weights_sha256"]
+    assert not [e for e in events(tmp_path / "static") if e["kind"] == "collective_plan"]  # static never re-plans

@@ -1,0 +1,66 @@
+"""Test helper process: one rank of an all-reduce over a TCPStore; `--die-after K` exits after K posts."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from unbroken.comm.group import CollectiveError
+from unbroken.comm.patterns import Pattern, allreduce
+from unbroken.comm.transport import Transport
+
+
+class _Dying(Transport):
+    """Exits the process (no goodbye) once it has posted `left` transfers: a peer dying mid-collective."""
+
+    def __init__(self, *a, left: int, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.left = left
+
+    def _post(self, kind, t, peer, tag):
+        x = super()._post(kind, t, peer, tag)
+        self.left -= 1
+        if self.left <= 0:
+            os._exit(9)
+        return x
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    for name in ("--rank", "--world", "--port", "--die-after"):
+        ap.add_argument(name, type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=5.0)
+    ap.add_argument("--pattern", default="pipelined")
+    a = ap.parse_args()
+    store = dist.TCPStore("127.0.0.1", a.port, a.world, a.rank == 0, timedelta(seconds=30))
+    pg = dist.ProcessGroupGloo(store, a.rank, a.world, timedelta(seconds=30))
+    kw = dict(rank=a.rank, world=a.world, timeout_s=a.timeout)
+    tp = _Dying(pg, left=1 << 30, **kw) if a.die_after else Transport(pg, **kw)
+    world = a.world
+    aggs = (0, 1) if a.pattern == "tree" else ()
+    p = Pattern(kind=a.pattern, order=tuple(range(world)), pieces=8 if a.pattern == "pipelined" else 1,
+                split=tuple(int(not aggs or r in aggs) for r in range(world)), aggregators=aggs)
+    t = torch.ones(4_000_000)
+    allreduce(tp, t, p, seq=1)  # a warm-up everyone finishes: the links are up
+    if a.die_after:
+        tp.left = a.die_after
+    t0 = time.monotonic()
+    try:
+        allreduce(tp, t, p, seq=2)
+        out = {"rank": a.rank, "raised": None, "correct": bool((t == world ** 2).all())}
+    except CollectiveError as e:
+        out = {"rank": a.rank, "raised": str(e)[:300]}
+    out["after_s"] = time.monotonic() - t0
+    print(json.dumps(out), flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""`unbroken bench collectives`: its figures from records (pure), and one scenario in namespaces (root)."""
+from __future__ import annotations
+
+import pytest
+
+from unbroken.bench import collectives as cb
+from unbroken.plan.netns import available
+
+MB = cb.MB
+
+
+def _rec(method, secs, *, nbytes=4 * MB, start=0.0, plan=None, rnd=0, sha="a"):
+    r = {"phase": "measure", "round": rnd, "method": method, "bytes": nbytes, "seconds": secs, "start": start,
+         "sha": sha}
+    if plan is not None:
+        r["plan"] = plan
+    return r
+
+
+def test_figures_are_medians_of_time_ratios_over_congested_scenarios_and_payloads():
+    runs = {"none": {"records": [_rec("gloo", 1.0), _rec("static", 1.0), _rec("adaptive", 1.02)], "changes": []},
+            "one_slow": {"records": [_rec("gloo", 3.0), _rec("static", 3.0), _rec("adaptive", 2.0)], "changes": []},
+            "two_slow": {"records": [_rec("gloo", 4.0), _rec("static", 6.0), _rec("adaptive", 4.0)], "changes": []}}
+    res = cb.result(runs, world=4, fast=1000, slow=250, rounds=1, period=1.0)
+    assert res["speedup_vs_static_congested"] == pytest.approx((1.5 + 1.5) / 2)
+    assert res["speedup_vs_gloo_congested"] == pytest.approx((1.5 + 1.0) / 2)
+    assert res["slowdown_vs_gloo_uncongested"] == pytest.approx(0.02)
+    assert res["bitwise_equal"] and {r["scenario"] for r in res["rows"]} == set(runs)
+
+
+def test_payloads_under_one_megabyte_are_not_in_the_figures():
+    runs = {"one_slow": {"records": [_rec("static", 9.0, nbytes=MB // 2), _rec("adaptive", 1.0, nbytes=MB // 2),
+                                     _rec("gloo", 9.0, nbytes=MB // 2)], "changes": []}}
+    assert cb.result(runs, world=4, fast=1, slow=0.5, rounds=1, period=1)["speedup_vs_static_congested"] is None
+
+
+def test_replan_counts_collectives_on_the_old_plan_after_each_change():
+    a, b = {"kind": "ring"}, {"kind": "pipelined"}
+    recs = [_rec("adaptive", 1.0, start=s, plan=p) for s, p in
+            ((0, a), (2, a), (4, a), (6, b), (8, b), (10, b), (12, a))]
+    run = {"records": recs, "changes": [{"time": 2.5}, {"time": 9.5}]}
+    # change at 2.5: the collective at 2 (in flight) and at 4 ran the old plan -> 2; at 9.5: the one at 10 -> 1
+    assert cb.replan_counts(run) == [2, 1]
+    run["changes"].append({"time": 13.5})  # no collective after it: not counted
+    assert cb.replan_counts(run) == [2, 1]
+    run["changes"] = [{"time": 0.5}, {"time": 4.5}]  # at 0.5 the plan never changed before the next change
+    assert cb.replan_counts(run) == [None, 1]
+
+
+def test_different_bits_between_static_and_adaptive_are_reported():
+    runs = {"none": {"records": [_rec("static", 1.0, sha="x"), _rec("adaptive", 1.0, sha="y"), _rec("gloo", 1.0)],
+                     "changes": []}}
+    assert cb.result(runs, world=4, fast=1, slow=0.5, rounds=1, period=1)["bitwise_equal"] is False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(available() is not None, reason=f"network namespaces: {available()}")
+def test_one_slow_link_scenario_runs_in_namespaces(tmp_path):
+    run = cb.run_scenario("one_slow", world=3, payloads=[MB], rounds=1, fast=1000.0, slow=250.0, period=1.0,
+                          tmp=tmp_path, port=29790, log=lambda m: None)
+    methods = [r["method"] for r in run["records"] if r["phase"] == "measure"]
+    assert sorted(methods) == sorted(cb.METHODS)
+    assert cb.result({"one_slow": run}, world=3, fast=1000, slow=250, rounds=1, period=1)["bitwise_equal"]
+
+
+@pytest.mark.parametrize("args,needle", [(["--scenarios", "bogus"], "unknown --scenarios bogus"),
+                                         (["--slow-mbit", "2000"], "--slow-mbit < --fast-mbit"),
+                                         (["--world-size", "3", "--scenarios", "two_slow"], "--world-size >= 4"),
+                                         (["--payloads", "0"], "--payloads")])
+def test_bad_options_are_one_line_errors(args, needle):
+    from typer.testing import CliRunner
+
+    from unbroken.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "collectives", *args])
+    assert res.exit_code == 2 and needle in res.output
+
+
+def test_collectives_flag_is_validated():
+    from unbroken.config import ConfigError, RunConfig
+
+    assert RunConfig(collectives="adaptive").collectives == "adaptive"
+    with pytest.raises(ConfigError, match="collectives must be one of"):
+        RunConfig(collectives="fast")
+    with pytest.raises(ConfigError, match="use --backend gloo"):
+        RunConfig(collectives="adaptive", backend="nccl")

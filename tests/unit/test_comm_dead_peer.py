@@ -1,0 +1,46 @@
+"""A peer that dies mid-collective: survivors raise CollectiveError within the timeout, never hang.
+
+A survivor that needed nothing more from the dead peer (a tree aggregator whose rows all
+arrived) may finish with the right sum; any other outcome is a failure."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from unbroken.bench.common import free_port
+
+TIMEOUT_S = 6.0
+
+
+@pytest.mark.parametrize("pattern", ["pipelined", pytest.param("ring", marks=pytest.mark.slow),
+                                     pytest.param("tree", marks=pytest.mark.slow)])
+def test_a_dead_peer_raises_in_every_survivor(pattern):
+    world, port, victim = 3, free_port(), 2
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.comm_peer", "--rank", str(r), "--world", str(world),
+                               "--port", str(port), "--timeout", str(TIMEOUT_S), "--pattern", pattern,
+                               "--die-after", str(1 if r == victim else 0)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[victim].returncode == 9, outs[victim][1][-500:]
+    raised = 0
+    for r in range(world):
+        if r == victim:
+            continue
+        assert procs[r].returncode == 0, outs[r][1][-500:]
+        res = json.loads(outs[r][0].strip().splitlines()[-1])
+        assert res["raised"] or res["correct"], f"rank {r} finished an all-reduce with a wrong sum: {res}"
+        assert res["after_s"] < TIMEOUT_S + 1.0, res
+        raised += bool(res["raised"])
+    assert raised, "no survivor noticed that a peer died mid-collective"

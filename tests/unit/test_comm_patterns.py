@@ -1,0 +1,103 @@
+"""Every all-reduce pattern gives the reference reduction's bits (comm/patterns.py)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.unit.commgroups import on_ranks
+from unbroken.comm.patterns import Pattern, allreduce, bounds, pieces_of, reference
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
+_seq = itertools.count(1)
+
+
+def _inputs(world: int, n: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.int64:
+        return [torch.randint(-2**40, 2**40, (n,), generator=g) for _ in range(world)]
+    # widely spread magnitudes: the sum's bits depend on the order of additions
+    return [(torch.randn(n, generator=g) * torch.exp2(torch.randint(-12, 12, (n,), generator=g).float())).to(dtype)
+            for _ in range(world)]
+
+
+def _run(world: int, xs: list[torch.Tensor], pattern: Pattern | None) -> list[torch.Tensor]:
+    seq = next(_seq)
+    ts = [x.clone() for x in xs]
+
+    def body(tp, r):
+        if pattern is None:
+            reference(tp, ts[r], seq)
+        else:
+            allreduce(tp, ts[r], pattern, seq)
+        return ts[r]
+
+    return on_ranks(world, body)
+
+
+@st.composite
+def patterns(draw, world: int) -> Pattern:
+    kind = draw(st.sampled_from(("ring", "pipelined", "tree")))
+    order = tuple(draw(st.permutations(range(world))))
+    if kind == "tree":
+        aggs = tuple(draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=world, unique=True)))
+        split = tuple(draw(st.integers(0, 5)) if r in aggs else 0 for r in range(world))
+        if not sum(split):
+            split = tuple(1 if r in aggs else 0 for r in range(world))
+        return Pattern(kind=kind, order=order, split=split, pieces=draw(st.integers(1, 4)), aggregators=aggs)
+    split = tuple(draw(st.lists(st.integers(0, 5), min_size=world, max_size=world)))
+    if not sum(split):
+        split = (1,) * world
+    return Pattern(kind=kind, order=order, split=split, pieces=draw(st.integers(1, 4)) if kind == "pipelined" else 1)
+
+
+@settings(max_examples=40)
+@given(data=st.data(), world=st.integers(2, 8), n=st.integers(1, 300), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2**31))
+def test_every_pattern_gives_the_reference_bits(data, world, n, dtype, seed):
+    xs = _inputs(world, n, dtype, seed)
+    want = _run(world, xs, None)
+    expect = xs[0].clone().zero_()
+    for x in xs:
+        expect.add_(x)
+    assert torch.equal(want[0].view(torch.uint8) if dtype != torch.int64 else want[0], 
+                       expect.view(torch.uint8) if dtype != torch.int64 else expect)
+    pattern = data.draw(patterns(world))
+    got = _run(world, xs, pattern)
+    for r in range(world):
+        assert torch.equal(got[r].view(torch.uint8), want[r].view(torch.uint8)), (pattern, r)
+
+
+def test_the_order_of_additions_matters_for_these_inputs():
+    """The test above could not fail if every order gave the same bits: here two orders differ."""
+    xs = _inputs(4, 300, torch.bfloat16, 7)
+    fwd, back = torch.zeros_like(xs[0]), torch.zeros_like(xs[0])
+    for x in xs:
+        fwd.add_(x)
+    for x in reversed(xs):
+        back.add_(x)
+    assert not torch.equal(fwd, back)
+
+
+@given(n=st.integers(0, 10_000), split=st.lists(st.integers(0, 9), min_size=1, max_size=8), pieces=st.integers(1, 9))
+def test_bounds_and_pieces_cover_the_tensor_once(n, split, pieces):
+    if not sum(split):
+        split = [1] * len(split)
+    b = bounds(n, split)
+    assert b[0][0] == 0 and b[-1][1] == n and all(b[i][1] == b[i + 1][0] for i in range(len(b) - 1))
+    for (lo, hi), w in zip(b, split):
+        assert w or lo == hi
+        ps = pieces_of(lo, hi, pieces)
+        assert sum(z - a for a, z in ps) == hi - lo and all(z > a for a, z in ps)
+
+
+@pytest.mark.parametrize("bad", [dict(kind="star"), dict(order=(0, 0, 1)), dict(split=(0, 0, 0)),
+                                 dict(pieces=0), dict(kind="tree", aggregators=()),
+                                 dict(kind="tree", aggregators=(0,), split=(1, 1, 0))])
+def test_bad_patterns_are_refused(bad):
+    base = dict(kind="ring", order=(0, 1, 2), split=(1, 1, 1))
+    with pytest.raises(ValueError):
+        Pattern(**{**base, **bad})

@@ -1,0 +1,121 @@
+"""The planner's choices (comm/planner.py) and the adaptive all-reduce on real gloo groups (comm/adaptive.py)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.unit.commgroups import groups, on_ranks
+from unbroken.comm.adaptive import AdaptiveAllreduce
+from unbroken.comm.patterns import Pattern, reference
+from unbroken.comm.planner import Rates, balanced_split, candidates, choose, predict
+
+MB = 1 << 20
+FAST, SLOW = 125e6, 125e6 / 4
+_seq = itertools.count(500)
+
+
+def _rates(world: int, slow: set[int]) -> Rates:
+    r = tuple(SLOW if i in slow else FAST for i in range(world))
+    return Rates(up=r, down=r)
+
+
+@given(world=st.integers(2, 8), data=st.data())
+def test_the_chosen_plan_is_never_predicted_slower_than_the_static_ring(world, data):
+    slow = set(data.draw(st.lists(st.integers(0, world - 1), max_size=world - 1)))
+    rates, nbytes = _rates(world, slow), data.draw(st.integers(MB, 256 * MB))
+    plan, t = choose(None, rates, nbytes)
+    assert t <= predict(Pattern.static_ring(world), nbytes, rates) * (1 + 1e-9)
+    assert plan in candidates(rates, nbytes)
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_one_slow_rank_owns_nothing_and_the_plan_beats_the_ring_by_its_bytes(world):
+    rates, nbytes = _rates(world, {1}), 64 * MB
+    plan, t = choose(None, rates, nbytes)
+    assert plan.kind == "pipelined" and plan.split[1] == 0
+    ring = predict(Pattern.static_ring(world), nbytes, rates)
+    # the slow rank moves S each way instead of 2(N-1)/N x S: the bound is 2(N-1)/N
+    assert ring / t > 0.9 * 2 * (world - 1) / world
+
+
+def test_uniform_links_keep_the_static_ring_and_a_small_gain_does_not_switch():
+    rates = Rates.uniform(4, FAST)
+    assert choose(None, rates, 64 * MB)[0] == Pattern.static_ring(4)
+    current = Pattern(kind="pipelined", order=(0, 1, 2, 3), split=(1, 1, 1, 1), pieces=32)
+    assert choose(current, rates, 64 * MB, min_gain=0.1)[0] == current  # within 10%: kept
+    assert choose(current, rates, 64 * MB, min_gain=0.0)[0] != current
+
+
+@given(world=st.integers(2, 8), data=st.data())
+def test_balanced_split_gives_every_member_a_weight_and_others_none(world, data):
+    members = sorted(set(data.draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=world))))
+    rates = Rates(up=tuple(data.draw(st.floats(1e6, 1e10)) for _ in range(world)),
+                  down=tuple(data.draw(st.floats(1e6, 1e10)) for _ in range(world)))
+    w = balanced_split(rates, members)
+    assert sum(w) > 0 and all(w[r] == 0 for r in range(world) if r not in members)
+
+
+@settings(max_examples=6)
+@given(world=st.integers(3, 5), n=st.integers(64, 5000), seed=st.integers(0, 1000))
+def test_adaptive_results_equal_the_reference_and_plans_agree_on_every_rank(world, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    xs = [(torch.randn(n, generator=g) * 1e3).to(torch.bfloat16) for _ in range(world)]
+    seq = next(_seq)
+    want = on_ranks(world, lambda tp, r: (reference(tp, t := xs[r].clone(), seq), t)[1])
+
+    class Pinned(AdaptiveAllreduce):
+        """Keeps the plan chosen for 64 MB on these small tensors (which alone would pick by latency)."""
+
+        def decide(self, nbytes: int) -> None:
+            super().decide(64 << 20)
+
+    def body(tp, r):
+        ad = Pinned(groups(world)[r], rank=r, world=world, timeout_s=20)
+        outs = []
+        for step in range(3):
+            if step == 1:  # as if rank 1's links had been measured slow: the plan changes mid-run
+                for _ in range(12):
+                    for rr in range(world):
+                        for way in ("up", "down"):
+                            ad.table.observe((way, rr), SLOW if rr == 1 else FAST)
+                ad.decide(0)
+            t = xs[r].clone()
+            ad(t)
+            outs.append(t)
+        return outs, [h["plan"] for h in ad.history]
+
+    runs = on_ranks(world, body)
+    plans = runs[0][1]
+    assert plans[0] != plans[1] and plans[1]["split"][1] == 0  # re-planned around rank 1
+    for r in range(world):
+        assert runs[r][1] == plans  # the same plan at the same collective on every rank
+        for t in runs[r][0]:
+            assert torch.equal(t.view(torch.uint8), want[r].view(torch.uint8))
+
+
+def test_a_plan_change_is_an_event_written_by_rank_zero(tmp_path):
+    from unbroken.events import EventLog, read_events
+
+    world, log = 3, EventLog(tmp_path / "events.jsonl", source="test", rank=0)
+    ads = {}
+
+    def body(tp, r):
+        ad = AdaptiveAllreduce(groups(world)[r], rank=r, world=world, timeout_s=20, emit=log.emit)
+        ads[r] = ad
+        t = torch.ones(1 << 18)
+        ad(t)
+        for _ in range(12):  # rank 2's links now measured 4x slower than the others
+            for rr in range(world):
+                for way in ("up", "down"):
+                    ad.table.observe((way, rr), SLOW if rr == 2 else FAST)
+        ad.decide(t.numel() * 4 * 64)
+        return ad.plan
+
+    plans = on_ranks(world, body)
+    assert plans[0] == plans[1] == plans[2] and plans[0].split[2] == 0
+    kinds = [e.kind for e in read_events(tmp_path / "events.jsonl")]
+    assert "collective_plan" in kinds

@@ -1,0 +1,172 @@
+"""The congestion-aware all-reduce: run the current plan, learn the links, re-plan, all ranks alike.
+
+After every collective each rank all-gathers one small fixed-size table of what its transfers
+saw (per peer and phase: bytes, when it posted, when the receive ended), so every rank folds
+the same flows into the same estimates (comm/flows.py) and computes the same plan
+(comm/planner.py) for the next collective: no plan ever has to be broadcast, and a change takes
+effect at the next collective on every rank. A congestion flag change and a plan change are
+events (`link_congestion`, `collective_plan`), written by rank 0 before the plan is used.
+
+mode "static" always runs the static ring and learns nothing (the baseline). All-reduces under
+`learn_bytes` (the same decision on every rank: the size is the same) skip the exchange: their
+flows are too small to measure a link (flows.FlowConfig.min_bytes) and the sync would cost
+more than it could win.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+from unbroken.comm import flows, planner
+from unbroken.comm.group import CollectiveError
+from unbroken.comm.patterns import PHASE_RESULTS, Pattern, allreduce
+from unbroken.comm.transport import Transport
+
+MODES = ("adaptive", "static")
+PHASES = 4  # tag phases: reduce-scatter rows, all-gather results, tree up, tree down
+Emit = Callable[..., object]  # EventLog.emit
+
+
+class AdaptiveAllreduce:
+    """Sum-all-reduces of `rank` of `world` over gloo group `pg`; every wait ends by `timeout_s`."""
+
+    def __init__(self, pg, *, rank: int, world: int, timeout_s: float, mode: str = "adaptive",
+                 flow_cfg: flows.FlowConfig | None = None, min_gain: float = 0.05,
+                 emit: Emit | None = None, interrupted: Callable[[], bool] | None = None,
+                 learn_bytes: int = 8 << 20) -> None:
+        if mode not in MODES:
+            raise ValueError(f"collectives mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.pg, self.rank, self.world, self.mode, self.min_gain = pg, rank, world, mode, min_gain
+        self.learn_bytes = learn_bytes  # smaller all-reduces neither pay for the sync nor change the plan
+        self.emit = emit if rank == 0 else None
+        self.tp = Transport(pg, rank=rank, world=world, timeout_s=timeout_s, on_transfer=self._record,
+                            interrupted=interrupted)
+        self.table = flows.FlowTable(flow_cfg)
+        self.plan: Pattern | None = Pattern.static_ring(world) if mode == "static" else None
+        self.seq = 0
+        self._decided: tuple | None = None  # what the last plan was chosen for
+        self.history: deque[dict] = deque(maxlen=1024)  # the last collectives: seq, plan, seconds, estimates
+        self._slots = self._empty_slots()  # per peer, phase: bytes, posted, ended (receives), posted (sends)
+
+    def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
+        nbytes = t.numel() * t.element_size()
+        if self.plan is None:
+            self.plan, _ = planner.choose(None, planner.Rates.uniform(self.world), nbytes, min_gain=self.min_gain)
+        elif self.mode == "adaptive":
+            self.decide(nbytes)  # a new size may want other pieces (a no-op while size and links hold)
+        self.seq += 1
+        plan, t0 = self.plan, time.perf_counter()
+        self._slots = self._empty_slots()
+        allreduce(self.tp, t, plan, self.seq, what)
+        self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": time.perf_counter() - t0})
+        if self.mode == "adaptive" and self.world > 1 and nbytes >= self.learn_bytes:
+            t1 = time.perf_counter()
+            self._replan(nbytes, what)
+            # learning's cost: the exchange, the wait for the last rank to finish included
+            self.history[-1]["sync_s"] = time.perf_counter() - t1
+
+    def close(self) -> None:
+        """The group is retired: its transport's waiter threads may end."""
+        self.tp.close()
+
+    # --- flow records ------------------------------------------------------------------------
+    def _empty_slots(self) -> list[list[list[float]]]:
+        return [[[0.0] * 4 for _ in range(PHASES)] for _ in range(self.world)]
+
+    def _record(self, kind: str, peer: int, tag: int, nbytes: int, posted: float, ended: float) -> None:
+        phase = (tag >> 18) & 3
+        if phase == PHASE_RESULTS:  # paced by the owners' reductions, not by the link: no rate
+            return
+        s = self._slots[peer][phase]
+        if kind == "send":
+            s[3] = posted if s[3] == 0 else min(s[3], posted)
+            return
+        s[1] = posted if s[0] == 0 else min(s[1], posted)
+        s[2] = max(s[2], ended)
+        s[0] += nbytes
+
+    def _gather(self, what: str) -> torch.Tensor:
+        """Every rank's slots (world, world, PHASES, 4); bounded by the transport's timeout."""
+        mine = torch.tensor(self._slots, dtype=torch.float64)
+        out = torch.empty((self.world, *mine.shape), dtype=torch.float64)
+        try:
+            work = self.pg.allgather([[out[r] for r in range(self.world)]], [mine])
+            work.wait(timedelta(seconds=self.tp.timeout_s))
+        except RuntimeError as e:
+            self.tp.broken = f"{what} (flow statistics): {str(e).splitlines()[0][:160]}"
+            raise CollectiveError(f"rank {self.rank}/{self.world}: {self.tp.broken}") from e
+        return out
+
+    def flows_of(self, slots: torch.Tensor) -> list[flows.Flow]:
+        """The collective's flows from every rank's slots (rank j's row: what j received and sent)."""
+        recvs, sends = [], []
+        rows = slots.tolist()  # one conversion: indexing a tensor element by element costs microseconds each
+        for j in range(self.world):
+            for i in range(self.world):
+                for ph, (nb, posted, ended, sent) in enumerate(rows[j][i]):
+                    if nb > 0:
+                        recvs.append((i, j, ph, int(nb), posted, ended))
+                    if sent > 0:
+                        sends.append((j, i, ph, sent))
+        return flows.join(recvs, sends)
+
+    # --- planning ------------------------------------------------------------------------------
+    def rates(self) -> planner.Rates:
+        """The links' estimates as the planner sees them, relative to a reference: the median over
+        ranks of each rank's slower known direction. A link within the congestion threshold of it counts as the
+        reference (on shared hosts estimates wander by tens of percent, and a plan tuned to noise
+        loses to the ring), and so does a link not seen yet; a slower link counts as itself."""
+        est = {k: v.rate for k, v in self.table.links.items() if v.rate}
+        known = ([est[k] for k in (("up", r), ("down", r)) if k in est] for r in range(self.world))
+        per_rank = [min(x) for x in known if x]
+        ref = statistics.median(per_rank) if per_rank else 1e9
+        low = self.table.cfg.congested_below * ref
+
+        def used(link: flows.Link) -> float:
+            r = est.get(link)
+            return r if r is not None and r < low else ref
+
+        return planner.Rates(up=tuple(used(("up", r)) for r in range(self.world)),
+                             down=tuple(used(("down", r)) for r in range(self.world)))
+
+    def _replan(self, nbytes: int, what: str) -> None:
+        for link, congested in self.table.observe_flows(self.flows_of(self._gather(what))):
+            if self.emit:
+                est = self.table.links[link]
+                self.emit("link_congestion", link=f"{link[0]}:{link[1]}", congested=congested, seq=self.seq,
+                          rate_Bps=est.rate, baseline_Bps=est.baseline)
+        self.history[-1]["estimates"] = {f"{k}:{r}": round(v.rate) for (k, r), v in sorted(self.table.links.items())}
+        self.decide(nbytes)
+
+    def decide(self, nbytes: int) -> None:
+        """The plan for the next collective of `nbytes`, from the current estimates (the planner runs
+        only when the links' picture changed: which links are slow and by how much, to 5%)."""
+        rates = self.rates()
+        ref = max(rates.up + rates.down)
+        key = (nbytes, tuple(round(x / ref * 20) for x in rates.up + rates.down))
+        if key == self._decided:
+            return
+        self._decided = key
+        plan, predicted = planner.choose(self.plan, rates, nbytes, min_gain=self.min_gain)
+        if plan != self.plan:
+            if self.emit:
+                self.emit("collective_plan", seq=self.seq + 1, plan=plan.to_json(), previous=self.plan.to_json(),
+                          predicted_s=predicted, congested=[f"{k}:{r}" for k, r in self.table.congested()])
+            self.plan = plan
+
+
+def for_comm(comm, mode: str, *, emit: Emit | None = None,
+             interrupted: Callable[[], bool] | None = None) -> AdaptiveAllreduce | None:
+    """The gradient all-reduce for a generation's `Comm` (group.py): None for mode "gloo" (its own)."""
+    if mode == "gloo":
+        return None
+    if comm.dev_pg is not None:
+        raise ValueError(f"--collectives {mode} moves CPU tensors over gloo, but this job's gradients are on "
+                         "CUDA (NCCL); use --collectives gloo or --backend gloo")
+    return AdaptiveAllreduce(comm.pg, rank=comm.rank, world=comm.world, timeout_s=comm.timeout_s, mode=mode,
+                             emit=emit, interrupted=interrupted)

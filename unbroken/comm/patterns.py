@@ -1,0 +1,217 @@
+"""All-reduce (SUM) patterns over point-to-point transfers, all giving the same bits.
+
+The determinism rule: the flat tensor is cut into one chunk per owner rank (`split` weighs
+the chunks; a weight 0 owns nothing). Each owner receives the *raw* contribution of every
+rank to its chunk, never a partial sum, and reduces them into a zero buffer in rank order:
+`((0 + x_0) + x_1) + ... + x_{N-1}`, element by element. Moving finished chunks around
+(all-gather) copies bits. So the result does not depend on the ring order, the split, the
+pieces or the aggregation ranks: every pattern equals `reference` (gather everything, sum
+in rank order) bit for bit, for floats as for integers.
+
+    ring       reduce-scatter in N-1 shift rounds along `order` (round s: my contribution to
+               the chunk of the rank s places ahead), then a ring all-gather along `order`
+               (the static baseline: even split, one piece)
+    pipelined  every transfer in flight at once, each owner chunk cut in `pieces`: a piece's
+               all-gather starts as soon as it is reduced, so a rank's sending (reduce-scatter)
+               overlaps its receiving (all-gather); `split` sets each rank's share
+    tree       two-level: each other rank sends its whole tensor to an aggregator (`aggregators`,
+               assigned round-robin in rank order); aggregators exchange the raw rows for each
+               other's chunks, reduce, share results, and send the whole result back
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from unbroken.comm.transport import Transport
+
+KINDS = ("ring", "pipelined", "tree")
+MAX_WORLD = 64  # the tag layout gives a source rank 6 bits
+MAX_PIECES = 4096
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pattern:
+    """How one all-reduce moves its bytes. `split[r]` weighs rank r's chunk (integers, any scale)."""
+
+    kind: str
+    order: tuple[int, ...]
+    split: tuple[int, ...]
+    pieces: int = 1
+    aggregators: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.order)
+        if self.kind not in KINDS:
+            raise ValueError(f"pattern kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if not 1 <= n <= MAX_WORLD or sorted(self.order) != list(range(n)):
+            raise ValueError(f"pattern order must be a permutation of 0..N-1 (N <= {MAX_WORLD}), got {self.order}")
+        if len(self.split) != n or any(w < 0 for w in self.split) or sum(self.split) <= 0:
+            raise ValueError(f"pattern split needs {n} weights >= 0 with a positive sum, got {self.split}")
+        if not 1 <= self.pieces <= MAX_PIECES:
+            raise ValueError(f"pattern pieces must be in 1..{MAX_PIECES}, got {self.pieces}")
+        if self.kind == "tree":
+            if not self.aggregators or len(set(self.aggregators)) != len(self.aggregators) \
+                    or any(not 0 <= a < n for a in self.aggregators):
+                raise ValueError(f"a tree needs distinct aggregator ranks in 0..{n - 1}, got {self.aggregators}")
+            if any(w and r not in self.aggregators for r, w in enumerate(self.split)):
+                raise ValueError(f"a tree's chunks belong to aggregators {self.aggregators}; split {self.split} "
+                                 "gives weight to another rank")
+
+    @property
+    def world(self) -> int:
+        return len(self.order)
+
+    @classmethod
+    def static_ring(cls, world: int) -> "Pattern":
+        return cls(kind="ring", order=tuple(range(world)), split=(1,) * world)
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "order": list(self.order), "split": list(self.split), "pieces": self.pieces,
+                "aggregators": list(self.aggregators)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Pattern":
+        return cls(kind=d["kind"], order=tuple(d["order"]), split=tuple(d["split"]), pieces=int(d["pieces"]),
+                   aggregators=tuple(d.get("aggregators", ())))
+
+
+def bounds(n: int, split: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, end) of each rank's chunk of n elements, in proportion to `split` (integer arithmetic)."""
+    total, acc, out = sum(split), 0, []
+    for w in split:
+        start = n * acc // total
+        acc += w
+        out.append((start, n * acc // total))
+    return out
+
+
+def pieces_of(start: int, end: int, pieces: int) -> list[tuple[int, int]]:
+    """[start, end) cut into up to `pieces` near-equal non-empty parts."""
+    n = end - start
+    k = max(1, min(pieces, n))
+    return [(start + n * i // k, start + n * (i + 1) // k) for i in range(k)] if n else []
+
+
+# tag phases: what a transfer carries (comm/adaptive.py measures links on all but results)
+PHASE_ROWS, PHASE_RESULTS, PHASE_RING_GATHER, PHASE_TREE_UP, PHASE_TREE_DOWN = 0, 1, 2, 2, 3
+
+
+def tag(seq: int, phase: int, src: int, piece: int) -> int:
+    """A unique tag per collective (seq), phase, source rank and piece: messages never cross."""
+    return ((seq % 1024) << 20) | (phase << 18) | (src << 12) | (piece % MAX_PIECES)
+
+
+def reduce_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Rows summed into a zero buffer in the given (rank) order: THE reduction every pattern uses."""
+    acc = torch.zeros_like(rows[0])
+    for r in rows:
+        acc.add_(r)
+    return acc
+
+
+def allreduce(tp: Transport, t: torch.Tensor, pattern: Pattern, seq: int, what: str = "all-reduce") -> None:
+    """Sum `t` (contiguous) over the ranks in place, moving bytes as `pattern` says."""
+    if pattern.world != tp.world:
+        raise ValueError(f"pattern is for {pattern.world} ranks, the group has {tp.world}")
+    if not t.is_contiguous():
+        raise ValueError(f"all-reduce needs a contiguous tensor, got strides {t.stride()}; pass t.contiguous()")
+    flat = t.view(-1)
+    if tp.world == 1 or flat.numel() == 0:
+        return
+    tp.begin()
+    {"ring": _ring, "pipelined": _pipelined, "tree": _tree}[pattern.kind](tp, flat, pattern, seq, what)
+
+
+def reference(tp: Transport, t: torch.Tensor, seq: int, what: str = "reference all-reduce") -> None:
+    """The naive reduction to test against: every rank gets every rank's tensor, sums in rank order."""
+    flat = t.view(-1)
+    if tp.world == 1 or flat.numel() == 0:
+        return
+    tp.begin()
+    rows = [flat if r == tp.rank else torch.empty_like(flat) for r in range(tp.world)]
+    xs = [tp.recv(rows[r], r, tag(seq, PHASE_ROWS, r, 0)) for r in range(tp.world) if r != tp.rank]
+    xs += [tp.send(flat, r, tag(seq, PHASE_ROWS, tp.rank, 0)) for r in range(tp.world) if r != tp.rank]
+    tp.wait(xs, what)
+    flat.copy_(reduce_rows(rows))
+
+
+def _ring(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) -> None:
+    n, me, order = tp.world, tp.rank, p.order
+    pos, b = order.index(me), bounds(flat.numel(), p.split)
+    lo, hi = b[me]
+    rows: list[torch.Tensor] = [flat[lo:hi] if r == me else torch.empty(hi - lo, dtype=flat.dtype) for r in range(n)]
+    for s in range(1, n):  # reduce-scatter: raw contributions straight to their owner
+        dst, src = order[(pos + s) % n], order[(pos - s) % n]
+        xs = [tp.recv(rows[src], src, tag(seq, PHASE_ROWS, src, 0))] if hi > lo else []
+        if b[dst][1] > b[dst][0]:
+            xs.append(tp.send(flat[b[dst][0]:b[dst][1]], dst, tag(seq, PHASE_ROWS, me, 0)))
+        tp.wait(xs, f"{what} (reduce-scatter round {s})")
+    if hi > lo:
+        flat[lo:hi] = reduce_rows(rows)
+    nxt, prv = order[(pos + 1) % n], order[(pos - 1) % n]
+    # all-gather: finished chunks travel along the ring. Every receive is posted at once (each into
+    # its own chunk); a chunk is forwarded as soon as it has arrived, without waiting for the
+    # previous send to end, so consecutive rounds overlap
+    span = {o: b[o] for o in order if b[o][1] > b[o][0]}
+    ins = {order[(pos - s - 1) % n]: s for s in range(n - 1)}
+    recvs = {o: tp.recv(flat[span[o][0]:span[o][1]], prv, tag(seq, PHASE_RING_GATHER, o, 0))
+             for o in ins if o in span}
+    sends = []
+    for s in range(n - 1):
+        out_owner = order[(pos - s) % n]
+        if s > 0 and out_owner in recvs:
+            tp.wait([recvs[out_owner]], f"{what} (all-gather round {s - 1})")
+        if out_owner in span:
+            sends.append(tp.send(flat[span[out_owner][0]:span[out_owner][1]], nxt,
+                                 tag(seq, PHASE_RING_GATHER, out_owner, 0)))
+    tp.wait([*sends, *recvs.values()], f"{what} (all-gather)")
+
+
+def _pipelined(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) -> None:
+    _exchange(tp, flat, p, seq, what, holders={r: [r] for r in range(tp.world)}, rows_of={tp.rank: flat})
+
+
+def _exchange(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str, *,
+              holders: dict[int, list[int]], rows_of: dict[int, torch.Tensor]) -> None:
+    """The direct exchange among `holders` (rank -> the ranks whose raw rows it holds; this rank's
+    rows are `rows_of`): rows go to the owners of their chunks, pieces reduced in rank order, each
+    reduced piece sent to every holder as soon as it is done."""
+    me, b, peers = tp.rank, bounds(flat.numel(), p.split), [h for h in holders if h != tp.rank]
+    lo, hi = b[me]
+    my_pieces = pieces_of(lo, hi, p.pieces)
+    got = {r: rows_of[r][lo:hi] if r in rows_of else torch.empty(hi - lo, dtype=flat.dtype)
+           for r in range(tp.world)}
+    recvs = [[tp.recv(got[src][a - lo:z - lo], h, tag(seq, PHASE_ROWS, src, i)) for h in peers for src in holders[h]]
+             for i, (a, z) in enumerate(my_pieces)]
+    sends, results = [], []
+    for h in peers:  # my rows for each other owner's chunk, piece by piece; its result back into place
+        for i, (a, z) in enumerate(pieces_of(*b[h], p.pieces)):
+            sends += [tp.send(rows_of[src][a:z], h, tag(seq, PHASE_ROWS, src, i)) for src in holders[me]]
+            # posted now, into the rows just sent: the owner sends a result only after it has
+            # received my rows for it, so no result byte can arrive before they left this buffer
+            results.append(tp.recv(flat[a:z], h, tag(seq, PHASE_RESULTS, h, i)))
+    for i, (a, z) in enumerate(my_pieces):
+        tp.wait(recvs[i], f"{what} (reduce-scatter piece {i})")
+        flat[a:z] = reduce_rows([got[r][a - lo:z - lo] for r in range(tp.world)])
+        results += [tp.send(flat[a:z], h, tag(seq, PHASE_RESULTS, me, i)) for h in peers]
+    tp.wait(sends + results, f"{what} (all-gather)")
+
+
+def _tree(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) -> None:
+    me, aggs = tp.rank, p.aggregators
+    leaves = [r for r in range(tp.world) if r not in aggs]
+    parent = {leaf: aggs[i % len(aggs)] for i, leaf in enumerate(leaves)}
+    if me in parent:  # a leaf: whole tensor up, whole result down
+        up = tp.send(flat, parent[me], tag(seq, PHASE_TREE_UP, me, 0))
+        tp.wait([up], f"{what} (to aggregator {parent[me]})")
+        tp.wait([tp.recv(flat, parent[me], tag(seq, PHASE_TREE_DOWN, me, 0))], f"{what} (from aggregator {parent[me]})")
+        return
+    mine = [leaf for leaf in leaves if parent[leaf] == me]
+    rows_of = {me: flat, **{leaf: torch.empty_like(flat) for leaf in mine}}
+    tp.wait([tp.recv(rows_of[leaf], leaf, tag(seq, PHASE_TREE_UP, leaf, 0)) for leaf in mine], f"{what} (from leaves)")
+    holders = {a: [a] + [leaf for leaf in leaves if parent[leaf] == a] for a in aggs}
+    _exchange(tp, flat, p, seq, what, holders=holders, rows_of=rows_of)
+    tp.wait([tp.send(flat, leaf, tag(seq, PHASE_TREE_DOWN, leaf, 0)) for leaf in mine], f"{what} (to leaves)")

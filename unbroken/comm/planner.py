@@ -1,0 +1,180 @@
+"""Choose the all-reduce pattern with the least predicted time from the links' rate estimates.
+
+The cost model is the switch of comm/flows.py: rank r sends at up[r] and receives at down[r]
+(bytes/s), a pair moves at min(up[src], down[dst]), each message round costs `latency_s` and
+every transfer a rank posts and waits for costs it `op_s` of its own time (a pipelined plan of
+many small pieces pays for its messages).
+Candidates: the static ring; the pipelined exchange with an even split and with the split
+that balances every rank's bytes against its link (a slow rank owns less, or nothing, and
+then only sends its rows and receives results: S bytes each way instead of 2(N-1)/N x S);
+the ring ordered fastest-first with that split; two-level trees whose aggregators are the
+fastest 1..N-1 ranks. A plan is kept unless another is predicted `min_gain` faster (no flapping).
+Pure: the same estimates give the same plan on every rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from unbroken.comm.patterns import Pattern
+
+SPLIT_SCALE = 1000  # splits are integers: the same plan on every rank, exactly, and in JSON
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rates:
+    """Per rank: what its link sends (up) and receives (down) per second; a message round's latency."""
+
+    up: tuple[float, ...]
+    down: tuple[float, ...]
+    latency_s: float = 2e-4
+    op_s: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if len(self.up) != len(self.down) or not self.up:
+            raise ValueError(f"Rates needs one up and one down rate per rank, got {len(self.up)} and {len(self.down)}")
+        if any(not x > 0 for x in (*self.up, *self.down)) or self.latency_s < 0 or self.op_s < 0:
+            raise ValueError(f"Rates must be > 0 bytes/s and latency, op_s >= 0 s, got {self.up}, {self.down}, "
+                             f"{self.latency_s}, {self.op_s}")
+
+    @property
+    def world(self) -> int:
+        return len(self.up)
+
+    def pair(self, src: int, dst: int) -> float:
+        return min(self.up[src], self.down[dst])
+
+    @classmethod
+    def uniform(cls, world: int, rate: float = 1e9) -> "Rates":
+        return cls(up=(rate,) * world, down=(rate,) * world)
+
+
+PIECES = (1, 2, 4, 8, 16, 32)  # pipeline depths tried: more overlap, more messages
+
+
+def pieces_for(nbytes: int) -> int:
+    """The default pipeline depth: pieces of at least ~2 MB, at most 32 (`candidates` tries others)."""
+    return max(1, min(32, nbytes // (2 << 20)))
+
+
+def _shares(p: Pattern, nbytes: float) -> list[float]:
+    total = sum(p.split)
+    return [nbytes * w / total for w in p.split]
+
+
+def predict(p: Pattern, nbytes: float, rates: Rates) -> float:
+    """Predicted seconds of one all-reduce of `nbytes` with pattern `p` on links `rates`."""
+    c, n, lat = _shares(p, nbytes), rates.world, rates.latency_s
+    if n == 1:
+        return 0.0
+    if p.kind == "ring":
+        order, total = p.order, 0.0
+        for s in range(1, n):  # reduce-scatter: rank at position i sends to position i+s
+            total += lat + max(c[order[(i + s) % n]] / rates.pair(order[i], order[(i + s) % n]) for i in range(n))
+        for s in range(n - 1):  # all-gather: position i forwards chunk of position i-s to i+1
+            total += lat + max(c[order[(i - s) % n]] / rates.pair(order[i], order[(i + 1) % n]) for i in range(n))
+        return total + rates.op_s * 4 * (n - 1)
+    if p.kind == "pipelined":
+        return _exchange_time(c, {r: [r] for r in range(n)}, rates, p.pieces)
+    aggs = p.aggregators
+    leaves = [r for r in range(n) if r not in aggs]
+    parent = {leaf: aggs[i % len(aggs)] for i, leaf in enumerate(leaves)}
+    holders = {a: [a] + [leaf for leaf in leaves if parent[leaf] == a] for a in aggs}
+    if not leaves:
+        return _exchange_time(c, holders, rates, p.pieces)
+    up = max([nbytes / rates.pair(leaf, parent[leaf]) for leaf in leaves]
+             + [(len(h) - 1) * nbytes / rates.down[a] for a, h in holders.items()])
+    down = max([nbytes / rates.pair(parent[leaf], leaf) for leaf in leaves]
+               + [(len(h) - 1) * nbytes / rates.up[a] for a, h in holders.items()])
+    return 2 * lat + up + _exchange_time(c, holders, rates, p.pieces) + down
+
+
+def _exchange_time(c: list[float], holders: dict[int, list[int]], rates: Rates, pieces: int) -> float:
+    """The direct exchange: every transfer at once, so a rank's time is its busier direction."""
+    n, total = rates.world, sum(c)
+    if len(holders) == 1:
+        return 0.0
+    busy, fill = 0.0, 0.0
+    for a, h in holders.items():
+        rows_out = len(h) * (total - c[a])  # my rows for the other owners' chunks
+        results_out = (len(holders) - 1) * c[a]
+        rows_in = (n - len(h)) * c[a]
+        results_in = total - c[a]
+        busy = max(busy, (rows_out + results_out) / rates.up[a], (rows_in + results_in) / rates.down[a])
+        fill = max(fill, rows_out / rates.up[a], rows_in / rates.down[a])
+    ops = 4 * (n - 1) * pieces  # rows and results, out and in, per piece
+    return rates.latency_s * 2 * pieces + rates.op_s * ops + busy + fill / pieces
+
+
+def balanced_split(rates: Rates, members: list[int], holders: dict[int, int] | None = None) -> tuple[int, ...]:
+    """Integer chunk weights over `members` (the others get 0) that make the direct exchange's
+    busiest link as short as possible. With S = 1 and member a's share x, a holding the rows of
+    h_a ranks among m members of n: a sends h_a (1 - x) + (m - 1) x and receives (n - h_a) x + 1 - x.
+    Each bound is linear in x, so for a time t every member has an interval of feasible x; the
+    least t whose intervals can sum to 1 is found by bisection, and the slack shared out."""
+    n, m = rates.world, len(members)
+    h = holders or {a: 1 for a in members}
+    lines = {a: ((h[a], m - 1 - h[a], rates.up[a]), (1.0, n - h[a] - 1, rates.down[a])) for a in members}
+
+    def interval(a: int, t: float) -> tuple[float, float] | None:
+        lo, hi = 0.0, 1.0
+        for base, slope, rate in lines[a]:  # base + slope x <= t rate
+            room = t * rate - base
+            if slope > 0:
+                hi = min(hi, room / slope)
+            elif slope < 0:
+                lo = max(lo, room / slope)
+            elif room < 0:
+                return None
+        return (lo, hi) if lo <= hi else None
+
+    def fits(t: float) -> bool:
+        iv = [interval(a, t) for a in members]
+        return all(iv) and sum(x[0] for x in iv) <= 1.0 <= sum(x[1] for x in iv)
+
+    lo, hi = 0.0, 1.0
+    while not fits(hi):
+        hi *= 2
+        if hi > 1e300:
+            return tuple(int(r in members) for r in range(n))
+    hi = max(hi, 1e-300)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    iv = {a: interval(a, hi) for a in members}
+    slack = 1.0 - sum(x[0] for x in iv.values())
+    room = sum(x[1] - x[0] for x in iv.values()) or 1.0
+    shares = {a: x[0] + slack * (x[1] - x[0]) / room for a, x in iv.items()}
+    w = [round(SPLIT_SCALE * shares[r]) if r in members else 0 for r in range(n)]
+    return tuple(w) if sum(w) else tuple(int(r in members) for r in range(n))
+
+
+def candidates(rates: Rates, nbytes: int) -> list[Pattern]:
+    n, pieces = rates.world, pieces_for(nbytes)
+    ident = tuple(range(n))
+    by_speed = sorted(range(n), key=lambda r: (-min(rates.up[r], rates.down[r]), r))
+    out = [Pattern.static_ring(n), Pattern(kind="pipelined", order=ident, split=(1,) * n, pieces=pieces)]
+    split = balanced_split(rates, list(range(n)))
+    out += [Pattern(kind="pipelined", order=ident, split=split, pieces=k) for k in PIECES if k != pieces]
+    out.append(Pattern(kind="pipelined", order=ident, split=split, pieces=pieces))
+    out.append(Pattern(kind="ring", order=tuple(by_speed), split=split))
+    for k in range(1, n):
+        aggs = tuple(sorted(by_speed[:k]))
+        leaves = [r for r in range(n) if r not in aggs]
+        holders = {a: 1 + sum(1 for i, leaf in enumerate(leaves) if aggs[i % k] == a) for a in aggs}
+        out.append(Pattern(kind="tree", order=ident, split=balanced_split(rates, list(aggs), holders),
+                           pieces=pieces, aggregators=aggs))
+    return out
+
+
+def choose(current: Pattern | None, rates: Rates, nbytes: int, *, min_gain: float = 0.05) -> tuple[Pattern, float]:
+    """The plan for the next collectives and its predicted seconds; `current` stays unless another
+    is predicted at least `min_gain` (a fraction) faster."""
+    if not 0 <= min_gain < 1:
+        raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
+    scored = [(predict(p, nbytes, rates), i, p) for i, p in enumerate(candidates(rates, nbytes))]
+    t_best, _, best = min(scored, key=lambda x: (x[0], x[1]))
+    if current is not None and current.world == rates.world:
+        t_cur = predict(current, nbytes, rates)
+        if t_best > (1 - min_gain) * t_cur:
+            return current, t_cur
+    return best, t_best
