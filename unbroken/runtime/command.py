@@ -17,6 +17,7 @@ from unbroken.config import SHARDED, ConfigError, RunConfig, build_config
 from unbroken.runtime.faults import NODE_KINDS, FaultSpec, chaos_schedule, check_reachable
 from unbroken.runtime import auth, cluster_env
 from unbroken.runtime.cluster_env import NodePlace
+from unbroken.runtime.overlap_tune import checked_overlap
 from unbroken.runtime.resume import load_job
 from unbroken.runtime.run import launch, new_run_dir
 from unbroken.runtime.crash import SoftwareFault
@@ -94,6 +95,9 @@ def run(
     protect_every: Optional[str] = typer.Option(None, "--protect-every",
                                                 help="bring tier-1 parity up to date every K steps (1 = every step, "
                                                      "or auto)"),
+    overlap: Optional[str] = typer.Option(None, "--overlap", help="gradient all-reduce: on (during backward, "
+                                                                  "default), off (after backward), auto (tuned "
+                                                                  "at start, cached) or a plan FILE.json"),
     n_layer: Optional[int] = typer.Option(None, "--n-layer"),
     n_embd: Optional[int] = typer.Option(None, "--n-embd"),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="run directory (default: a new one under runs/)"),
@@ -129,7 +133,7 @@ def run(
                                      shadows=_int_or_auto("--shadows", shadows, "2"), retry_budget=retry_budget,
                                      max_recoveries_per_hour=max_recoveries_per_hour, on_nonfinite=on_nonfinite,
                                      protect_every=_int_or_auto("--protect-every", protect_every, "8"),
-                                     model_n_layer=n_layer, model_n_embd=n_embd, backend=backend))
+                                     model_n_layer=n_layer, model_n_embd=n_embd, backend=backend, overlap=overlap))
     if json_out:
         print(json.dumps(summary, indent=2, default=str))
     elif "steps" in summary:
@@ -142,7 +146,7 @@ def run(
 _JOB_FLAGS = {"script": "a script", "config": "--config", "run_dir": "--run-dir", "world_size": "--world-size",
               "steps": "--steps", "seed": "--seed", "batch_size": "--batch-size", "lr": "--lr",
               "strategy": "--strategy", "parity_group": "--parity-group", "chunk_kb": "--chunk-kb",
-              "checkpoint_every": "--checkpoint-every", "protect_every": "--protect-every", "backend": "--backend",
+              "checkpoint_every": "--checkpoint-every", "protect_every": "--protect-every", "backend": "--backend", "overlap": "--overlap",
               "n_layer": "--n-layer", "n_embd": "--n-embd"}
 
 
@@ -197,6 +201,7 @@ def _launch(*, script, config, run_dir, host, port, token, store=None, nnodes, n
             token=token, nnodes=nnodes or place.nnodes or 1,
             node_rank=node_rank if node_rank is not None else (place.node_rank or 0),
             faults=tuple(faults), resume=resume, tee=tee, store=store)
+        cfg = checked_overlap(cfg)  # a plan file's contents (bucket size, cores): PlanError, exit 2
         cfg = _one_member_per_node(cfg, opts.nnodes)
         _check_node_faults(faults, cfg.world_size, opts.nnodes, replicated=store is not None)
         cfg = resolve_backend(cfg, nnodes=opts.nnodes)
