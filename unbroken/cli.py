@@ -11,8 +11,8 @@ import typer
 
 from unbroken.bench.adoption import adoption
 from unbroken.bench.chaos import chaos
-from unbroken.bench.command import (interval, multinode, overhead, plan as plan_bench, protect, recovery, regroup,
-                                    strategies as strategies_bench, throughput)
+from unbroken.bench.command import (interval, multinode, overhead, overlap as overlap_bench, plan as plan_bench,
+                                    protect, recovery, regroup, strategies as strategies_bench, throughput)
 from unbroken.bench.detect import detect as detect_bench
 from unbroken.bench.serve import serve as serve_bench
 from unbroken.bench.predict import predict as predict_bench
@@ -54,6 +54,7 @@ bench_app.command("plan")(plan_bench)
 bench_app.command("strategies")(strategies_bench)
 bench_app.command("multinode")(multinode)
 bench_app.command("regroup")(regroup)
+bench_app.command("overlap")(overlap_bench)
 register_split(app, bench_app)
 bench_app.command("serve")(serve_bench)
 bench_app.command("predict")(predict_bench)
