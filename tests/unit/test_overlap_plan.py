@@ -125,3 +125,56 @@ def test_on_and_off_need_no_tuning_and_take_the_configured_bucket():
         ctl = OverlapControl(RunConfig(overlap=mode, bucket_kb=64), named=_named(), nnodes=1, local_rank=0,
                              emit=lambda *a, **k: None)
         assert not ctl.needs_tuning and ctl.plan.bucket_kb == 64 and ctl.plan.during_backward == (mode == "on")
+
+
+class _Store:
+    def __init__(self):
+        self.kv = {}
+
+    def set(self, k, v):
+        self.kv[k] = v.encode() if isinstance(v, str) else v
+
+    def check(self, keys):
+        return all(k in self.kv for k in keys)
+
+    def get(self, k):
+        return self.kv[k]
+
+
+class _Comm:
+    def __init__(self, others):
+        self.others = others
+
+    def allgather_json(self, obj, what=""):
+        return [obj, *self.others]
+
+
+class _Trainer:
+    def __init__(self, others):
+        self.comm = _Comm(others)
+
+
+def test_a_joining_member_takes_the_agreed_plan_from_the_store(tmp_path):
+    from unbroken.runtime import membership
+    from unbroken.runtime.overlap_tune import STORE_KEY
+
+    store = _Store()
+    ctl = OverlapControl(RunConfig(overlap=str(tmp_path / "plan.json")), named=_named(), nnodes=1, local_rank=0,
+                         emit=lambda *a, **k: None)
+    ctl.adopt_agreed(store)
+    assert ctl.needs_tuning  # nothing agreed yet: it searches with its peers
+    membership.put(store, STORE_KEY, OverlapPlan(bucket_kb=128).to_dict())
+    ctl.adopt_agreed(store)
+    assert not ctl.needs_tuning and ctl.plan.bucket_kb == 128 and ctl.plan.source == "agreed"
+
+
+def test_ranks_search_together_when_any_lacks_the_plan_or_they_differ(tmp_path):
+    cfg = RunConfig(world_size=2, parity_group=2, overlap=str(tmp_path / "plan.json"))
+    key = tuning_key(cfg, _named(), nnodes=1)
+    (tmp_path / "plan.json").write_text(json.dumps(plan_file_text(OverlapPlan(bucket_kb=256), key)))
+    same = {"tune": False, "plan": {"during_backward": True, "bucket_kb": 256, "partition": "shared"}}
+    for other, tunes, why in ((same, False, ""), ({**same, "tune": True}, True, "another rank"),
+                              ({**same, "plan": {**same["plan"], "bucket_kb": 512}}, True, "different plans")):
+        ctl = OverlapControl(cfg, named=_named(), nnodes=1, local_rank=0, emit=lambda *a, **k: None)
+        ctl._agree(_Trainer([other]))
+        assert ctl.needs_tuning == tunes and why in ctl.why
