@@ -85,8 +85,10 @@ def run_once(system: str, net: Netns, nnodes: int, cfg: RunConfig, root: Path, p
                 os.killpg(p.pid, 9)
                 p.wait()
     if any(p.returncode for p in procs):
-        tail = (root / "node0.out").read_text(errors="replace").splitlines()[-5:]
-        raise RuntimeError(f"{system} on {nnodes} node(s) failed (exit {[p.returncode for p in procs]}): {tail}")
+        bad = next(n for n, p in enumerate(procs) if p.returncode)  # the first node that failed says why
+        tail = (root / f"node{bad}.out").read_text(errors="replace").splitlines()[-5:]
+        raise RuntimeError(f"{system} on {nnodes} node(s) failed (exit {[p.returncode for p in procs]}; "
+                           f"node {bad}'s last lines): {tail}")
     sent = sum(_tx_bytes(net, n) - b for n, b in enumerate(before))
     if system.startswith("unbroken"):
         times = steady_step_times(job_events(dirs[0]))
