@@ -29,7 +29,7 @@ from unbroken.runtime.determinism import FORWARD, seed_everything
 
 CANDIDATE_KB = (256, 1024, 4096, 25600)  # bucket sizes tried (KiB), with the shared partition
 TRY_PARTITIONS = ("pinned", "split")  # then these, with the best bucket size
-TRIALS = 2  # timed forward/backward/all-reduce runs per candidate, after one untimed warm-up
+TRIALS = 3  # timed forward/backward/all-reduce runs per candidate, after one untimed warm-up
 BUDGET_S = 30.0  # no new candidate starts once any rank has spent this long searching
 STORE_KEY = "overlap/plan"
 TIMELINE_STEP = 3  # rank 0 records this step's bucket times (an `overlap_timeline` event): after warm-up
