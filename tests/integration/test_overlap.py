@@ -56,3 +56,23 @@ def test_a_plan_file_with_a_bad_bucket_size_stops_the_launch_with_one_line(tmp_p
     p = run_cli(tmp_path / "run", *SMALL, "--overlap", str(bad), timeout=60)
     assert p.returncode == 2, p.stderr
     assert "bucket_kb must be an integer >= 1" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.slow
+def test_a_shadow_taking_a_rank_uses_the_tuned_plan(tmp_path):
+    """The search runs at step 1; a rank killed at step 3 is replaced by a shadow that never
+    searched: it takes the plan from the store, so its buckets match and the bits equal a
+    failure-free run given the same plan."""
+    plan = tmp_path / "plan.json"
+    # bucket_kb = 16 is no candidate of the search: a shadow that fell back to the configured size
+    # would issue other buckets than its peers
+    args = [*SMALL[:SMALL.index("--steps")], "--steps", "4", *SMALL[SMALL.index("--steps") + 2:], "--strategy", "ddp",
+            "--config", _small_buckets(tmp_path)]
+    killed = run_job(tmp_path / "killed", *args, "--overlap", str(plan), "--inject", "sigkill:rank=1,step=3,phase=backward")
+    assert killed["overlap"]["source"] == "tuned" and killed["recoveries"]
+    assert killed["overlap"]["bucket_kb"] != 16
+    chosen = json.loads(plan.read_text())["plan"]
+    hand = tmp_path / "hand.json"
+    hand.write_text(json.dumps({"format": "unbroken-overlap/1", "plan": chosen}))
+    clean = run_job(tmp_path / "clean", *args, "--overlap", str(hand))
+    assert killed["weights_sha256"] == clean["weights_sha256"] and killed["ranks_agree"]
