@@ -11,7 +11,8 @@ import typer
 
 from unbroken.bench.adoption import adoption
 from unbroken.bench.chaos import chaos
-from unbroken.bench.command import (collectives as collectives_bench, interval, multinode, overhead, plan as plan_bench,
+from unbroken.bench.command import (collectives as collectives_bench, interval, multinode, overhead,
+                                    overlap as overlap_bench, plan as plan_bench,
                                     protect, recovery, regroup, strategies as strategies_bench, throughput)
 from unbroken.bench.detect import detect as detect_bench
 from unbroken.bench.serve import serve as serve_bench
@@ -56,6 +57,7 @@ bench_app.command("strategies")(strategies_bench)
 bench_app.command("multinode")(multinode)
 bench_app.command("regroup")(regroup)
 bench_app.command("collectives")(collectives_bench)
+bench_app.command("overlap")(overlap_bench)
 register_split(app, bench_app)
 register_rl(app, bench_app)
 bench_app.command("serve")(serve_bench)

@@ -18,6 +18,7 @@ NONFINITE_POLICIES = ("stop", "skip")
 BACKENDS = ("auto", "gloo", "nccl")  # auto: nccl when CUDA is available, else gloo (runtime/devices.py)
 COLLECTIVES = ("gloo", "static", "adaptive")  # the gradient all-reduce: gloo's own, our static ring, congestion-aware
 BITWISE_REDUCE = ("auto", "exchange")  # XOR/AND: the backend's BXOR/BAND where it has them, or always exchange
+OVERLAP_MODES = ("on", "off", "auto")  # or a plan file FILE.json (unbroken/parallel/overlap.py)
 
 
 class ConfigError(ValueError):
@@ -71,6 +72,9 @@ class RunConfig:
     expected_mtbf_s: float = 10800.0  # for protect_every "auto": expected time between failures of the job
     chunk_kb: int = 1024  # transaction/parity chunk (3 tensors): fewer, larger chunks cost less per-op dispatch
     bucket_kb: int = 25600  # gradient all-reduce bucket, issued while backward runs (as torch DDP: 25 MB)
+    # on: buckets all-reduced while backward runs; off: after backward; auto: tuned at the first
+    # step (cached); FILE.json: a plan file (its own bucket size and core partition)
+    overlap: str = "on"
     checkpoint_every: int = 50  # tier 2 (two losses in a parity group, a corrupted parity); 0 = off
     checkpoint_keep: int = 2
     shadows: int | str = 1  # pre-started shadows per node, or "auto" (sized from the failure rate)
@@ -123,6 +127,7 @@ class RunConfig:
         _need(self.chunk_kb >= 1, f"chunk_kb must be >= 1, got {self.chunk_kb!r}")
         _need(isinstance(self.bucket_kb, int) and self.bucket_kb >= 1,
               f"bucket_kb must be an integer >= 1, got {self.bucket_kb!r}; e.g. bucket_kb = 1024")
+        _need((err := check_overlap_mode(self.overlap)) is None, err or "")
         _need(self.checkpoint_every >= 0, f"checkpoint_every must be >= 0 (0 = off), got {self.checkpoint_every!r}")
         _need(self.checkpoint_keep >= 1, f"checkpoint_keep must be >= 1, got {self.checkpoint_keep!r}")
         _need(self.shadows == "auto" or (isinstance(self.shadows, int) and not isinstance(self.shadows, bool)
@@ -181,6 +186,21 @@ class RunConfig:
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "RunConfig":
         return RunConfig(**_known(RunConfig, d, ""))
+
+
+def check_overlap_mode(value: object) -> str | None:
+    """None if `value` is a valid --overlap value, else the one-line error."""
+    if isinstance(value, str) and value in OVERLAP_MODES:
+        return None
+    if not isinstance(value, str) or not value.endswith(".json"):
+        return (f"overlap must be one of {', '.join(OVERLAP_MODES)} or a plan file FILE.json, got {value!r}; "
+                "e.g. --overlap auto")
+    p = Path(value)
+    if p.is_dir():
+        return f"overlap plan file {value} is a directory; name a .json file"
+    if not p.parent.is_dir():
+        return f"overlap plan file {value}: directory {p.parent} does not exist; create it or use another path"
+    return None
 
 
 def _known(cls: type, d: dict[str, Any], prefix: str) -> dict[str, Any]:

@@ -188,6 +188,31 @@ def multinode(out: Path = _OUT, steps: int = typer.Option(24, "--steps", help="s
     _node_sections(out, list(_NODE_SECTIONS), rounds=1 if quick else max(rounds, 3))
 
 
+def overlap(out: Path = _OUT, steps: int = typer.Option(20, "--steps", help="steps per run (the first 2 are not timed)"),
+            rounds: int = typer.Option(3, "--rounds", help="runs of every method per config, interleaved"),
+            config: Optional[List[str]] = typer.Option(None, "--config", help="loopback, 1gbit, 200mbit (default all)"),
+            quick: bool = _QUICK) -> None:
+    """Step time with no overlap, torch DDP, unbroken's overlap and its auto-tuned plan: loopback (compute-bound)
+    and 1 Gbit/s, 200 Mbit/s links between two namespaces (needs root); exposed communication; a one-step timeline."""
+    from unbroken.bench import overlap as ob
+    from unbroken.cli_error import fail
+    from unbroken.plan.netns import available
+
+    configs = tuple(config or ob.CONFIGS)
+    if unknown := [c for c in configs if c not in ob.CONFIGS]:
+        fail(f"unknown --config {', '.join(unknown)}; choose from {', '.join(ob.CONFIGS)}")
+    if steps < 5 or rounds < 1:
+        fail(f"need --steps >= 5 (2 warm-up, the timeline step 3, more to time) and --rounds >= 1; got {steps}, {rounds}")
+    if any(ob.CONFIGS[c] for c in configs) and (why := available()):
+        fail(f"bench overlap builds network namespaces for {', '.join(c for c in configs if ob.CONFIGS[c])}: {why} "
+             "(or pass --config loopback)")
+    res = ob.measure(steps=6 if quick else steps, rounds=1 if quick else rounds, configs=configs, quick=quick,
+                     log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
+    ob.plot_timeline(res, Path(out) / "overlap.png")
+    _finish("overlap", res, ob.table, out)
+    Console().print(f"wrote {Path(out) / 'overlap.png'}")
+
+
 _NODE_SECTIONS = {"node-loss": "node_loss", "node0-loss": "node0_loss", "store-cost": "store_cost"}
 
 

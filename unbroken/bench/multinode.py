@@ -47,13 +47,14 @@ def _node_env(net: Netns, node: int, threads: int) -> dict:
             "PYTHONUNBUFFERED": "1"}
 
 
-def _command(system: str, net: Netns, node: int, nnodes: int, cfg: RunConfig, run_dir: Path, port: int) -> list[str]:
+def _command(system: str, net: Netns, node: int, nnodes: int, cfg: RunConfig, run_dir: Path, port: int,
+             extra: tuple[str, ...] = ()) -> list[str]:
     host = net.address(0)
     if system.startswith("unbroken"):
         return [*net.exec_prefix(node), sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir),
                 "--no-progress", "--json", "--tee", "none", "--nnodes", str(nnodes), "--node-rank", str(node),
                 "--host", host, "--port", str(port), "--world-size", str(cfg.world_size), "--steps", str(cfg.steps),
-                "--strategy", cfg.strategy]
+                "--strategy", cfg.strategy, *extra]
     run_dir.mkdir(parents=True)
     atomic_write_json(run_dir / "config.json", cfg.to_dict())
     return [*net.exec_prefix(node), sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
@@ -62,15 +63,17 @@ def _command(system: str, net: Netns, node: int, nnodes: int, cfg: RunConfig, ru
             "--checkpoint-every", "0", "--optimizer", "adamw"]
 
 
-def run_once(system: str, net: Netns, nnodes: int, cfg: RunConfig, root: Path, port: int) -> dict:
-    """One job on `nnodes` namespaces; every process it started is reaped before this returns."""
+def run_once(system: str, net: Netns, nnodes: int, cfg: RunConfig, root: Path, port: int,
+             extra: tuple[str, ...] = ()) -> dict:
+    """One job on `nnodes` namespaces (`extra`: more `unbroken run` flags); every process it started
+    is reaped before this returns. Node n's run directory is root/node{n}."""
     dirs = [root / f"node{n}" for n in range(nnodes)]
     before = [_tx_bytes(net, n) for n in range(nnodes)]
     procs = []
     try:
         for n in range(nnodes):
             log = open(root / f"node{n}.out", "wb")
-            procs.append(subprocess.Popen(_command(system, net, n, nnodes, cfg, dirs[n], port),
+            procs.append(subprocess.Popen(_command(system, net, n, nnodes, cfg, dirs[n], port, extra),
                                           env=_node_env(net, n, cfg.threads), stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))
             log.close()
@@ -82,8 +85,10 @@ def run_once(system: str, net: Netns, nnodes: int, cfg: RunConfig, root: Path, p
                 os.killpg(p.pid, 9)
                 p.wait()
     if any(p.returncode for p in procs):
-        tail = (root / "node0.out").read_text(errors="replace").splitlines()[-5:]
-        raise RuntimeError(f"{system} on {nnodes} node(s) failed (exit {[p.returncode for p in procs]}): {tail}")
+        bad = next(n for n, p in enumerate(procs) if p.returncode)  # the first node that failed says why
+        tail = (root / f"node{bad}.out").read_text(errors="replace").splitlines()[-5:]
+        raise RuntimeError(f"{system} on {nnodes} node(s) failed (exit {[p.returncode for p in procs]}; "
+                           f"node {bad}'s last lines): {tail}")
     sent = sum(_tx_bytes(net, n) - b for n, b in enumerate(before))
     if system.startswith("unbroken"):
         times = steady_step_times(job_events(dirs[0]))

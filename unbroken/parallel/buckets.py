@@ -8,9 +8,12 @@ copy) and drops the parameter's own `.grad` at once, so the step never holds two
 gradients besides the kept copy; once a bucket is complete *and every bucket before it has been issued*, its
 all-reduce is issued. So every rank issues the same collectives in the same order, the
 boundaries never change (the reduction is bitwise reproducible), and a redo that issues
-the kept local gradient bucket by bucket (`issue_all`) gives the same bits.
+the kept local gradient bucket by bucket (`issue_all`) gives the same bits. `timeline` holds
+the last step's bucket times (issued, seen done) from the start of backward (or of `issue_all`).
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -29,6 +32,14 @@ class _Round:
         self.pending: list[Pending] = []
         self.poison = poison  # fault injection: a NaN in element 0 before it is sent
         self.seen = [False] * sum(missing)
+        self.t0 = time.perf_counter()
+        self.spans: list[list[float | None]] = []  # per issued bucket: [issued, seen done] (s from t0)
+
+    def stamp_done(self) -> None:
+        now = time.perf_counter() - self.t0
+        for p, span in zip(self.pending, self.spans):
+            if span[1] is None and p.done.is_set():
+                span[1] = now
 
 
 class GradBuckets:
@@ -57,6 +68,7 @@ class GradBuckets:
         for b in self.bucket_of:
             self.sizes[b] += 1
         self._round: _Round | None = None
+        self.timeline: dict | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i, p))
                        for i, p in enumerate(flat.plist)]
 
@@ -90,15 +102,22 @@ class GradBuckets:
                 r.seen[i] = True
                 r.missing[self.bucket_of[i]] -= 1
         self._issue_ready(r)
+        backward_s = time.perf_counter() - r.t0
         for p in r.pending:
             r.comm.finish(p)
+            r.stamp_done()
+        self.timeline = {"backward_s": backward_s, "end_s": time.perf_counter() - r.t0, "buckets": r.spans}
 
     def issue_all(self, comm: Comm, grads: torch.Tensor, what: str) -> None:
         """All-reduce `grads` (already holding the local gradient) bucket by bucket, in the
         order backward issues them; wait for all. Raises CollectiveError."""
+        t0 = time.perf_counter()
         pend = [comm.allreduce_start(grads[lo:hi], what=f"{what} bucket {b}") for b, (lo, hi) in enumerate(self.ranges)]
-        for p in pend:
+        spans = [[0.0, None] for _ in pend]
+        for p, span in zip(pend, spans):
             comm.finish(p)
+            span[1] = time.perf_counter() - t0
+        self.timeline = {"backward_s": 0.0, "end_s": time.perf_counter() - t0, "buckets": spans}
 
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
         r = self._round
@@ -109,6 +128,7 @@ class GradBuckets:
         p.grad = None  # copied: the flat buffer is the gradient now (one copy per rank, not two)
         r.seen[i] = True
         r.missing[self.bucket_of[i]] -= 1
+        r.stamp_done()
         self._issue_ready(r)
 
     def _issue_ready(self, r: _Round) -> None:
@@ -118,4 +138,5 @@ class GradBuckets:
                 r.grads[0] = float("nan")
             r.local[lo:hi].copy_(r.grads[lo:hi])  # kept for a redo: survivors skip recomputation
             r.pending.append(r.comm.allreduce_start(r.grads[lo:hi], what=f"{r.what} bucket {r.next}"))
+            r.spans.append([time.perf_counter() - r.t0, None])
             r.next += 1

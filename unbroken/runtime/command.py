@@ -17,6 +17,7 @@ from unbroken.config import SHARDED, ConfigError, RunConfig, build_config
 from unbroken.runtime.faults import NODE_KINDS, FaultSpec, chaos_schedule, check_reachable
 from unbroken.runtime import auth, cluster_env
 from unbroken.runtime.cluster_env import NodePlace
+from unbroken.runtime.overlap_tune import checked_overlap
 from unbroken.runtime.resume import load_job
 from unbroken.runtime.run import launch, new_run_dir
 from unbroken.runtime.crash import SoftwareFault
@@ -97,6 +98,9 @@ def run(
     protect_every: Optional[str] = typer.Option(None, "--protect-every",
                                                 help="bring tier-1 parity up to date every K steps (1 = every step, "
                                                      "or auto)"),
+    overlap: Optional[str] = typer.Option(None, "--overlap", help="gradient all-reduce: on (during backward, "
+                                                                  "default), off (after backward), auto (tuned "
+                                                                  "at start, cached) or a plan FILE.json"),
     n_layer: Optional[int] = typer.Option(None, "--n-layer"),
     n_embd: Optional[int] = typer.Option(None, "--n-embd"),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="run directory (default: a new one under runs/)"),
@@ -120,20 +124,7 @@ def run(
                                                                  "from its newest valid checkpoint"),
 ) -> None:
     """Run a training job under unbroken (torchrun-compatible env vars are honoured)."""
-    if resume is not None:
-        _refuse_job_changes(locals())
-    summary = _launch(script=script, config=config, run_dir=resume or run_dir, host=host, port=port, store=store,
-                      token=_join_token(token, token_file), resume=resume is not None,
-                      nnodes=nnodes, node_rank=node_rank, inject=inject, chaos=chaos, progress=not no_progress,
-                      tee=tee, tee_to_stderr=json_out,
-                      overrides=dict(world_size=world_size if world_size is not None else _place().world_size,
-                                     steps=steps, seed=seed, batch_size=batch_size, lr=lr, strategy=strategy,
-                                     parity_group=parity_group, chunk_kb=chunk_kb, checkpoint_every=checkpoint_every,
-                                     shadows=_int_or_auto("--shadows", shadows, "2"), retry_budget=retry_budget,
-                                     max_recoveries_per_hour=max_recoveries_per_hour, on_nonfinite=on_nonfinite,
-                                     protect_every=_int_or_auto("--protect-every", protect_every, "8"),
-                                     model_n_layer=n_layer, model_n_embd=n_embd, backend=backend,
-                                     collectives=collectives))
+    summary = _launch_from_flags(dict(locals()))
     if json_out:
         print(json.dumps(summary, indent=2, default=str))
     elif "steps" in summary:
@@ -142,12 +133,30 @@ def run(
         raise typer.Exit(1)
 
 
+def _launch_from_flags(a: dict) -> dict:
+    """`unbroken run`'s flags (its locals) -> the launch, and its summary."""
+    if a["resume"] is not None:
+        _refuse_job_changes(a)
+    overrides = {k: a[k] for k in ("steps", "seed", "batch_size", "lr", "strategy", "parity_group", "chunk_kb",
+                                   "checkpoint_every", "retry_budget", "max_recoveries_per_hour", "on_nonfinite",
+                                   "backend", "collectives", "overlap")}
+    overrides.update(world_size=a["world_size"] if a["world_size"] is not None else _place().world_size,
+                     shadows=_int_or_auto("--shadows", a["shadows"], "2"),
+                     protect_every=_int_or_auto("--protect-every", a["protect_every"], "8"),
+                     model_n_layer=a["n_layer"], model_n_embd=a["n_embd"])
+    return _launch(script=a["script"], config=a["config"], run_dir=a["resume"] or a["run_dir"], host=a["host"],
+                   port=a["port"], store=a["store"], token=_join_token(a["token"], a["token_file"]),
+                   resume=a["resume"] is not None, nnodes=a["nnodes"], node_rank=a["node_rank"], inject=a["inject"],
+                   chaos=a["chaos"], progress=not a["no_progress"], tee=a["tee"], tee_to_stderr=a["json_out"],
+                   overrides=overrides)
+
+
 # what defines the job: `--resume` takes all of it from the run directory
 _JOB_FLAGS = {"script": "a script", "config": "--config", "run_dir": "--run-dir", "world_size": "--world-size",
               "steps": "--steps", "seed": "--seed", "batch_size": "--batch-size", "lr": "--lr",
               "strategy": "--strategy", "parity_group": "--parity-group", "chunk_kb": "--chunk-kb",
               "checkpoint_every": "--checkpoint-every", "protect_every": "--protect-every", "backend": "--backend",
-              "collectives": "--collectives", "n_layer": "--n-layer", "n_embd": "--n-embd"}
+              "collectives": "--collectives", "overlap": "--overlap", "n_layer": "--n-layer", "n_embd": "--n-embd"}
 
 
 def _refuse_job_changes(given: dict) -> None:
@@ -201,6 +210,7 @@ def _launch(*, script, config, run_dir, host, port, token, store=None, nnodes, n
             token=token, nnodes=nnodes or place.nnodes or 1,
             node_rank=node_rank if node_rank is not None else (place.node_rank or 0),
             faults=tuple(faults), resume=resume, tee=tee, store=store)
+        cfg = checked_overlap(cfg)  # a plan file's contents (bucket size, cores): PlanError, exit 2
         cfg = _one_member_per_node(cfg, opts.nnodes)
         _check_node_faults(faults, cfg.world_size, opts.nnodes, replicated=store is not None)
         cfg = resolve_backend(cfg, nnodes=opts.nnodes)

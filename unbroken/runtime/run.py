@@ -148,6 +148,7 @@ def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float, faults: Sequence[
         "faults": sum(1 for e in events if e.kind == "fault_detected"),
         # injected specs no fault_injected event accounts for: they could have fired but did not
         "faults_not_fired": [str(f) for f in faults_not_fired(faults, injected)],
+        "overlap": next((e.fields for e in reversed(events) if e.kind == "overlap_plan" and e.rank == 0), None),
         "steps_planned": next((e.fields["steps"] for e in reversed(events) if e.kind == "steps_planned"), None),
         "warnings": input_warnings(events),
         "resumes": resumed,

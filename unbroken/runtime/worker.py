@@ -35,6 +35,7 @@ from unbroken.config import ConfigError
 from unbroken.protect.txn import StepScalars
 from unbroken.protect.interval import memory_budget_bytes, ring_slots
 from unbroken.runtime.autok import IntervalTuner
+from unbroken.runtime.overlap_tune import overlap_control
 from unbroken.runtime import adopt, crash, devices, membership
 from unbroken.runtime.determinism import FORWARD, InputFingerprints, seed_everything
 from unbroken.runtime.loop import LoopAPI
@@ -92,6 +93,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         self.model = model
         self.world_size = cfg.world_size
         self._adopt(model, optimizer, scheduler, grad_clip, accumulation_steps, scheduler_step)
+        self.overlap = overlap_control(self)  # --overlap: bucket size, when buckets go, the core split
         self.fingerprints = InputFingerprints(keep=max(1024, cfg.checkpoint_every * (cfg.checkpoint_keep + 1)))
         self._planned: int | None = None
         self._finished = False
@@ -180,7 +182,8 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
                                 chunk_elems=max(16, cfg.chunk_kb * 1024 // (4 * n_tensors)),
                                 protect_every=self.tuner.initial_k if cfg.protect_every == "auto"
                                 else int(cfg.protect_every), grad_slots=slots, nnodes=self.ctx.nnodes)
-        self.buckets = GradBuckets(self.owned.flat, bucket_elems=max(16, self.cfg.bucket_kb * 1024 // 4))
+        self.overlap.adopt_agreed(self.ctx.store)  # a member joining later: the plan its peers tuned
+        self.buckets = GradBuckets(self.owned.flat, bucket_elems=self.overlap.plan.bucket_elems)
         self.local_grads = torch.empty_like(self.owned.flat.grads)
         # zero2's reduce-scatter output (the other strategies all-reduce in place: nothing to allocate)
         self._shard_grad = (torch.empty(self.owned.hi - self.owned.lo, device=self.owned.flat.device)
@@ -354,6 +357,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
     def _attempt(self, t: int, closure: Callable[[], torch.Tensor]) -> None:
         ctx, flat = self.ctx, self.owned.flat
         t0 = time.perf_counter()
+        self.overlap.before_step(self, t, closure)
         grads = flat.use_grads_of(t)
         overlapped = False
         if self.st.local_step == t:
@@ -364,7 +368,8 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         else:
             # a pending decode votes on the world group first: then no bucket may be issued before it;
             # zero2 reduce-scatters the whole gradient at once (below)
-            overlapped = self.st.deferred is None and not self.owned.sharded_grads and self.ours is None
+            overlapped = (self.overlap.plan.during_backward and self.st.deferred is None
+                          and not self.owned.sharded_grads and self.ours is None)
             self._compute_local_gradient(t, closure, overlap=overlapped)
         if self.st.deferred is not None:
             finish_deferred_decode(self._recovery_inputs())

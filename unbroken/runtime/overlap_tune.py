@@ -1,0 +1,226 @@
+"""`OverlapControl`: a rank's overlap plan for the job (unbroken/parallel/overlap.py) — from
+--overlap on|off, a plan file, the tuning cache, or a short measured search at the first step —
+applied to the gradient buckets and the threads' cores, and announced as an `overlap_plan` event.
+
+The search times forward + backward + the bucketed all-reduce of the first step's batch for a
+few candidates, into a scratch gradient (the step's own gradient slot and the logged ones are
+never touched, no update is applied, buffers and RNG are restored as a redo restores them), so
+the run after it is bitwise the run launched with the chosen plan given as a file. Every rank
+takes the same choice: the measurements are all-gathered (which also bounds the search's time
+collectively) and every rank picks from the same table. The agreed plan goes to the job's store,
+where a member that joins later (a shadow taking a rank) reads it.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from unbroken.fsutil import atomic_write_json
+from unbroken.parallel.buckets import GradBuckets
+from unbroken.parallel.overlap import (OverlapPlan, Partition, PlanError, ThreadPinner, plan_file_text,
+                                       read_plan_file)
+from unbroken.runtime import membership
+from unbroken.runtime.determinism import FORWARD, seed_everything
+
+CANDIDATE_KB = (256, 1024, 4096, 25600)  # bucket sizes tried (KiB), with the shared partition
+TRY_PARTITIONS = ("pinned", "split")  # then these, with the best bucket size
+TRIALS = 3  # timed forward/backward/all-reduce runs per candidate, after one untimed warm-up
+BUDGET_S = 30.0  # no new candidate starts once any rank has spent this long searching
+STORE_KEY = "overlap/plan"
+TIMELINE_STEP = 3  # rank 0 records this step's bucket times (an `overlap_timeline` event): after warm-up
+
+
+def cache_path(mode: str) -> Path | None:
+    """Where the plan lives: FILE for --overlap FILE; for auto $UNBROKEN_CACHE_DIR/overlap.json
+    (default ~/.cache/unbroken); None for on/off."""
+    if mode in ("on", "off"):
+        return None
+    if mode != "auto":
+        return Path(mode)
+    root = os.environ.get("UNBROKEN_CACHE_DIR") or Path.home() / ".cache" / "unbroken"
+    return Path(root) / "overlap.json"
+
+
+def tuning_key(cfg, named: list, nnodes: int) -> dict:
+    """What a tuned plan is valid for: the model (its shapes and batch), the world and the wiring."""
+    shapes = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named)
+    return {"model": hashlib.sha256(shapes.encode()).hexdigest()[:16],
+            "params": sum(p.numel() for _, p in named), "batch_size": cfg.batch_size,
+            "seq_len": cfg.model.seq_len, "world_size": cfg.world_size, "strategy": cfg.strategy,
+            "threads": cfg.threads,
+            "wiring": f"{nnodes} node(s), backend {cfg.backend}, if {os.environ.get('GLOO_SOCKET_IFNAME', 'default')}"}
+
+
+def _why_stale(cached: dict, key: dict) -> str | None:
+    theirs = cached.get("key") or {}
+    diff = [f"{k} {theirs.get(k)!r} (this job: {v!r})" for k, v in key.items() if theirs.get(k) != v]
+    return None if not diff else "cached plan was tuned for another job: " + ", ".join(diff)
+
+
+class OverlapControl:
+    def __init__(self, cfg, *, named: list, nnodes: int, local_rank: int, emit) -> None:
+        self.cfg, self.local_rank, self.emit = cfg, local_rank, emit
+        self.path = cache_path(cfg.overlap)
+        self.key = tuning_key(cfg, named, nnodes)
+        self.needs_tuning, self.why, self._announced = False, "", False
+        self._agreed = cfg.overlap in ("on", "off")  # the same plan everywhere by construction
+        self.plan = self._initial()
+        self.pinner = ThreadPinner(self.plan.partition, local_rank)
+
+    def _initial(self) -> OverlapPlan:
+        mode = self.cfg.overlap
+        if mode in ("on", "off"):
+            return OverlapPlan(during_backward=mode == "on", bucket_kb=self.cfg.bucket_kb, source=mode)
+        try:
+            cached = read_plan_file(self.path)
+        except PlanError as e:
+            if mode != "auto":
+                raise  # a plan file the user named: the worker refuses (exit 2)
+            cached = {"key": {}, "plan": {}, "error": str(e)}
+        if cached is not None and "key" not in cached:
+            return OverlapPlan.from_dict(cached["plan"], source="file")  # written by hand: used as given
+        stale = ("no cached plan" if cached is None else cached.get("error") or _why_stale(cached, self.key))
+        if stale is None:
+            return OverlapPlan.from_dict(cached["plan"], source="cache")
+        self.needs_tuning, self.why = True, stale
+        return OverlapPlan(bucket_kb=self.cfg.bucket_kb, source="default until tuned")
+
+    def adopt_agreed(self, store) -> None:
+        """A member joining a running job takes the plan its peers agreed on (if they tuned)."""
+        agreed = membership.get(store, STORE_KEY)
+        if agreed is not None:
+            self._set(OverlapPlan.from_dict(agreed, source="agreed"))
+            self.needs_tuning, self._agreed = False, True
+
+    def _agree(self, tr) -> None:
+        """One tiny collective at the first step: search if any rank must (or the ranks read
+        different plans: files on different hosts), so that every rank issues the same buckets."""
+        mine = {"tune": self.needs_tuning, "plan": {k: v for k, v in self.plan.to_dict().items() if k != "source"}}
+        everyone = tr.comm.allgather_json(mine, what="overlap plan agreement")
+        if any(v["tune"] for v in everyone) and not self.needs_tuning:
+            self.needs_tuning, self.why = True, "another rank has no valid cached plan"
+        elif any(v["plan"] != mine["plan"] for v in everyone):
+            self.needs_tuning, self.why = True, "the ranks read different plans"
+        self._agreed = True
+
+    def _set(self, plan: OverlapPlan) -> None:
+        if plan.partition != self.plan.partition:
+            self.pinner.release()
+            self.pinner = ThreadPinner(plan.partition, self.local_rank)
+        self.plan = plan
+
+    def before_step(self, tr, t: int, closure) -> None:
+        """At the start of every step attempt: tune if due (then the buckets take the chosen size),
+        announce the plan once, pin threads started since (a new generation's gloo group)."""
+        if not self._agreed:
+            self._agree(tr)
+        if self.needs_tuning:
+            self.tune(tr, t, closure)
+            tr.buckets.close()
+            tr.buckets = GradBuckets(tr.owned.flat, self.plan.bucket_elems)
+        if not self._announced:
+            self._announced = True
+            self.announce(t)
+        if t == TIMELINE_STEP + 1 and tr.rank == 0 and tr.buckets.timeline is not None:
+            tl = tr.buckets.timeline
+            self.emit("overlap_timeline", step=t - 1, backward_s=round(tl["backward_s"], 5),
+                      end_s=round(tl["end_s"], 5), buckets=[[round(a, 5), None if b is None else round(b, 5)]
+                                                           for a, b in tl["buckets"]])
+        self.pinner.refresh()
+
+    def announce(self, step: int) -> None:
+        p = self.plan
+        self.emit("overlap_plan", step=step, mode=self.cfg.overlap, source=p.source, bucket_kb=p.bucket_kb,
+                  during_backward=p.during_backward, partition=p.partition.to_json(),
+                  compute_cores=sorted(self.pinner.compute) if self.pinner.compute is not None else None,
+                  comm_cores=sorted(self.pinner.comm) if self.pinner.comm is not None else None,
+                  compute_threads=torch.get_num_threads(), reason=self.why or None)
+
+    # --- the search ----------------------------------------------------------------------------
+    def tune(self, tr, t: int, closure) -> None:
+        """Measure candidates on step t's batch, agree, apply, cache. Raises CollectiveError."""
+        scratch = torch.empty_like(tr.owned.flat.grads)
+        table: list[dict] = []
+        started = time.perf_counter()
+        for kb in CANDIDATE_KB:
+            if not self._measure(tr, t, closure, scratch, OverlapPlan(bucket_kb=kb), table, started):
+                break
+        best_kb = min(table, key=lambda r: r["step_s"])["bucket_kb"]
+        for name in TRY_PARTITIONS:
+            if not self._measure(tr, t, closure, scratch, OverlapPlan(bucket_kb=best_kb, partition=Partition(name=name)),
+                                 table, started):
+                break
+        best = min(table, key=lambda r: r["step_s"])
+        plan = OverlapPlan(bucket_kb=best["bucket_kb"], partition=Partition.from_json(best["partition"]),
+                           source="tuned")
+        self.pinner.release()
+        self.plan, self.pinner = plan, ThreadPinner(plan.partition, self.local_rank)
+        self.pinner.refresh()
+        membership.put(tr.ctx.store, STORE_KEY, plan.to_dict())
+        self.needs_tuning = False
+        measured = {"candidates": table, "search_s": round(time.perf_counter() - started, 3)}
+        tr.ctx.events.emit("overlap_tuned", step=t, chosen=plan.to_dict(), reason=self.why, **measured)
+        if tr.rank == 0:
+            atomic_write_json(self.path, plan_file_text(plan, self.key, measured))
+
+    def _measure(self, tr, t, closure, scratch, cand: OverlapPlan, table: list, started: float) -> bool:
+        """Time one candidate on every rank; append the ranks' mean to `table`. False: out of time."""
+        self.pinner.release()  # the previous candidate's (or the start's) cores
+        self.pinner = ThreadPinner(cand.partition, self.local_rank)
+        self.pinner.refresh()
+        buckets = GradBuckets(tr.owned.flat, cand.bucket_elems)
+        try:
+            times = []
+            for i in range(TRIALS + 1):
+                t0 = time.perf_counter()
+                _trial(tr, buckets, t, closure, scratch)
+                if i:
+                    times.append(time.perf_counter() - t0)
+        finally:
+            buckets.close()
+        mine = {"step_s": statistics.median(times), "elapsed_s": time.perf_counter() - started}
+        everyone = tr.comm.allgather_json(mine, what="overlap tuning measurements")
+        table.append({"bucket_kb": cand.bucket_kb, "partition": cand.partition.to_json(),
+                      "step_s": round(statistics.fmean(r["step_s"] for r in everyone), 5)})
+        return max(r["elapsed_s"] for r in everyone) < BUDGET_S
+
+
+def _trial(tr, buckets: GradBuckets, t: int, closure, scratch: torch.Tensor) -> None:
+    """Forward and backward of step t with `buckets` issuing into `scratch`; nothing kept."""
+    flat = tr.owned.flat
+    flat.zero_grad()
+    tr.model_buffers.restore()  # as a redo: the step's forward starts from the committed buffers
+    n = tr.accumulation_steps
+    for i in range(n):
+        seed_everything(tr.cfg.seed, t, tr.rank, FORWARD + i)
+        loss = tr._call(closure, i)
+        if i < n - 1:
+            loss.backward()
+    buckets.begin(tr.comm, scratch, scratch, 0.0, poison=False, what=f"overlap tuning step {t}")
+    loss.backward()
+    buckets.finish()
+    flat.zero_grad()
+
+
+def overlap_control(tr) -> OverlapControl:
+    """The Trainer's control; a bad plan file stops the job with its one-line error (exit 2)."""
+    try:
+        return OverlapControl(tr.cfg, named=tr.named, nnodes=tr.ctx.nnodes,
+                              local_rank=int(os.environ.get("LOCAL_RANK", "0")), emit=tr.ctx.events.emit)
+    except PlanError as e:
+        tr._refuse(str(e))
+
+
+def checked_overlap(cfg):
+    """At launch: a plan file's path made absolute (the workers' working directory may differ) and
+    its contents checked (a bucket size <= 0, cores the machine lacks: PlanError, exit 2)."""
+    if cfg.overlap in ("on", "off", "auto"):
+        return cfg
+    path = Path(cfg.overlap).resolve()
+    read_plan_file(path)
+    return cfg.replace(overlap=str(path))
