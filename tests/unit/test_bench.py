@@ -233,3 +233,23 @@ def test_bench_commands_are_registered():
 
     out = CliRunner().invoke(app, ["bench", "--help"]).output
     assert all(name in out for name in ("throughput", "protect", "recovery"))
+
+
+def test_a_launcher_call_reaps_every_process_it_tagged_even_outside_its_session(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from unbroken.bench.common import reap_tagged, tagged_env
+
+    env, tag = tagged_env()
+    # a grandchild in a session of its own, as torchrun starts its workers: killpg cannot reach it
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+                              "'import time; time.sleep(60)'], start_new_session=True)"], env=env)
+    child.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while not (pids := reap_tagged(tag)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(pids) == 1
+    time.sleep(0.2)
+    assert reap_tagged(tag) == []  # killed (init reaps the orphan)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from unbroken.bench.common import reap_tagged, tagged_env
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 KILLS = ("sigkill:rank=1,step=5,phase=backward", "sigkill:rank=2,step=11,phase=optimizer")
 TIMEOUT_S = 300
@@ -52,14 +54,17 @@ def changed_lines(plain: Path, port: Path) -> tuple[int, int]:
 
 def run_launcher(cmd: list[str], log: Path, cwd: Path, timeout_s: float = TIMEOUT_S) -> None:
     """Run a launcher in its own session; on timeout the whole session is killed (no orphans)."""
+    env, tag = tagged_env()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True, env=env)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
             raise RuntimeError(f"{cmd[2:5]} ran past {timeout_s} s; see {log}") from None
+        finally:
+            reap_tagged(tag)  # a worker the launcher left behind in a session of its own (a failed torchrun)
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd[:6])} ... exited {rc}; see {log}")
 

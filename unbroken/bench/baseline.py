@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from unbroken.bench.baseline_job import LOG_NAME
-from unbroken.bench.common import free_port
+from unbroken.bench.common import free_port, reap_tagged, tagged_env
 from unbroken.config import RunConfig
 from unbroken.fsutil import atomic_write_json
 
@@ -37,6 +37,7 @@ def torchrun_command(run_dir: Path, *, nproc: int, port: int, every: int, kills:
 def run_torchrun(cmd: list[str], env: dict, run_dir: Path, *, timeout_s: float, what: str) -> None:
     """Run torchrun in its own session, output to run_dir/torchrun.log; reap it (and every worker
     it started) on timeout or interrupt; RuntimeError with the log's last lines if it failed."""
+    env, tag = tagged_env(env)
     with open(run_dir / "torchrun.log", "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -45,6 +46,8 @@ def run_torchrun(cmd: list[str], env: dict, run_dir: Path, *, timeout_s: float, 
             os.killpg(proc.pid, signal.SIGKILL)  # our own session: torchrun and the workers it started
             proc.wait()
             raise
+        finally:
+            reap_tagged(tag)  # a worker torchrun left behind (its own session), waiting on a dead peer
     if rc != 0:
         tail = (run_dir / "torchrun.log").read_text(errors="replace").strip().splitlines()[-5:]
         raise RuntimeError(f"{what} exited {rc}; last lines of {run_dir}/torchrun.log: {tail}")

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 import socket
 import statistics
 import time
+import uuid
 from pathlib import Path
 from typing import Iterable
 
@@ -84,3 +86,29 @@ def fmt(v: object, digits: int = 3) -> str:
 
 def goal(ok: bool | None) -> str:
     return "[dim]n/a[/]" if ok is None else ("[green]met[/]" if ok else "[red]missed[/]")
+
+
+LAUNCH_TAG = "UNBROKEN_LAUNCH_TAG"  # marks every process one launcher call started, however deep
+
+
+def tagged_env(env: dict | None = None) -> tuple[dict, str]:
+    """`env` (default: ours) plus a fresh launch tag; the tag, for `reap_tagged`."""
+    tag = uuid.uuid4().hex
+    return {**(os.environ if env is None else env), LAUNCH_TAG: tag}, tag
+
+
+def reap_tagged(tag: str) -> list[int]:
+    """SIGKILL every process whose environment carries `tag`: a launcher (torchrun) may exit while a
+    worker it started in a session of its own still waits on a dead peer. Returns their pids."""
+    needle = f"{LAUNCH_TAG}={tag}".encode()
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes():
+                os.kill(int(d.name), signal.SIGKILL)
+                pids.append(int(d.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return pids
