@@ -16,13 +16,23 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from unbroken.runtime import membership
+
 ENV = "UNBROKEN_HEARTBEAT_PORT"
 
 
-def host(timeout_s: float) -> dist.TCPStore:
+class NodeHeartbeats:
+    """The node's heartbeat store, listening on loopback only (TCPStore alone binds every
+    interface: membership.listen_store binds the socket itself); `port` for the children."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.store, self._listener = membership.listen_store("127.0.0.1", 0, timeout_s=timeout_s)
+        self.port = self.store.port
+
+
+def host(timeout_s: float) -> NodeHeartbeats:
     """The node's heartbeat store, on a free loopback port (`.port`)."""
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True,
-                         timeout=timedelta(seconds=timeout_s))
+    return NodeHeartbeats(timeout_s)
 
 
 def connect(timeout_s: float, fallback: Callable[[], dist.Store]) -> dist.Store:

@@ -161,7 +161,7 @@ class Supervisor:
         if self.status in ("stopping", "excluded"):
             return
         # while a node has gone quiet its lease decides: waiting on it is no hang or stall here
-        for f, d in self.watch.poll(self.beats, list(self.table.children.values()), self._rank_of,
+        for f, d in self.watch.poll(self.beats.store, list(self.table.children.values()), self._rank_of,
                                     hold_hangs=self._node_quiet()):
             self.events.emit("fault_detected", rank=f.rank, **f.event_fields())
             self.events.emit("fault_classified", rank=d.rank, **d.event_fields())
