@@ -11,23 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from unbroken.bench.common import pids_with_env
+
 SMALL = ["--n-layer", "2", "--n-embd", "64", "--batch-size", "4", "--steps", "8", "--world-size", "4",
          "--chunk-kb", "16"]
 
 
 def _procs_of(run_dir: Path) -> list[int]:
     """Pids whose environment names this run directory."""
-    needle = f"UNBROKEN_RUN_DIR={run_dir}".encode()
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            if needle in (d / "environ").read_bytes():
-                pids.append(int(d.name))
-        except OSError:
-            continue
-    return pids
+    return pids_with_env(f"UNBROKEN_RUN_DIR={run_dir}")
 
 
 def spawn_ranks(target, *args, world: int = 2, timeout_s: float = 90) -> list:

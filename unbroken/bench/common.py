@@ -97,18 +97,27 @@ def tagged_env(env: dict | None = None) -> tuple[dict, str]:
     return {**(os.environ if env is None else env), LAUNCH_TAG: tag}, tag
 
 
-def reap_tagged(tag: str) -> list[int]:
-    """SIGKILL every process whose environment carries `tag`: a launcher (torchrun) may exit while a
-    worker it started in a session of its own still waits on a dead peer. Returns their pids."""
-    needle = f"{LAUNCH_TAG}={tag}".encode()
-    pids = []
+def pids_with_env(entry: str) -> list[int]:
+    """Pids (ours excluded) whose environment holds `entry` ("NAME=value")."""
+    needle, pids = entry.encode(), []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit() or int(d.name) == os.getpid():
             continue
         try:
             if needle in (d / "environ").read_bytes():
-                os.kill(int(d.name), signal.SIGKILL)
                 pids.append(int(d.name))
-        except (OSError, ProcessLookupError):
+        except OSError:
             continue
+    return pids
+
+
+def reap_tagged(tag: str) -> list[int]:
+    """SIGKILL every process whose environment carries `tag`: a launcher (torchrun) may exit while a
+    worker it started in a session of its own still waits on a dead peer. Returns their pids."""
+    pids = pids_with_env(f"{LAUNCH_TAG}={tag}")
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     return pids
