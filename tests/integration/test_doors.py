@@ -43,26 +43,46 @@ def _listening(pid: int) -> list[str]:
     return found
 
 
+def _started(run_dir: Path) -> dict[int, str]:
+    """pid -> role, from the supervisor's process_started events so far."""
+    try:
+        lines = (run_dir / "events.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return {}
+    events = [json.loads(line) for line in lines if line.strip().endswith("}")]
+    return {e["fields"]["pid"]: e["fields"]["role"] for e in events if e.get("kind") == "process_started"}
+
+
 def _environ(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(kv.decode(errors="replace").split("=", 1) for kv in raw if b"=" in kv)
 
 
-def test_the_store_listens_on_loopback_only_and_workers_never_see_the_token(tmp_path):
+@pytest.mark.parametrize("fork_server", ["1", "0"])
+def test_the_store_listens_on_loopback_only_and_workers_never_see_the_token(tmp_path, fork_server):
+    """With the fork server (the default) a child's /proc/PID/environ is the server's start
+    environment: the token must be in no process of the job. Started the exec way, each child's
+    own environment is there to read: its role, slot and node size too."""
     run_dir = (tmp_path / "r").resolve()
-    env = {**os.environ, "UNBROKEN_TOKEN": "s3cret-token"}
+    env = {**os.environ, "UNBROKEN_TOKEN": "s3cret-token", "UNBROKEN_FORK_SERVER": fork_server}
     args = list(SMALL)
     args[args.index("--steps") + 1] = "30"
     args += ["--checkpoint-every", "10"]
     cmd = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir), "--no-progress", "--json", *args]
     sup = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        listening, children, shadows = [], {}, {}
+        listening, children, shadows, everyone = [], {}, {}, {}
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and sup.poll() is None and (len(children) < 4 or not shadows):
             try:
                 listening = _listening(sup.pid) or listening  # (an exited, unreaped process lists none)
                 seen = {p: _environ(p) for p in _procs_of(run_dir) if p != sup.pid}
+                everyone.update(seen)
+                if fork_server == "1":  # roles from the supervisor's events; environments all the server's
+                    started = _started(run_dir)
+                    children = {p: e for p, e in seen.items() if started.get(p) == "worker"}
+                    shadows = {p: e for p, e in seen.items() if started.get(p) == "shadow"}
+                    continue
                 children = {p: e for p, e in seen.items() if e.get("UNBROKEN_ROLE") == "worker"}
                 shadows = {p: e for p, e in seen.items() if e.get("UNBROKEN_ROLE") == "shadow"}
             except OSError:
@@ -76,8 +96,11 @@ def test_the_store_listens_on_loopback_only_and_workers_never_see_the_token(tmp_
     assert listening, "the supervisor's listening socket was not seen"
     assert all(a.startswith("127.0.0.1:") for a in listening), listening
     assert len(children) == 4, "the workers were not seen while they ran"
-    for pid, env_of in children.items():
-        assert "UNBROKEN_TOKEN" not in env_of, f"worker {pid} inherited the join token"
+    for pid, env_of in everyone.items():
+        assert "UNBROKEN_TOKEN" not in env_of, f"process {pid} of the job inherited the join token"
+    if fork_server == "1":
+        assert len(everyone) >= 6, everyone.keys()  # the fork server, 4 workers and a shadow
+        return
     # torchrun's variables: every process knows its node's size and its slot, shadows too (issue 15)
     assert sorted(e["LOCAL_RANK"] for e in children.values()) == ["0", "1", "2", "3"]
     assert [e["LOCAL_RANK"] for e in shadows.values()] == ["0"]  # the pool's first shadow: slot 0

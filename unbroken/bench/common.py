@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import platform
-import signal
 import socket
 import statistics
 import time
@@ -22,6 +21,7 @@ from unbroken.config import RunConfig
 from unbroken.events import Event, read_events
 from unbroken.fsutil import atomic_write_json
 from unbroken.provenance import git_commit  # noqa: F401  (re-exported: benchmarks record it)
+from unbroken.runtime.procs import kill_pids
 
 RESULTS_DIR = Path("bench/results")
 SKIP_STEPS = 2  # the first steps pay for start-up (lazy allocation, the shadow importing torch)
@@ -114,10 +114,4 @@ def pids_with_env(entry: str) -> list[int]:
 def reap_tagged(tag: str) -> list[int]:
     """SIGKILL every process whose environment carries `tag`: a launcher (torchrun) may exit while a
     worker it started in a session of its own still waits on a dead peer. Returns their pids."""
-    pids = pids_with_env(f"{LAUNCH_TAG}={tag}")
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return pids
+    return kill_pids(pids_with_env(f"{LAUNCH_TAG}={tag}"))

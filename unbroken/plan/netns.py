@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import signal
 import subprocess
 from typing import Sequence
+
+from unbroken.runtime.procs import kill_pids
 
 _IP_TIMEOUT_S = 10.0
 
@@ -152,13 +153,7 @@ class Netns:
         """SIGKILL every process living in rank's namespace (a whole node's sudden death); their pids."""
         out = subprocess.run(["ip", "netns", "pids", self.namespace(rank)], capture_output=True, text=True,
                              timeout=_IP_TIMEOUT_S).stdout.split()
-        pids = [int(p) for p in out]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return pids
+        return kill_pids([int(p) for p in out])
 
     def set_rate(self, rank: int, rate_mbit: float) -> None:
         """Change rank's link rate (both directions) while the wiring is up: `tc qdisc replace`."""

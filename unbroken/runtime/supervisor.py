@@ -23,7 +23,7 @@ from unbroken.runtime.crash import CrashJudge
 from unbroken.runtime.fence import FENCE_FRACTION, LeaseFence
 from unbroken.runtime.budget import RecoveryRateExceeded, RecoveryRateLimit
 from unbroken.runtime.pool import ShadowPoolSizer
-from unbroken.runtime.procs import Child, ProcessTable
+from unbroken.runtime.procs import Child, ProcessTable, fork_server
 from unbroken.runtime.standby import Standby, pick_standby, slot_of_shadow
 from unbroken.runtime.options import LaunchError, LaunchOptions, trust_warning  # noqa: F401 (re-exported)
 from unbroken.runtime.tee import Tee, stream_writer
@@ -54,6 +54,8 @@ class Supervisor:
         self.on_finish = on_finish or (lambda done: None)
         self.run_dir = opts.run_dir
         self.events = EventLog(self.run_dir / "events.jsonl", source="supervisor", node=self.node)
+        forks = fork_server(self.run_dir, {"UNBROKEN_RUN_DIR": str(self.run_dir)},  # ready before we join
+                            warn=lambda message: self.events.emit("warning", message=message))
         self.store, self.port, self._listener = admission.open_store(opts)
         if warning := trust_warning(opts):
             self.events.emit("warning", message=warning)
@@ -66,7 +68,8 @@ class Supervisor:
                "UNBROKEN_RESUME": "1" if self.resume else "0",
                "LOCAL_WORLD_SIZE": str(self.local), **({"UNBROKEN_STORE": opts.store} if opts.store else {}),
                node_heartbeats.ENV: str(self.beats.port)}
-        self.table = ProcessTable(self.run_dir, env, list(opts.script))
+        self.table = ProcessTable(self.run_dir, env, list(opts.script), server=forks,
+                                  warn=lambda message: self.events.emit("warning", message=message))
         self.tee = Tee(self.run_dir / "logs", opts.tee, node=self.node, write=on_output or stream_writer())
         self.gen: membership.Generation | None = None
         self.fault_log = membership.FaultLogReader(self.store, on_lost=lambda i, w: self.events.emit(
