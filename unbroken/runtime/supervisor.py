@@ -18,13 +18,13 @@ import time
 
 from unbroken.config import RunConfig
 from unbroken.events import EventLog
-from unbroken.runtime import admission, failover, handover, lease, membership, node_heartbeats
+from unbroken.runtime import admission, failover, handover, lease, membership, node_heartbeats, stranded
 from unbroken.runtime.crash import CrashJudge
 from unbroken.runtime.fence import FENCE_FRACTION, LeaseFence
 from unbroken.runtime.budget import RecoveryRateExceeded, RecoveryRateLimit
 from unbroken.runtime.pool import ShadowPoolSizer
 from unbroken.runtime.procs import Child, ProcessTable
-from unbroken.runtime.standby import Standby, pick_standby, slot_of_shadow
+from unbroken.runtime.standby import list_standbys, pick_standby, slot_of_shadow
 from unbroken.runtime.options import LaunchError, LaunchOptions, trust_warning  # noqa: F401 (re-exported)
 from unbroken.runtime.tee import Tee, stream_writer
 from unbroken.runtime.wake import ChildWake
@@ -93,6 +93,8 @@ class Supervisor:
         self.replicated = opts.store is not None  # etcd: the leader role can move (runtime/failover.py)
         self.leader_watch: failover.LeaderWatch | None = None  # a follower's, on the replicated store
         self._cursor = 0  # the fault log's cursor as last published (replicated store)
+        # the leader's: a rank lost after its peers finished is never replaced (runtime/stranded.py)
+        self.stranding = stranded.Stranding(cfg.world_size, wait_s=cfg.collective_timeout_s, run_dir=self.run_dir)
 
     # --- store and admission (runtime/admission.py) -----------------------------------
     def _agree_on_config(self) -> None:
@@ -261,6 +263,8 @@ class Supervisor:
         self._next_generation({}, link={"fault": "stall", "time": now, "occurred": first["time"]})
 
     def _next_generation(self, dead: dict[int, dict], link: dict | None = None) -> None:
+        if stranded.stuck(self, dead):
+            return  # finished peers never rejoin: no generation can form
         try:
             self.rate.admit(time.monotonic())
         except RecoveryRateExceeded as e:
@@ -271,6 +275,7 @@ class Supervisor:
         members = dict(self.gen.members)
         assigned = []
         self._retry_link(incident)
+        self.stranding.replacing(dead)
         for rank, f in sorted(dead.items()):
             self.watch.replaced(members[rank])
             proc, cold = self._pick_shadow(exclude=set(members.values()), prefer=int(f.get("node", 0)),
@@ -299,16 +304,9 @@ class Supervisor:
         """A standby shadow (runtime/standby.py: ready, on the failed rank's node, at its slot,
         first); else a cold start. Cold (the second value) = not ready when assigned: the
         recovery waits for its start-up."""
-        standbys = []
-        for node in range(self.opts.nnodes):
-            if node != self.node and (self.store.check([f"excluded/{node}"]) or self._node_lost(node)):
-                continue
-            for i in range(self.store.add(f"shadows/{node}/n", 0)):
-                proc = self.store.get(f"shadows/{node}/{i}").decode()
-                if proc in exclude or self.store.check([f"assign/{proc}"]) or self.store.check([f"dead/{proc}"]):
-                    continue
-                standbys.append(Standby(proc, node, slot_of_shadow(i, self.local),
-                                        self.store.check([f"ready/{proc}"])))
+        gone = {n for n in range(self.opts.nnodes) if n != self.node
+                and (self.store.check([f"excluded/{n}"]) or self._node_lost(n))}
+        standbys = list_standbys(self.store, [n for n in range(self.opts.nnodes) if n not in gone], self.local, exclude)
         best = pick_standby(standbys, node=prefer, slot=slot)
         proc, unready = (best.proc, not best.ready) if best else (self._start_shadow(cold=True).proc, True)
         if proc in self.table.children:
@@ -337,6 +335,7 @@ class Supervisor:
         if self.chain is not None and self.attempt is not None:
             self.events.emit("retry", **self.chain.record(self.attempt, "ok"))
         self.chain = self.attempt = None
+        self.stranding.recovered()
         self.watch.recovered()
 
     def _done_records(self) -> dict[int, dict]:
@@ -492,6 +491,8 @@ class Supervisor:
             self.crashes.check_fatal()
             if self._all_done():
                 return True
+            if (self.stranding.stranded or self.status.startswith("recovering")) and stranded.stuck(self, {}):
+                return stranded.end(self)
             self._check_leases()
             self._progress()
         elif self.status == "excluded" or self.store.check(["shutdown"]):
