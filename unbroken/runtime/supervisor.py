@@ -18,7 +18,8 @@ import time
 
 from unbroken.config import RunConfig
 from unbroken.events import EventLog
-from unbroken.runtime import admission, failover, handover, lease, membership, node_heartbeats, stranded
+from unbroken.runtime import (admission, failover, handover, lease, membership, node_heartbeats, store_reads,
+                              stranded)
 from unbroken.runtime.crash import CrashJudge
 from unbroken.runtime.fence import FENCE_FRACTION, LeaseFence
 from unbroken.runtime.budget import RecoveryRateExceeded, RecoveryRateLimit
@@ -54,7 +55,8 @@ class Supervisor:
         self.on_finish = on_finish or (lambda done: None)
         self.run_dir = opts.run_dir
         self.events = EventLog(self.run_dir / "events.jsonl", source="supervisor", node=self.node)
-        self.store, self.port, self._listener = admission.open_store(opts)
+        store, self.port, self._listener = admission.open_store(opts)
+        self.store = store_reads.TickReads(store)  # on etcd, one request for a tick's reads
         if warning := trust_warning(opts):
             self.events.emit("warning", message=warning)
         self._agree_on_config()
@@ -93,6 +95,7 @@ class Supervisor:
         self.replicated = opts.store is not None  # etcd: the leader role can move (runtime/failover.py)
         self.leader_watch: failover.LeaderWatch | None = None  # a follower's, on the replicated store
         self._cursor = 0  # the fault log's cursor as last published (replicated store)
+        self._fault_watch: membership.FaultLogWatch | None = None  # the leader's, on the replicated store
         # the leader's: a rank lost after its peers finished is never replaced (runtime/stranded.py)
         self.stranding = stranded.Stranding(cfg.world_size, wait_s=cfg.collective_timeout_s, run_dir=self.run_dir)
 
@@ -459,33 +462,52 @@ class Supervisor:
         self.joined = admission.wait_for_nodes(self.store, self.opts, self.events)
 
     def _loop(self) -> None:
-        """Sleep until a child exits or the next period: every _FAULT_TICK_S the leader takes
-        fault reports (recovery latency); every heartbeat: detectors, bookkeeping and
-        the pool (store round trips and wake-ups cost CPU the workers need)."""
+        """Sleep until a child exits or the next period: every _FAULT_TICK_S the leader takes fault reports
+        (on etcd: when a watch says one landed, else every heartbeat); every heartbeat: detectors, bookkeeping,
+        the pool. Store round trips and wake-ups cost CPU the workers need (etcd: one read a tick)."""
         wake = ChildWake()
         try:
             next_beat = next_faults = 0.0
             while True:
                 now = time.time()
                 exited = self._check_exits()
-                if exited or now >= next_beat:  # an exit is acted on at once, not at the next beat
-                    next_beat = now + self.cfg.heartbeat_s
-                    self._detect()
-                    if self._bookkeeping():
-                        return
-                if self.leader and (exited or now >= next_faults):  # a local exit was just reported
-                    next_faults = now + _FAULT_TICK_S
-                    self._take_faults(now)
+                beat = exited or now >= next_beat  # an exit is acted on at once, not at the next beat
+                if beat or (self.leader and now >= next_faults):
+                    self.store.prefetch(store_reads.tick_keys(self))
+                try:
+                    if beat:
+                        next_beat = now + self.cfg.heartbeat_s
+                        self._detect()
+                        if self._bookkeeping():
+                            return
+                    if self.leader and (exited or now >= next_faults or self._faults_landed(wake)):
+                        next_faults = now + (self.cfg.heartbeat_s if self.replicated else _FAULT_TICK_S)
+                        self._take_faults(now)
+                finally:
+                    self.store.drop()
                 wake.wait(min(next_beat, next_faults if self.leader else next_beat) - time.time())
         finally:
             wake.close()
+            if self._fault_watch is not None:
+                self._fault_watch.close()
+
+    def _faults_landed(self, wake: ChildWake) -> bool:
+        """On etcd: has a fault record landed since the last look (a watch; it pokes `wake`)?"""
+        if not self.replicated:
+            return False
+        if self._fault_watch is None:  # the first time this node leads (it may have taken over)
+            from unbroken.runtime.etcd_store import EtcdStore
+
+            self._fault_watch = membership.FaultLogWatch(lambda: EtcdStore(self.opts.store, timeout_s=30),
+                                                         self.fault_log.cursor, wake.poke)
+        return self._fault_watch.landed()
 
     def _bookkeeping(self) -> bool:
         """Abort, completion, progress and the shadow pool; True when this supervisor is done."""
         if self.store.check(["abort"]):
             raise LaunchError(f"the job cannot run: {self.store.get('abort').decode()}")
         if self.leader:
-            if self.replicated:
+            if self.replicated and self.opts.nnodes > 1:  # alone, nobody reads our lease or takes over
                 self._renew()
                 self._still_leader()
             self.crashes.check_fatal()
@@ -542,26 +564,7 @@ class Supervisor:
         return self.store.check(["lease/quiet"]) and self.store.get("lease/quiet") == b"1"
 
     def _lose_node(self, node: int, age_s: float) -> None:
-        from unbroken.detect import Finding, classify
-
-        now = time.time()
-        ranks = sorted(r for r, p in self.gen.members.items() if _node_of(p) == node)
-        f = Finding(fault="node_lost", proc=f"node{node}", rank=None, node=node, time=now,
-                    evidence={"why": f"node {node}'s supervisor has not renewed its lease for {age_s:.1f}s "
-                                     f"(node_lease_s={self.cfg.node_lease_s})", "ranks": ranks,
-                              "lease_age_s": round(age_s, 3)})
-        d = classify(f, self.watch.offenders, can_exclude=True)
-        self.events.emit("fault_detected", **f.event_fields())
-        self.events.emit("fault_classified", **d.event_fields())
-        self.events.emit("node_lost", node=node, lease_age_s=round(age_s, 3), ranks=ranks)
-        self.store.set(f"excluded/{node}", "1")  # if it comes back, it stops its processes and leaves
-        dead = {}
-        for r in ranks:
-            proc = self.gen.members[r]
-            self.store.set(f"dead/{proc}", "1")
-            dead[r] = {"proc": proc, "fault": "node_lost", "time": now, "occurred": now - age_s, "node": node}
-        if dead:
-            self._next_generation(dead)
+        lease.lose_node(self, node, age_s, [r for r, p in self.gen.members.items() if _node_of(p) == node])
 
     def _progress(self) -> None:
         info = membership.get(self.store, "progress") or {}
