@@ -472,7 +472,7 @@ class Supervisor:
                 now = time.time()
                 exited = self._check_exits()
                 beat = exited or now >= next_beat  # an exit is acted on at once, not at the next beat
-                if beat or (self.leader and now >= next_faults):
+                if self.store.batched and (beat or (self.leader and now >= next_faults)):
                     self.store.prefetch(store_reads.tick_keys(self))
                 try:
                     if beat:
