@@ -128,6 +128,7 @@ def stuck(sup, dead: dict[int, dict]) -> bool:
             rank = sup._rank_of(c.proc)
             if c.taken and c.poll() is None and rank in sup.stranding.lost:
                 sup.killed.add(c.proc)
+                sup.watch.replaced(c.proc)  # stopped on purpose: its silence is no hang
                 sup.events.emit("process_killed", pid=c.pid, proc=c.proc, rank=rank,
                                 why="its generation needs ranks that already finished")
                 sup.table.kill(c)
