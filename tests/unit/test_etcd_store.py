@@ -86,6 +86,16 @@ def test_check_delete_num_keys_and_prefixes_keep_jobs_apart(store):
 
 
 @needs_etcd
+def test_read_many_is_one_read_of_many_keys_past_etcds_transaction_limit(store):
+    keys = [f"done/{r}" for r in range(150)]  # etcd takes at most 128 operations per transaction
+    for r in range(0, 150, 7):
+        store.set(keys[r], str(r))
+    got = store.read_many(keys + ["missing"])
+    assert got == [str(r).encode() if r % 7 == 0 else None for r in range(150)] + [None]
+    assert not store.check(keys) and store.check(keys[::7])
+
+
+@needs_etcd
 def test_a_gloo_group_rendezvous_through_the_store(store):
     import torch
 

@@ -22,7 +22,7 @@ from unbroken.runtime.run import summarize
 def _points(*, steps: int, n_chunks: int, n_windows: int, checkpoint_every: int) -> set[tuple[str, int, int]]:
     """Every (phase, step, chunk) that worker.py's `_point` call sites can pass in a run of `steps`
     steps (an independent oracle: the call sites, not the rules in faults.py)."""
-    pts = {("build", 1, 0), ("shadow", 1, 0)}
+    pts = {("build", 1, 0), ("shadow", 1, 0), ("done", steps, 0)}  # done: finish(), after the last step
     pts |= {("recovery", t, 0) for t in range(1, steps + 2)}  # step_count + 1, also after the last step
     if checkpoint_every:
         pts |= {("checkpoint", t, 0) for t in range(0, steps + 1) if t % checkpoint_every == 0}
@@ -88,6 +88,7 @@ def test_an_unknown_step_count_never_refuses_a_late_step(spec, world):
     ("sigkill:rank=0,step=7,phase=recovery", "use step=1..6"),
     ("sigkill:rank=0,step=3,phase=checkpoint", "use a step that is a multiple of 2"),
     ("sigkill:rank=0,step=6,phase=checkpoint", "use step=0..5"),
+    ("sigstop:rank=1,step=3,phase=done", "phase done runs once, after the last step (5); use step=5"),
 ])
 def test_each_refusal_names_the_spec_and_the_fix(text, needle):
     spec = FaultSpec.parse(text)

@@ -7,19 +7,22 @@ config; `path` and `recovery_s` are the run's own (summary.json's recovery recor
 node0-loss: the same job on the replicated store (a local 3-member etcd cluster); node 0's whole
 process group SIGKILLed with its etcd member; node 1 takes the leader role over.
 store-cost: the same single-node job (4 ranks, one rank SIGKILLed mid-run) on TCPStore and on the
-etcd store, interleaved over rounds: mean steady step time and recovery time of each.
+etcd store, interleaved over rounds: mean steady step time and recovery time of each, and the requests
+the etcd members served during each run (a count from their /metrics: not a timing, stable on a busy host).
 Each section is written into multinode.json beside what is there (its own commit with it).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -152,6 +155,23 @@ def _cpu_s(pids: list[int]) -> float:
     return total / tick
 
 
+def _etcd_requests(members) -> dict[str, int]:
+    """gRPC requests the members have served so far, by method (Range, Txn, Put, Watch, ...): every
+    client request, the JSON gateway's included, is one (their /metrics, `grpc_server_started_total`)."""
+    out: dict[str, int] = {}
+    for m in members:
+        with urllib.request.urlopen(f"http://{m.endpoint}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        for line in text.splitlines():
+            if line.startswith("grpc_server_started_total{") and (found := re.search(r'grpc_method="(\w+)"', line)):
+                out[found.group(1)] = out.get(found.group(1), 0) + int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
 def measure_store_cost(*, steps: int = 16, rounds: int = 3, log=print) -> dict:
     """Each run also records the CPU the etcd members used while it ran (`etcd_cpu_s`, 0 for
     TCPStore runs): on a 2-core box that CPU is taken from the ranks; on a cluster the members
@@ -162,14 +182,17 @@ def measure_store_cost(*, steps: int = 16, rounds: int = 3, log=print) -> dict:
             for kind in ("tcp", "etcd"):
                 log(f"store-cost: {kind} round {r + 1}/{rounds}")
                 store = etcd_cluster.url(members, f"cost{r}") if kind == "etcd" else None
-                before = _cpu_s([m.pid for m in members])
+                before, calls = _cpu_s([m.pid for m in members]), _etcd_requests(members)
                 run = _one_node(tmp / f"{kind}{r}", config, steps, store)
-                runs[kind].append({**run, "etcd_cpu_s": _cpu_s([m.pid for m in members]) - before})
+                served = _delta(_etcd_requests(members), calls)
+                runs[kind].append({**run, "etcd_cpu_s": _cpu_s([m.pid for m in members]) - before,
+                                   "etcd_requests": served, "etcd_requests_total": sum(served.values())})
     mean = {k: {f: statistics.fmean(x[f] for x in v if x[f] is not None) for f in ("mean_step_s", "recovery_s")}
             for k, v in runs.items()}
     return {"job": "1 node x 4 ranks, rank 2 SIGKILLed mid-run", "steps": steps, "rounds": rounds, "runs": runs,
             "mean": mean, "per_step_s": mean["etcd"]["mean_step_s"] - mean["tcp"]["mean_step_s"],
             "etcd_cpu_s_per_run": {k: statistics.fmean(x["etcd_cpu_s"] for x in v) for k, v in runs.items()},
+            "etcd_requests_per_run": {k: statistics.fmean(x["etcd_requests_total"] for x in v) for k, v in runs.items()},
             "per_recovery_s": mean["etcd"]["recovery_s"] - mean["tcp"]["recovery_s"]}
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 _REQUEST_S = 3.0  # one HTTP request to one member; past this, the next member is tried
 _ADD_TRIES = 1000  # compare-and-swap retries of one add under contention
+_TXN_OPS = 100  # reads per transaction: etcd refuses more than --max-txn-ops (default 128) in one
 
 
 class StoreUrlError(ValueError):
@@ -97,13 +98,16 @@ class EtcdStore(dist.Store):
         return self._call(lambda c: c.transaction(body))
 
     def _read(self, keys: list[str]) -> tuple[list[dict | None], int]:
-        """Each key's kv (None if missing) and the store revision they were read at, in one request."""
-        res = self._txn([], [{"request_range": {"key": self._key(k)}} for k in keys])
-        kvs = []
-        for r in res.get("responses", []):
-            found = r.get("response_range", {}).get("kvs") or []
-            kvs.append(found[0] if found else None)
-        return kvs, int(res["header"]["revision"])
+        """Each key's kv (None if missing) and the store revision they were read at: one request per
+        _TXN_OPS keys (the revision is the first request's: a write after it is never missed by a wait)."""
+        kvs, revision = [], None
+        for i in range(0, max(1, len(keys)), _TXN_OPS):
+            res = self._txn([], [{"request_range": {"key": self._key(k)}} for k in keys[i:i + _TXN_OPS]])
+            for r in res.get("responses", []):
+                found = r.get("response_range", {}).get("kvs") or []
+                kvs.append(found[0] if found else None)
+            revision = int(res["header"]["revision"]) if revision is None else revision
+        return kvs, revision
 
     # --- the Store API ------------------------------------------------------------
     def set(self, key: str, value) -> None:
@@ -115,6 +119,11 @@ class EtcdStore(dist.Store):
             self.wait([key])
             [kv], _ = self._read([key])
         return _unb64(kv.get("value", ""))
+
+    def read_many(self, keys: list[str]) -> list[bytes | None]:
+        """Each key's value, None where missing, in one request (per _TXN_OPS keys): a tick's reads at once."""
+        kvs, _ = self._read(list(keys))
+        return [None if kv is None else _unb64(kv.get("value", "")) for kv in kvs]
 
     def check(self, keys: list[str]) -> bool:
         kvs, _ = self._read(list(keys))

@@ -13,7 +13,9 @@ node 0 hosts the store.
 Phases: forward, backward, allreduce, reduced (the gradient all-reduce just completed), optimizer (before chunk `chunk`), midchunk (inside
 chunk `chunk`: its first half updated, parameters and optimizer state, the second not yet), parity (delta of window
 `chunk`), allgather, checkpoint, recovery (a survivor, during a recovery), shadow (the
-shadow chosen for `rank`, right after assignment; its step is always 1: it has no state yet), build (initial parity build).
+shadow chosen for `rank`, right after assignment; its step is always 1: it has no state yet), build (initial parity build),
+done (the rank finished its last step, the job's last collective is behind it: before it writes its final weights and
+done record; its step is the last step).
 Each spec fires at most once per job: the store's atomic counter decides who fires.
 
 `check_reachable` refuses at start a spec that can never fire (worker.py's `_point` call
@@ -33,7 +35,7 @@ KINDS = ("sigkill", "sigstop", "exception", "nan", "bitflip", "slow", "linkdrop"
          "nodestop")
 NODE_KINDS = ("nodekill", "nodestop")  # faults of the rank's whole node, not of the rank
 PHASES = ("forward", "backward", "allreduce", "reduced", "optimizer", "midchunk", "parity", "allgather",
-          "checkpoint", "recovery", "shadow", "build")
+          "checkpoint", "recovery", "shadow", "build", "done")
 CHUNK_PHASES = ("optimizer", "midchunk", "parity")  # the points that pass a chunk (parity: a window) index
 STEP_ONE_PHASES = ("build", "shadow")  # point(phase) at step_count + 1 of a process with no step done yet
 
@@ -145,6 +147,8 @@ def _never_then(s: FaultSpec, steps: int | None) -> str | None:
     if s.phase in STEP_ONE_PHASES and s.step != 1:
         when = "once, before the first step" if s.phase == "build" else "as it takes over, before it has any state"
         return f"phase {s.phase} runs {when}: its step is always 1; use step=1"
+    if s.phase == "done" and steps is not None and s.step != steps:
+        return f"phase done runs once, after the last step ({steps}); use step={steps}"
     limit = None if steps is None else steps + 1 if s.phase == "recovery" else steps  # recovering after step N: N+1
     if limit is not None and s.step > limit:
         return f"the run has {steps} steps; use step={1 if s.phase != 'checkpoint' else 0}..{limit} or raise --steps"

@@ -64,3 +64,27 @@ class NodeLeases:
     def forget(self, node: int) -> None:
         """An excluded node: its lease no longer matters."""
         self.lost.add(node)
+
+
+def lose_node(sup, node: int, age_s: float, ranks: list[int]) -> None:
+    """`sup` (the leader's Supervisor) found `node`'s lease expired: record it, fence the node off
+    (excluded: if it comes back it stops its processes and leaves), and replace all its `ranks` at once."""
+    from unbroken.detect import Finding, classify
+
+    now, ranks = time.time(), sorted(ranks)
+    f = Finding(fault="node_lost", proc=f"node{node}", rank=None, node=node, time=now,
+                evidence={"why": f"node {node}'s supervisor has not renewed its lease for {age_s:.1f}s "
+                                 f"(node_lease_s={sup.cfg.node_lease_s})", "ranks": ranks,
+                          "lease_age_s": round(age_s, 3)})
+    d = classify(f, sup.watch.offenders, can_exclude=True)
+    sup.events.emit("fault_detected", **f.event_fields())
+    sup.events.emit("fault_classified", **d.event_fields())
+    sup.events.emit("node_lost", node=node, lease_age_s=round(age_s, 3), ranks=ranks)
+    sup.store.set(f"excluded/{node}", "1")
+    dead = {}
+    for r in ranks:
+        proc = sup.gen.members[r]
+        sup.store.set(f"dead/{proc}", "1")
+        dead[r] = {"proc": proc, "fault": "node_lost", "time": now, "occurred": now - age_s, "node": node}
+    if dead:
+        sup._next_generation(dead)

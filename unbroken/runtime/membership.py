@@ -249,6 +249,51 @@ class FaultLogReader:
             self._on_lost(i, waited_s)
 
 
+class FaultLogWatch:
+    """Wakes the leader the moment the next fault record lands, instead of polling the log.
+
+    A daemon thread blocks in `store.wait` on the next record's key over its own connection (on
+    etcd a watch: no request while nothing happens); `landed()` says, once, that records landed
+    since it was last asked, and `on_land()` (from the thread) wakes the leader's loop. A record
+    that lands out of order (its reporter between its two writes) is skipped after `poll_s`; the
+    leader's slower poll of the log (FaultLogReader) still delivers every record.
+    """
+
+    def __init__(self, connect: Callable[[], dist.Store], start: int, on_land: Callable[[], None], *,
+                 poll_s: float = 30.0) -> None:
+        self._store, self._next, self._on_land, self._poll_s = connect(), start, on_land, poll_s
+        self._landed, self._closed = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, name="unbroken-fault-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        store = self._store
+        try:
+            while not self._closed.is_set():
+                try:
+                    store.wait([fault_key(self._next)], timedelta(seconds=self._poll_s))
+                except RuntimeError:  # timed out (the store raises): past a record that never landed
+                    self._next = max(self._next, int(store.add(_FAULTS_N, 0)) - 1)
+                    continue
+                self._next += 1
+                self._landed.set()
+                if not self._closed.is_set():
+                    self._on_land()
+        except BaseException as e:  # noqa: BLE001 - the store is gone: the leader's poll remains
+            self.error = e
+
+    def landed(self) -> bool:
+        """True once after each batch of records landed."""
+        if not self._landed.is_set():
+            return False
+        self._landed.clear()
+        return True
+
+    def close(self) -> None:
+        """Stop waking the leader; the thread ends after its current wait (it is a daemon)."""
+        self._closed.set()
+
+
 def group_store(store: dist.Store, gen: int, name: str = "world") -> dist.Store:
     if hasattr(store, "prefixed"):  # an EtcdStore: PrefixStore cannot wrap a store written in Python
         return store.prefixed(f"gen{gen}/{name}")

@@ -134,6 +134,11 @@ def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float, faults: Sequence[
     train_s = (steps[-1].time - steps[0].time) if len(steps) > 1 else wall_s
     per_step_tokens = cfg.world_size * cfg.batch_size * cfg.model.seq_len
     recs = recoveries(events)
+    # ranks lost after their peers finished, the job finished without them (runtime/stranded.py)
+    after = {r for e in events if e.kind == "recovery_abandoned" and e.fields["outcome"] == "finish"
+             for r in e.fields["lost"]} - set(shas)
+    every_rank = set(shas) | after == set(range(cfg.world_size))
+    agree = len(set(shas.values())) == 1 and every_rank
     return {
         "steps": last.fields["step"] if last else 0,
         "world_size": cfg.world_size,
@@ -141,7 +146,8 @@ def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float, faults: Sequence[
         "final_loss": last.fields["loss"] if last else None,
         "tokens_per_s": per_step_tokens * (len(steps) - 1) / train_s if len(steps) > 1 else tokens / wall_s,
         "weights_sha256": shas.get(0),
-        "ranks_agree": len(set(shas.values())) == 1 and len(shas) == cfg.world_size,
+        "ranks_agree": agree,
+        "ranks_lost_after_finish": sorted(after),
         "rank_weights_sha256": {str(r): s for r, s in sorted(shas.items())},
         "wall_s": wall_s,
         "recoveries": recs,
@@ -154,7 +160,8 @@ def summarize(cfg: RunConfig, run_dir: Path, *, wall_s: float, faults: Sequence[
         "resumes": resumed,
         "steps_lost": _lost(steps_lost_total(events), resumed),  # measured from the events (runtime/breakdown.py)
         # the script decides how many steps it runs (trainer.steps(n)); ok = every rank finished, in agreement
-        "ok": len(shas) == cfg.world_size and len(set(shas.values())) == 1 and last is not None,
+        # (or was lost after the others finished the last step)
+        "ok": agree and last is not None,
     }
 
 

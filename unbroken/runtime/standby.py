@@ -29,3 +29,16 @@ def pick_standby(standbys: list[Standby], *, node: int, slot: int) -> Standby | 
     if not standbys:
         return None
     return min(standbys, key=lambda s: (not s.ready, s.node != node, s.slot != slot, s.proc))
+
+
+def list_standbys(store, nodes: list[int], local_world: int, exclude: set[str]) -> list[Standby]:
+    """The shadows of `nodes` (the store's `shadows/{node}/{i}` registry) that are still free: not in
+    `exclude`, not assigned, not dead; each with its slot and whether it is ready."""
+    out = []
+    for node in nodes:
+        for i in range(store.add(f"shadows/{node}/n", 0)):
+            proc = store.get(f"shadows/{node}/{i}").decode()
+            if proc in exclude or store.check([f"assign/{proc}"]) or store.check([f"dead/{proc}"]):
+                continue
+            out.append(Standby(proc, node, slot_of_shadow(i, local_world), store.check([f"ready/{proc}"])))
+    return out

@@ -1,11 +1,10 @@
 """The per-node supervisor: owns every process it starts, detects faults, drives generations.
 
-Node 0's supervisor hosts the TCPStore and is the leader: it publishes each generation
-(who is rank r), assigns shadows to failed ranks, and decides when the run is over. On the
-replicated store (--store etcd://...) the leader role moves to a survivor (runtime/failover.py).
-Every supervisor watches its own children (exit codes, heartbeats), SIGKILLs a hung
-one so a hang becomes a crash, reports faults to the leader through the store, and
-keeps its pool of pre-started shadows full.
+Node 0's supervisor hosts the TCPStore and is the leader: it publishes each generation (who is
+rank r), assigns shadows to failed ranks, and decides when the run is over. On the replicated
+store (--store etcd://...) the leader role moves to a survivor (runtime/failover.py). Every
+supervisor watches its own children (exit codes, heartbeats), SIGKILLs a hung one so a hang
+becomes a crash, reports faults to the leader through the store, and keeps its shadow pool full.
 """
 from __future__ import annotations
 
@@ -18,13 +17,14 @@ import time
 
 from unbroken.config import RunConfig
 from unbroken.events import EventLog
-from unbroken.runtime import admission, failover, handover, lease, membership, node_heartbeats
+from unbroken.runtime import (admission, failover, handover, lease, membership, node_heartbeats, store_reads,
+                              stranded)
 from unbroken.runtime.crash import CrashJudge
 from unbroken.runtime.fence import FENCE_FRACTION, LeaseFence
 from unbroken.runtime.budget import RecoveryRateExceeded, RecoveryRateLimit
 from unbroken.runtime.pool import ShadowPoolSizer
 from unbroken.runtime.procs import Child, ProcessTable, fork_server
-from unbroken.runtime.standby import Standby, pick_standby, slot_of_shadow
+from unbroken.runtime.standby import list_standbys, pick_standby, slot_of_shadow
 from unbroken.runtime.options import LaunchError, LaunchOptions, trust_warning  # noqa: F401 (re-exported)
 from unbroken.runtime.tee import Tee, stream_writer
 from unbroken.runtime.wake import ChildWake
@@ -42,8 +42,7 @@ _HANDOVER_S = 30.0  # at the end: the longest wait for a follower's events, or f
 class Supervisor:
     def __init__(self, cfg: RunConfig, opts: LaunchOptions, *, on_progress=None, on_output=None,
                  on_finish=None) -> None:
-        """`on_finish(done)`: the leader's summary of a finished job, made once every node's events are here
-        (`done`: each rank's final weights hash from the store, which even a silent node's ranks left)."""
+        """`on_finish(done)`: the leader's summary, once every node's events are here (`done`: each rank's hash)."""
         if cfg.world_size % opts.nnodes:
             raise ValueError(f"world_size ({cfg.world_size}) must be divisible by nnodes ({opts.nnodes})")
         self.cfg, self.opts = cfg, opts
@@ -54,11 +53,12 @@ class Supervisor:
         self.on_finish = on_finish or (lambda done: None)
         self.run_dir = opts.run_dir
         self.events = EventLog(self.run_dir / "events.jsonl", source="supervisor", node=self.node)
-        forks = fork_server(self.run_dir, {"UNBROKEN_RUN_DIR": str(self.run_dir)},  # ready before we join
-                            warn=lambda message: self.events.emit("warning", message=message))
-        self.store, self.port, self._listener = admission.open_store(opts)
+        warn = lambda message: self.events.emit("warning", message=message)  # noqa: E731
+        forks = fork_server(self.run_dir, {"UNBROKEN_RUN_DIR": str(self.run_dir)}, warn)  # ready before we join
+        store, self.port, self._listener = admission.open_store(opts)
+        self.store = store_reads.TickReads(store)  # on etcd, one request for a tick's reads
         if warning := trust_warning(opts):
-            self.events.emit("warning", message=warning)
+            warn(warning)
         self._agree_on_config()
         cfg = self.cfg
         self.beats = node_heartbeats.host(cfg.collective_timeout_s)  # our children's heartbeats
@@ -68,8 +68,7 @@ class Supervisor:
                "UNBROKEN_RESUME": "1" if self.resume else "0",
                "LOCAL_WORLD_SIZE": str(self.local), **({"UNBROKEN_STORE": opts.store} if opts.store else {}),
                node_heartbeats.ENV: str(self.beats.port)}
-        self.table = ProcessTable(self.run_dir, env, list(opts.script), server=forks,
-                                  warn=lambda message: self.events.emit("warning", message=message))
+        self.table = ProcessTable(self.run_dir, env, list(opts.script), server=forks, warn=warn)
         self.tee = Tee(self.run_dir / "logs", opts.tee, node=self.node, write=on_output or stream_writer())
         self.gen: membership.Generation | None = None
         self.fault_log = membership.FaultLogReader(self.store, on_lost=lambda i, w: self.events.emit(
@@ -96,6 +95,9 @@ class Supervisor:
         self.replicated = opts.store is not None  # etcd: the leader role can move (runtime/failover.py)
         self.leader_watch: failover.LeaderWatch | None = None  # a follower's, on the replicated store
         self._cursor = 0  # the fault log's cursor as last published (replicated store)
+        self._fault_watch: membership.FaultLogWatch | None = None  # the leader's, on the replicated store
+        # the leader's: a rank lost after its peers finished is never replaced (runtime/stranded.py)
+        self.stranding = stranded.Stranding(cfg.world_size, wait_s=cfg.collective_timeout_s, run_dir=self.run_dir)
 
     # --- store and admission (runtime/admission.py) -----------------------------------
     def _agree_on_config(self) -> None:
@@ -264,6 +266,8 @@ class Supervisor:
         self._next_generation({}, link={"fault": "stall", "time": now, "occurred": first["time"]})
 
     def _next_generation(self, dead: dict[int, dict], link: dict | None = None) -> None:
+        if stranded.stuck(self, dead):
+            return  # finished peers never rejoin: no generation can form
         try:
             self.rate.admit(time.monotonic())
         except RecoveryRateExceeded as e:
@@ -274,6 +278,7 @@ class Supervisor:
         members = dict(self.gen.members)
         assigned = []
         self._retry_link(incident)
+        self.stranding.replacing(dead)
         for rank, f in sorted(dead.items()):
             self.watch.replaced(members[rank])
             proc, cold = self._pick_shadow(exclude=set(members.values()), prefer=int(f.get("node", 0)),
@@ -302,16 +307,9 @@ class Supervisor:
         """A standby shadow (runtime/standby.py: ready, on the failed rank's node, at its slot,
         first); else a cold start. Cold (the second value) = not ready when assigned: the
         recovery waits for its start-up."""
-        standbys = []
-        for node in range(self.opts.nnodes):
-            if node != self.node and (self.store.check([f"excluded/{node}"]) or self._node_lost(node)):
-                continue
-            for i in range(self.store.add(f"shadows/{node}/n", 0)):
-                proc = self.store.get(f"shadows/{node}/{i}").decode()
-                if proc in exclude or self.store.check([f"assign/{proc}"]) or self.store.check([f"dead/{proc}"]):
-                    continue
-                standbys.append(Standby(proc, node, slot_of_shadow(i, self.local),
-                                        self.store.check([f"ready/{proc}"])))
+        gone = {n for n in range(self.opts.nnodes) if n != self.node
+                and (self.store.check([f"excluded/{n}"]) or self._node_lost(n))}
+        standbys = list_standbys(self.store, [n for n in range(self.opts.nnodes) if n not in gone], self.local, exclude)
         best = pick_standby(standbys, node=prefer, slot=slot)
         proc, unready = (best.proc, not best.ready) if best else (self._start_shadow(cold=True).proc, True)
         if proc in self.table.children:
@@ -340,6 +338,7 @@ class Supervisor:
         if self.chain is not None and self.attempt is not None:
             self.events.emit("retry", **self.chain.record(self.attempt, "ok"))
         self.chain = self.attempt = None
+        self.stranding.recovered()
         self.watch.recovered()
 
     def _done_records(self) -> dict[int, dict]:
@@ -463,38 +462,59 @@ class Supervisor:
         self.joined = admission.wait_for_nodes(self.store, self.opts, self.events)
 
     def _loop(self) -> None:
-        """Sleep until a child exits or the next period: every _FAULT_TICK_S the leader takes
-        fault reports (recovery latency); every heartbeat: detectors, bookkeeping and
-        the pool (store round trips and wake-ups cost CPU the workers need)."""
+        """Sleep until a child exits or the next period: every _FAULT_TICK_S the leader takes fault reports
+        (on etcd: when a watch says one landed, else every heartbeat); every heartbeat: detectors, bookkeeping,
+        the pool. Store round trips and wake-ups cost CPU the workers need (etcd: one read a tick)."""
         wake = ChildWake()
         try:
             next_beat = next_faults = 0.0
             while True:
                 now = time.time()
                 exited = self._check_exits()
-                if exited or now >= next_beat:  # an exit is acted on at once, not at the next beat
-                    next_beat = now + self.cfg.heartbeat_s
-                    self._detect()
-                    if self._bookkeeping():
-                        return
-                if self.leader and (exited or now >= next_faults):  # a local exit was just reported
-                    next_faults = now + _FAULT_TICK_S
-                    self._take_faults(now)
+                beat = exited or now >= next_beat  # an exit is acted on at once, not at the next beat
+                if self.store.batched and (beat or (self.leader and now >= next_faults)):
+                    self.store.prefetch(store_reads.tick_keys(self))
+                try:
+                    if beat:
+                        next_beat = now + self.cfg.heartbeat_s
+                        self._detect()
+                        if self._bookkeeping():
+                            return
+                    if self.leader and (exited or now >= next_faults or self._faults_landed(wake)):
+                        next_faults = now + (self.cfg.heartbeat_s if self.replicated else _FAULT_TICK_S)
+                        self._take_faults(now)
+                finally:
+                    self.store.drop()
                 wake.wait(min(next_beat, next_faults if self.leader else next_beat) - time.time())
         finally:
             wake.close()
+            if self._fault_watch is not None:
+                self._fault_watch.close()
+
+    def _faults_landed(self, wake: ChildWake) -> bool:
+        """On etcd: has a fault record landed since the last look (a watch; it pokes `wake`)?"""
+        if not self.replicated:
+            return False
+        if self._fault_watch is None:  # the first time this node leads (it may have taken over)
+            from unbroken.runtime.etcd_store import EtcdStore
+
+            self._fault_watch = membership.FaultLogWatch(lambda: EtcdStore(self.opts.store, timeout_s=30),
+                                                         self.fault_log.cursor, wake.poke)
+        return self._fault_watch.landed()
 
     def _bookkeeping(self) -> bool:
         """Abort, completion, progress and the shadow pool; True when this supervisor is done."""
         if self.store.check(["abort"]):
             raise LaunchError(f"the job cannot run: {self.store.get('abort').decode()}")
         if self.leader:
-            if self.replicated:
+            if self.replicated and self.opts.nnodes > 1:  # alone, nobody reads our lease or takes over
                 self._renew()
                 self._still_leader()
             self.crashes.check_fatal()
             if self._all_done():
                 return True
+            if (self.stranding.stranded or self.status.startswith("recovering")) and stranded.stuck(self, {}):
+                return stranded.end(self)
             self._check_leases()
             self._progress()
         elif self.status == "excluded" or self.store.check(["shutdown"]):
@@ -544,26 +564,7 @@ class Supervisor:
         return self.store.check(["lease/quiet"]) and self.store.get("lease/quiet") == b"1"
 
     def _lose_node(self, node: int, age_s: float) -> None:
-        from unbroken.detect import Finding, classify
-
-        now = time.time()
-        ranks = sorted(r for r, p in self.gen.members.items() if _node_of(p) == node)
-        f = Finding(fault="node_lost", proc=f"node{node}", rank=None, node=node, time=now,
-                    evidence={"why": f"node {node}'s supervisor has not renewed its lease for {age_s:.1f}s "
-                                     f"(node_lease_s={self.cfg.node_lease_s})", "ranks": ranks,
-                              "lease_age_s": round(age_s, 3)})
-        d = classify(f, self.watch.offenders, can_exclude=True)
-        self.events.emit("fault_detected", **f.event_fields())
-        self.events.emit("fault_classified", **d.event_fields())
-        self.events.emit("node_lost", node=node, lease_age_s=round(age_s, 3), ranks=ranks)
-        self.store.set(f"excluded/{node}", "1")  # if it comes back, it stops its processes and leaves
-        dead = {}
-        for r in ranks:
-            proc = self.gen.members[r]
-            self.store.set(f"dead/{proc}", "1")
-            dead[r] = {"proc": proc, "fault": "node_lost", "time": now, "occurred": now - age_s, "node": node}
-        if dead:
-            self._next_generation(dead)
+        lease.lose_node(self, node, age_s, [r for r, p in self.gen.members.items() if _node_of(p) == node])
 
     def _progress(self) -> None:
         info = membership.get(self.store, "progress") or {}

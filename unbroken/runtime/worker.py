@@ -575,6 +575,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         """Write the final weights (rank 0, atomically, with checksum); returns their sha256."""
         self._finished = True
         self.ctx.set_phase("done", self.st.step_count)
+        self._point("done", self.st.step_count)
         if self.ckpt is not None:
             self.ckpt.close(timeout=self.cfg.collective_timeout_s)
         digest = self.weights_sha256()
