@@ -36,7 +36,7 @@ def table(tmp_path, monkeypatch):
     warnings: list[str] = []
     base = {"UNBROKEN_RUN_DIR": str(run_dir)}
     t = ProcessTable(run_dir, base, [str(script), "x", "--y"], warn=warnings.append,
-                     server=fork_server(run_dir, base, warnings.append))
+                     server=fork_server(base, warnings.append))
     t.warnings = warnings
     yield t
     t.stop_all(grace_s=1.0)
@@ -99,7 +99,7 @@ def test_the_exec_way_when_the_server_is_off(tmp_path, monkeypatch):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     base = {"UNBROKEN_RUN_DIR": str(run_dir)}
-    t = ProcessTable(run_dir, base, [str(script)], server=fork_server(run_dir, base, print))
+    t = ProcessTable(run_dir, base, [str(script)], server=fork_server(base, print))
     try:
         assert t.server is None
         c = t.start("worker0", "worker", {"RANK": "0", "CODE": "4"})

@@ -57,14 +57,14 @@ def _inherited() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _SECRETS}
 
 
-def fork_server(run_dir: Path, base_env: dict[str, str], warn: Callable[[str], None]) -> ForkServer | None:
+def fork_server(base_env: dict[str, str], warn: Callable[[str], None]) -> ForkServer | None:
     """A fork server that has imported torch, or None: off (UNBROKEN_FORK_SERVER=0), or it
     failed (`warn` says why). Start it before joining a job: waiting for its import must not
-    stall a lease. `base_env` becomes every child's /proc/PID/environ (runtime/zygote.py)."""
+    stall a lease. It writes nothing in the run directory (a refused start leaves none behind).
+    `base_env` becomes every child's /proc/PID/environ (runtime/zygote.py)."""
     if os.environ.get(FORK_SERVER_ENV, "1") == "0":
         return None
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    server = ForkServer({**_inherited(), **base_env}, run_dir / "logs" / "fork-server.log")
+    server = ForkServer({**_inherited(), **base_env})
     try:
         server.wait_ready()
     except ForkServerDown as e:

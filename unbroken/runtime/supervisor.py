@@ -54,7 +54,7 @@ class Supervisor:
         self.run_dir = opts.run_dir
         self.events = EventLog(self.run_dir / "events.jsonl", source="supervisor", node=self.node)
         warn = lambda message: self.events.emit("warning", message=message)  # noqa: E731
-        forks = fork_server(self.run_dir, {"UNBROKEN_RUN_DIR": str(self.run_dir)}, warn)  # ready before we join
+        forks = fork_server({"UNBROKEN_RUN_DIR": str(self.run_dir)}, warn)  # ready before we join
         store, self.port, self._listener = admission.open_store(opts)
         self.store = store_reads.TickReads(store)  # on etcd, one request for a tick's reads
         if warning := trust_warning(opts):

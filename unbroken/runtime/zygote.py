@@ -34,6 +34,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -171,11 +172,11 @@ class ForkServer:
     """The supervisor's end: starts the server (it imports torch while the supervisor goes on),
     asks it for children, and learns their exits from a reader thread."""
 
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        with open(log, "ab") as err:
-            self._popen = subprocess.Popen([sys.executable, "-m", "unbroken.runtime.zygote"], env=env,
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                           preexec_fn=die_with_parent)
+    def __init__(self, env: dict[str, str]) -> None:
+        self._err = tempfile.TemporaryFile()  # the server's own stderr: quoted if it fails (no file in RUN_DIR yet)
+        self._popen = subprocess.Popen([sys.executable, "-m", "unbroken.runtime.zygote"], env=env,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
+                                       preexec_fn=die_with_parent)
         self._cond = threading.Condition()
         self._ready, self._down = False, False
         self._started: dict[str, int] = {}
@@ -202,8 +203,13 @@ class ForkServer:
             if not self._cond.wait_for(lambda: self._down or what(), timeout=timeout_s):
                 raise ForkServerDown(f"fork server did not answer {doing} within {timeout_s:.0f}s")
             if not what():
-                raise ForkServerDown(f"fork server exited (rc {self._popen.poll()}) {doing}")
+                raise ForkServerDown(f"fork server exited (rc {self._popen.poll()}) {doing}: {self._last_error()}")
             return what()
+
+    def _last_error(self) -> str:
+        self._err.seek(0)
+        lines = self._err.read().decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else "no output"
 
     def wait_ready(self) -> None:
         """Block until the server has imported torch (call it before anything that must not stall)."""
@@ -239,6 +245,7 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self._popen.kill()
             self._popen.wait(timeout=timeout_s)
+        self._err.close()
 
 
 if __name__ == "__main__":
