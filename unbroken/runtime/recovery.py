@@ -125,6 +125,11 @@ def _rebuild(tr: RecoveryInputs, new_member: bool) -> None:
     src = _state_source(survivors, target, handed_off=bool(holders))
     if src is None:
         path = _restore_tier2(tr, reason=f"no survivor can bring its state to step {target}")
+    elif owned.sharded_params and new_ranks and any(s["chunks"][1] > target for s in survivors):
+        # zero3: no rank keeps a full copy of the parameters, so the lost shard's parameters of
+        # step `target` (the redone forward's input) may exist nowhere once its update began
+        path = _restore_tier2(tr, reason=f"zero3: rank(s) {new_ranks} lost inside step {target + 1}'s update, "
+                                         f"when no copy of their parameters of step {target} is left")
     elif owned.sharded_grads and owned.tier1 is not None and any(s["chunks"][1] > target for s in survivors):
         path = _rebuild_redo_kept(tr, status, new_ranks, target)
     elif owned.sharded and owned.tier1 is not None:
@@ -243,7 +248,7 @@ def _rebuild_sharded(tr: RecoveryInputs, status: list[dict], new_ranks: list[int
     for r in new_ranks:
         lost_by_group.setdefault(owned.groups.group_of(r), []).append(r)
     can = all(len(v) == 1 for v in lost_by_group.values())
-    if target == 0:
+    if target == 0 and not owned.sharded_params:
         # Nothing was ever updated: everyone holds the initial parameters; moments are zero.
         tr.comm.broadcast(owned.flat.params, src=src, what="initial parameter hand-off")
         if tr.rank in new_ranks:
@@ -256,7 +261,8 @@ def _rebuild_sharded(tr: RecoveryInputs, status: list[dict], new_ranks: list[int
     c_max = max(s["committed"] for s in status if not s["new"])
     log_src = _log_source(status, oldest + 1, c_max)
     tr.st.steps_replayed = target - oldest if new_ranks else 0  # steps the lost shard is replayed
-    if point is not None and can and redo and log_src is not None:
+    # (zero3: a new member's forward gathers its own shard, so it must hold it first: no overlap)
+    if point is not None and can and redo and log_src is not None and not owned.sharded_params:
         return _rebuild_overlapped(tr, status, lost_by_group, target, point, log_src)
     mine_lost = lost_by_group.get(owned.groups.group_of(tr.rank), [])
     ok, buf, pv = log_src is not None, None, None
@@ -317,7 +323,8 @@ def _rebuild_redo_kept(tr: RecoveryInputs, status: list[dict], new_ranks: list[i
     if int(flag) != 0:
         return _restore_tier2(tr, reason="tier 1 cannot decode (two losses in a parity group, or no copy of "
                                          f"the parameters of step {target} left)")
-    hand_parameters_at(tr, sources, new_ranks, target)
+    if not owned.sharded_params:  # (zero3 gets here with no new member: nothing to hand)
+        hand_parameters_at(tr, sources, new_ranks, target)
     if mine_lost:
         d.lost = mine_lost[0]
         d.pending = tr.group.xor_reduce_start(d.buf, dst=owned.groups.member_of(d.lost),

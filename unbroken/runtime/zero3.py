@@ -1,0 +1,37 @@
+"""zero3's part of the Trainer: the unit gathers around each step and the collective reads of
+the full parameters at the end (their hash, the final weights file), none of which may hold a
+full copy of the parameters while training."""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from unbroken.comm.group import Comm
+from unbroken.parallel.strategy import OwnedState
+from unbroken.parallel.units import UnitParams
+
+
+def build_units(model, owned: OwnedState, comm) -> UnitParams | None:
+    """zero3: the model's units bound to this rank's shard (None for the other strategies)."""
+    if not owned.sharded_params:
+        return None
+    return UnitParams(model, owned.flat.plist, lambda: owned.param_shard, rank=owned.rank, world=owned.world,
+                      shard=owned.flat.shard, comm=comm)
+
+
+def sharded_sha256(comm: Comm, owned: OwnedState) -> str:
+    """sha256 of the flat parameters [0, n) (what the other strategies hash), streamed shard by
+    shard: each owner broadcasts its shard into one shard-sized buffer. Collective."""
+    flat, h = owned.flat, hashlib.sha256()
+    buf = torch.empty_like(owned.param_shard)
+    for r in range(owned.world):
+        if r == owned.rank:
+            buf.copy_(owned.param_shard)
+        if owned.world > 1:
+            comm.broadcast(buf, src=r, what=f"final weights hash: rank {r}'s shard")
+        lo = r * flat.shard
+        take = max(0, min(flat.shard, flat.n - lo))
+        if take:
+            h.update(buf[:take].cpu().numpy().tobytes())
+    return h.hexdigest()
