@@ -127,6 +127,21 @@ def test_memory_model_is_the_fp32_adam_formulas():
     assert states["ddp"] > states["zero1"] > states["zero2"] > states["zero3"]
 
 
+def test_unbroken_zero3_reduce_scatters_once_after_backward_and_holds_the_local_gradient():
+    from unbroken.plan.command import RUNNABLE
+
+    prof, topo = _profile(), _swept(4, 1e-7)
+    P, n = 4 * prof.params, 4
+    assert cost.memory("zero3", prof, n, schedule="unbroken")[0] == 2 * P + 4 * P // n
+    ours, fsdp = cost.predict("zero3", prof, topo, schedule="unbroken"), cost.predict("zero3", prof, topo)
+    # the same bytes reduce-scattered, in one piece instead of one per unit (no overlap with backward)
+    assert ours.comm_s == pytest.approx(fsdp.comm_s - sum(topo.seconds("reduce_scatter", 4 * u.params)
+                                                          for u in prof.units)
+                                        + topo.seconds("reduce_scatter", 4 * prof.params))
+    assert ours.exposed_comm_s > fsdp.exposed_comm_s
+    assert "zero3" in RUNNABLE  # --strategy auto may pick it
+
+
 def test_choose_respects_the_memory_limit_and_says_what_would_fit():
     prof, topo = _profile(), _swept(4, 1e-9)
     preds = [cost.predict(s, prof, topo) for s in cost.STRATEGIES]
