@@ -15,7 +15,8 @@ bytes while the unit is not needed (the views, and the tensors autograd saved, s
 they point into the same storage). Gathering a unit is one broadcast per piece of it that a
 rank owns (a unit spans one or a few shards), issued together on the job's process group and
 waited for with the group's timeout: broadcast copies bytes, so every rank computes with the
-owner's exact parameters. Prefetch: the forward of unit i issues unit i+1's gather, the
+owner's exact parameters (each at the 64-byte alignment it has in zero2's flat buffer, so
+kernels whose arithmetic follows alignment give zero2's bits too). Prefetch: the forward of unit i issues unit i+1's gather, the
 backward of unit i (a gradient hook on its outputs) issues unit i-1's; at most two units and
 the root are in full at once. A unit is freed after its forward (when autograd will need it
 again, a hook on its outputs gathers it once their gradient arrives) and after the last of its
@@ -32,6 +33,7 @@ import torch.nn as nn
 
 from unbroken.comm.group import Comm, Pending
 
+ALIGN = 16  # elements (64 bytes): a parameter's offset in its unit buffer equals its flat offset modulo this
 Piece = tuple[int, int, int, int]  # (buffer start, buffer end, owner rank, offset in the owner's shard)
 
 
@@ -40,16 +42,17 @@ class _Unit:
 
     def __init__(self, name: str, index: list[int], plist: list[nn.Parameter], offsets: list[int], shard: int) -> None:
         self.name, self.index = name, index
-        self.numel = sum(plist[i].numel() for i in index)
-        self.buf = torch.empty(self.numel, device=plist[index[0]].device)
         self.views: list[tuple[int, int]] = []  # per parameter: its slice of buf
         self.pieces: list[Piece] = []
         at = 0
         for i in index:
             k = plist[i].numel()
+            at += (offsets[i] - at) % ALIGN  # as aligned as in the flat buffer: the same kernels' bits
             self.views.append((at, at + k))
             self._add_pieces(at, offsets[i], k, shard)
             at += k
+        self.numel = at
+        self.buf = torch.empty(self.numel, device=plist[index[0]].device)
         self.state = "free"  # free | pending | ready
         self.pending: Pending | None = None
         self.in_backward = False

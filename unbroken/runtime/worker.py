@@ -176,7 +176,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
             self.owned.drop_full()  # a shadow: its shard comes from recovery, never from the initial sync
         self.overlap.adopt_agreed(self.ctx.store)  # a member joining later: the plan its peers tuned
         self.buckets = GradBuckets(self.owned.flat, bucket_elems=self.overlap.plan.bucket_elems)
-        self.local_grads = torch.empty_like(self.owned.flat.grads)
+        self.local_grads = zero3.kept_buffer(self.owned)
         # zero2's reduce-scatter output (the other strategies all-reduce in place: nothing to allocate)
         self._shard_grad = (torch.empty(self.owned.hi - self.owned.lo, device=self.owned.flat.device)
                             if self.owned.sharded_grads else None)
@@ -357,7 +357,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         if self.st.local_step == t:
             # Our gradient of step t survived the failed all-reduce (parameters are unchanged
             # since: the step was never applied), so only the replacement computes its share.
-            grads.copy_(self.local_grads)
+            zero3.restore_local(self.owned, grads, self.local_grads)
             grads[flat.vote] = self._nonfinite_vote(t)
         else:
             # a pending decode votes on the world group first: then no bucket may be issued before it;
@@ -459,7 +459,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
             flat.collect_grads(value, self.units.end_step() if self.units is not None else None)
             if self._nan_pending:
                 flat.grads[0] = float("nan")
-            self.local_grads.copy_(flat.grads)
+            zero3.keep_local(self.owned, flat.grads, self.local_grads)
         self._nan_pending = False
         self.st.local_step = t
 
