@@ -125,11 +125,11 @@ def _rebuild(tr: RecoveryInputs, new_member: bool) -> None:
     src = _state_source(survivors, target, handed_off=bool(holders))
     if src is None:
         path = _restore_tier2(tr, reason=f"no survivor can bring its state to step {target}")
-    elif owned.sharded_params and new_ranks and any(s["chunks"][1] > target for s in survivors):
-        # zero3: no rank keeps a full copy of the parameters, so the lost shard's parameters of
-        # step `target` (the redone forward's input) may exist nowhere once its update began
-        path = _restore_tier2(tr, reason=f"zero3: rank(s) {new_ranks} lost inside step {target + 1}'s update, "
-                                         f"when no copy of their parameters of step {target} is left")
+    elif owned.sharded_params and any(s["chunks"][1] > target for s in survivors):
+        # zero3: no rank keeps a full copy of the parameters (nor its local gradient), so the
+        # parameters of step `target` a redone forward needs may exist nowhere once the update began
+        path = _restore_tier2(tr, reason=f"zero3: step {target + 1} was cut short inside its update, when no "
+                                         f"copy of the parameters of step {target} is left")
     elif owned.sharded_grads and owned.tier1 is not None and any(s["chunks"][1] > target for s in survivors):
         path = _rebuild_redo_kept(tr, status, new_ranks, target)
     elif owned.sharded and owned.tier1 is not None:
@@ -323,8 +323,7 @@ def _rebuild_redo_kept(tr: RecoveryInputs, status: list[dict], new_ranks: list[i
     if int(flag) != 0:
         return _restore_tier2(tr, reason="tier 1 cannot decode (two losses in a parity group, or no copy of "
                                          f"the parameters of step {target} left)")
-    if not owned.sharded_params:  # (zero3 gets here with no new member: nothing to hand)
-        hand_parameters_at(tr, sources, new_ranks, target)
+    hand_parameters_at(tr, sources, new_ranks, target)
     if mine_lost:
         d.lost = mine_lost[0]
         d.pending = tr.group.xor_reduce_start(d.buf, dst=owned.groups.member_of(d.lost),

@@ -357,7 +357,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         if self.st.local_step == t:
             # Our gradient of step t survived the failed all-reduce (parameters are unchanged
             # since: the step was never applied), so only the replacement computes its share.
-            zero3.restore_local(self.owned, grads, self.local_grads)
+            grads.copy_(self.local_grads)
             grads[flat.vote] = self._nonfinite_vote(t)
         else:
             # a pending decode votes on the world group first: then no bucket may be issued before it;
@@ -459,9 +459,9 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
             flat.collect_grads(value, self.units.end_step() if self.units is not None else None)
             if self._nan_pending:
                 flat.grads[0] = float("nan")
-            zero3.keep_local(self.owned, flat.grads, self.local_grads)
+            kept = zero3.keep_local(self.owned, flat.grads, self.local_grads, t)
         self._nan_pending = False
-        self.st.local_step = t
+        self.st.local_step = t if overlap else kept
 
     def _call(self, closure, i: int) -> torch.Tensor:
         loss = closure() if self.accumulation_steps == 1 else closure(i)

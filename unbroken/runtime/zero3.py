@@ -38,32 +38,19 @@ def sharded_sha256(comm: Comm, owned: OwnedState) -> str:
 
 
 # --- the local gradient a redo reuses ---------------------------------------------------------
-# A survivor redoing a step reuses its local gradient instead of computing it again. The other
-# strategies keep a copy of the whole gradient buffer. zero3 keeps only what the step itself
-# overwrites: its own shard (replaced by the averaged one) and the tail (all-reduced in place);
-# the rest of the ring slot still holds the local gradient (gloo's reduce-scatter reads a clone
-# of its input), and nothing else writes that slot before the step's next attempt.
+# A survivor redoing a step reuses its local gradient instead of computing it again, so only the
+# replacement computes. Not under zero3: the replacement's forward gathers every unit from every
+# rank, so every rank runs the forward (and backward) again, and zero3 keeps no copy.
 
 def kept_buffer(owned: OwnedState) -> torch.Tensor:
-    flat = owned.flat
-    if not owned.sharded_params:
-        return torch.empty_like(flat.grads)
-    return torch.empty((owned.hi - owned.lo) + (flat.grads.numel() - flat.n_pad), device=flat.device)
+    if owned.sharded_params:
+        return torch.empty(0, device=owned.flat.device)
+    return torch.empty_like(owned.flat.grads)
 
 
-def keep_local(owned: OwnedState, grads: torch.Tensor, kept: torch.Tensor) -> None:
-    if not owned.sharded_params:
-        kept.copy_(grads)
-        return
-    n = owned.hi - owned.lo
-    kept[:n].copy_(grads[owned.lo:owned.hi])
-    kept[n:].copy_(grads[owned.flat.n_pad:])
-
-
-def restore_local(owned: OwnedState, grads: torch.Tensor, kept: torch.Tensor) -> None:
-    if not owned.sharded_params:
-        grads.copy_(kept)
-        return
-    n = owned.hi - owned.lo
-    grads[owned.lo:owned.hi].copy_(kept[:n])
-    grads[owned.flat.n_pad:].copy_(kept[n:])
+def keep_local(owned: OwnedState, grads: torch.Tensor, kept: torch.Tensor, step: int) -> int | None:
+    """Keep the local gradient for a redo; returns the step kept (None: nothing is, zero3)."""
+    if owned.sharded_params:
+        return None
+    kept.copy_(grads)
+    return step
