@@ -55,8 +55,8 @@ def test_zero3_sigkill_at_each_phase_is_bitwise_invisible(tmp_path, zero3, phase
         return
     [rec] = _kinds(tmp_path / "run", "recovered")
     assert rec["path"] == "tier1" and rec["replaced"] == [2] and got["steps_lost"] == 0
-    if phase == "allgather":  # every update was done: decoded at step 5, nothing redone
-        assert (rec["step"], rec["steps_redone"]) == (5, 0)
+    if phase == "allgather":  # every update was done, and zero3's commit has no collective: the
+        assert rec["step"] == 5  # survivors committed step 5 (the lost shard is decoded at 5)
         return
     if phase == "allreduce" and rec["step"] == 5:  # its reduce-scatter may have completed
         return
