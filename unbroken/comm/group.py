@@ -318,6 +318,10 @@ class Comm:
         return self.start(self._issue(mine, lambda pg: pg.gather(outs, [mine], opts), what), what)
 
     # --- XOR / AND: the backend's bitwise reduce ops, or the exchange path (comm/bitwise.py) ---
+    def on_gloo(self, t: torch.Tensor) -> bool:
+        """`t`'s collectives run on gloo (not on a device group)."""
+        return self._pg(t) is self.pg
+
     def bitwise_path(self, t: torch.Tensor) -> str:
         """How XOR/AND of `t` runs here: "native" (gloo's BXOR/BAND) or "exchange" (NCCL has neither)."""
         return "native" if self.bitwise_reduce == "auto" and self._pg(t) is self.pg else "exchange"

@@ -16,9 +16,9 @@ they point into the same storage). Gathering a unit is one broadcast per piece o
 rank owns (a unit spans one or a few shards), issued together on the job's process group and
 waited for with the group's timeout: broadcast copies bytes, so every rank computes with the
 owner's exact parameters (each at the 64-byte alignment it has in zero2's flat buffer, so
-kernels whose arithmetic follows alignment give zero2's bits too). Prefetch: the forward of unit i issues unit i+1's gather, the
-backward of unit i (a gradient hook on its outputs) issues unit i-1's; at most two units and
-the root are in full at once. A unit is freed after its forward (when autograd will need it
+kernels whose arithmetic follows alignment give zero2's bits too). Prefetch: the forward of
+unit i issues unit i+1's gather, the backward of unit i (a gradient hook on its outputs)
+issues unit i-1's; at most two units and the root are in full at once. A unit is freed after its forward (when autograd will need it
 again, a hook on its outputs gathers it once their gradient arrives) and after the last of its
 parameters' gradients has been accumulated. During the step's last backward each gradient is
 copied into the flat gradient buffer as soon as it is accumulated and the parameter's own

@@ -19,8 +19,7 @@ Memory per rank (fp32, Adam's two moments; P = 4 bytes x parameters, N ranks): d
 zero1 2P + 2P/N, zero2 P + 3P/N, zero3 4P/N as state; plus transients (DDP's bucket copy P,
 zero2's unsharded parameters, zero3's two largest units), the activations, and unbroken's
 protection memory when asked for (`protection_bytes`). unbroken's zero3: 4P/N as state plus the
-local gradient (P) as state; gloo's copy of the gradient it reduce-scatters (P) and its two
-largest units' parameters as transient.
+local gradient (P) as state, its two largest units' parameters as transient.
 """
 from __future__ import annotations
 
@@ -144,8 +143,8 @@ def memory(strategy: str, prof: ModelProfile, world: int, *, schedule: str = "fs
         state, transient = 2 * P + shard(2 * P), P
     elif strategy == "zero2":
         state, transient = P + shard(3 * P), largest[0]  # a unit's unsharded gradient before its reduce-scatter
-    elif schedule == "unbroken":  # + the local gradient; gloo's reduce-scatter clones it; two units' parameters
-        state, transient = P + shard(4 * P), P + sum(largest[:2])
+    elif schedule == "unbroken":  # + the whole local gradient; two units' parameters
+        state, transient = P + shard(4 * P), sum(largest[:2])
     else:
         state, transient = shard(4 * P), sum(largest[:2]) * 2  # current + prefetched unit, parameters and gradients
     return state, state + transient + prof.activation_bytes

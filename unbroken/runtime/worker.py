@@ -412,8 +412,8 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         tail (loss, votes, fingerprints, buffers) that also sums each shard's squared norm.
         Returns the averaged gradient's global norm."""
         owned, flat = self.owned, self.owned.flat
-        shard = self._shard_grad
-        self.comm.reduce_scatter(shard, grads[:flat.n_pad], what=f"gradient reduce-scatter step {t}")
+        shard = zero3.sum_gradient_shard(self.comm, owned, grads, self._shard_grad,
+                                         what=f"gradient reduce-scatter step {t}")
         shard.div_(self.world_size)
         grads[owned.lo:owned.hi].copy_(shard)
         grads[flat.norm_sq] = float(torch.linalg.vector_norm(shard)) ** 2

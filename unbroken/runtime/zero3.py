@@ -54,3 +54,18 @@ def keep_local(owned: OwnedState, grads: torch.Tensor, kept: torch.Tensor, step:
         return None
     kept.copy_(grads)
     return step
+
+
+def sum_gradient_shard(comm: Comm, owned: OwnedState, grads: torch.Tensor, out: torch.Tensor, *,
+                       what: str) -> torch.Tensor:
+    """This rank's shard of the local gradients summed over the ranks (zero2's reduce-scatter).
+    zero3 on gloo all-reduces the ring slot in place instead: gloo's reduce-scatter *is* an
+    all-reduce of a copy of its input, sliced (ProcessGroupGloo::reduce_scatter_tensor_coalesced),
+    so the bits are zero2's without that model-sized copy; zero3 keeps no local gradient for a
+    redo, so nothing needs the slot's other regions. Returns `out` or the slot's shard view."""
+    flat = owned.flat
+    if owned.sharded_params and owned.world > 1 and comm.on_gloo(grads):
+        comm.allreduce(grads[:flat.n_pad], what=what.replace("reduce-scatter", "all-reduce (as gloo's reduce-scatter)"))
+        return grads[owned.lo:owned.hi]
+    comm.reduce_scatter(out, grads[:flat.n_pad], what=what)
+    return out
