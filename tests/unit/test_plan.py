@@ -167,3 +167,25 @@ def test_parse_model():
         parse_model("bert")
     with pytest.raises(ConfigError, match="must be an integer"):
         parse_model("n_layer=two")
+
+
+def test_strategy_auto_picks_zero3_when_only_it_fits_this_hosts_memory(monkeypatch):
+    from unbroken.config import ConfigError, RunConfig
+    from unbroken.plan import command
+
+    prof, topo = _profile(), _swept(4, 1e-9)
+    monkeypatch.setattr(command.ranks, "topology", lambda *a, **k: topo)
+    monkeypatch.setattr(command.profiles, "load_or_measure", lambda *a, **k: prof)
+    cfg = RunConfig(world_size=4, shadows=0)
+    preds = {p.strategy: p for p in command.plan_predictions(prof, topo, parity_group=4, protect_every=8,
+                                                             schedule="unbroken")}
+    monkeypatch.setattr(command, "memory_budget_bytes", lambda *a, **k: 10 ** 12)
+    assert command.choose_for_run(cfg)[0] == "ddp"  # everything fits: the fastest
+    others = min(preds[s].peak_bytes for s in ("ddp", "zero1"))
+    assert preds["zero3"].peak_bytes < others
+    monkeypatch.setattr(command, "memory_budget_bytes", lambda *a, **k: preds["zero3"].peak_bytes)
+    strategy, why = command.choose_for_run(cfg)
+    assert strategy == "zero3" and "ddp" in why and "does not fit" in why
+    monkeypatch.setattr(command, "memory_budget_bytes", lambda *a, **k: preds["zero3"].peak_bytes - 1)
+    with pytest.raises(ConfigError, match="no strategy fits.*smallest is zero3"):
+        command.choose_for_run(cfg)

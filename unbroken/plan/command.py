@@ -24,6 +24,7 @@ from rich.table import Table
 from unbroken.cli_error import fail
 from unbroken.config import ConfigError, RunConfig
 from unbroken.plan import cost, profile as profiles, ranks
+from unbroken.protect.interval import memory_budget_bytes
 from unbroken.plan.topology import Topology, TopologyError
 
 # What `--strategy auto` may pick: the strategies whose unbroken schedule the cost model
@@ -148,7 +149,10 @@ def _table(preds: list[cost.Prediction], chosen: cost.Prediction, limit: float |
 
 def choose_for_run(cfg: RunConfig) -> tuple[str, str]:
     """(strategy, why) for `unbroken run --strategy auto`: the planner's pick among the strategies
-    unbroken runs, on loopback (this host), the job's model, batch and protection settings."""
+    unbroken runs, on loopback (this host), the job's model, batch and protection settings: the
+    fastest whose predicted peak fits the memory this host has free per process (its workers
+    and shadows), so a model too big for ddp's or zero1's replicas gets zero3.
+    ConfigError (exit 2) when none fits."""
     with tempfile.TemporaryDirectory() as tmp:
         topo = ranks.topology(cfg.world_size, Path(tmp) / "topology.json", max_bytes=16 << 20, op_budget_s=1.0,
                               label="loopback")
@@ -157,6 +161,14 @@ def choose_for_run(cfg: RunConfig) -> tuple[str, str]:
     k = cfg.protect_every if isinstance(cfg.protect_every, int) else 8
     preds = [p for p in plan_predictions(prof, topo, parity_group=cfg.parity_group, protect_every=k,
                                          schedule="unbroken") if p.strategy in RUNNABLE]
-    chosen = cost.choose(preds, None)
-    why = ", ".join(f"{p.strategy} {p.step_s * 1e3:.0f} ms" for p in preds)
-    return chosen.strategy, f"predicted step: {why}"
+    limit = memory_budget_bytes(cfg.world_size + cfg.shadow_pool_max, fraction=1.0)
+    try:
+        chosen = cost.choose(preds, limit)
+    except cost.PlanError:
+        least = min(preds, key=lambda p: p.peak_bytes)
+        raise ConfigError(f"--strategy auto: no strategy fits in the {limit / 2**30:.2f} GiB this host has free per "
+                          f"process; the smallest is {least.strategy} at {least.peak_bytes / 2**30:.2f} GiB: use "
+                          "more ranks, fewer shadows or a smaller batch") from None
+    why = ", ".join(f"{p.strategy} {p.step_s * 1e3:.0f} ms{'' if p.fits(limit) else ' (does not fit)'}"
+                    for p in preds)
+    return chosen.strategy, f"predicted step: {why}; {limit / 2**30:.1f} GiB free per process"
