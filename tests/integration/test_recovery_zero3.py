@@ -3,6 +3,8 @@ losses and bitwise the same final weights as zero2; a kill at any stage of a ste
 weights bitwise equal to the failure-free run; its memory is below zero2's."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from .conftest import SMALL, events, run_job
@@ -25,7 +27,7 @@ def _run(tmp_path, name, *injects, strategy="zero3", extra=()):
 
 
 def _kinds(run_dir, kind):
-    return [e["fields"] for e in events(run_dir) if e["kind"] == kind]
+    return [e["fields"] for e in events(Path(run_dir)) if e["kind"] == kind]
 
 
 def _losses(run_dir) -> dict[int, float]:
