@@ -11,11 +11,13 @@ from .conftest import SMALL, events, run_job
 
 pytestmark = pytest.mark.timeout(300)
 
-# before the update: the step is redone by every rank (the new member decodes its shard first:
-# its forward gathers from it, and from every other rank); at the all-gather phase every update is done: decoded at step 5; inside
-# the update no rank keeps a copy of the lost shard's parameters of step 4: tier 2
+# before the update, and inside it while no parity window has absorbed it (survivors roll back
+# to their snapshots): the step is redone by every rank (the new member decodes its shard first:
+# its forward gathers from it, and from every other rank); at the all-gather phase every update
+# is done: decoded at step 5; once a window was absorbed (phase parity, window 1: window 0's
+# all-to-all may have completed) no copy of the lost shard's step-4 values is left: tier 2
 PHASES = [("forward", 0, "tier1"), ("backward", 0, "tier1"), ("allreduce", 0, "tier1"), ("reduced", 0, "tier1"),
-          ("optimizer", 0, "tier2"), ("midchunk", 2, "tier2"), ("parity", 1, "tier2"), ("allgather", 0, "tier1")]
+          ("optimizer", 0, "tier1"), ("midchunk", 2, "tier1"), ("parity", 1, "either"), ("allgather", 0, "tier1")]
 DEFAULT = {"backward", "allgather", "midchunk"}  # one per path; the rest with -m slow
 
 
@@ -52,8 +54,9 @@ def test_zero3_equals_zero2_bitwise(zero3, reference):
 def test_zero3_sigkill_at_each_phase_is_bitwise_invisible(tmp_path, zero3, phase, chunk, path):
     got = _run(tmp_path, "run", f"sigkill:rank=2,step=5,phase={phase},chunk={chunk}")
     assert got["ok"] and got["ranks_agree"] and got["weights_sha256"] == zero3["weights_sha256"]
-    if path == "tier2":
-        assert {e["step"] for e in _kinds(tmp_path / "run", "tier2_restore")} == {4}
+    restored = {e["step"] for e in _kinds(tmp_path / "run", "tier2_restore")}
+    if path == "either" and restored:
+        assert restored == {4}
         return
     [rec] = _kinds(tmp_path / "run", "recovered")
     assert rec["path"] == "tier1" and rec["replaced"] == [2] and got["steps_lost"] == 0

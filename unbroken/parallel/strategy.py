@@ -205,6 +205,12 @@ class OwnedState:
         self.rebuild_at = None
         return self.rebuild_parity(group, step)
 
+    def roll_back_to_snapshot(self) -> None:
+        """zero3, an update cut short before any parity window absorbed it: every chunk back to the
+        snapshot (the state the parity still encodes), so the step can be redone from there."""
+        self.state.copy_from(self.snap)
+        self.txn.chunk_ver[:] = self.txn.snap_ver
+
     def take_snapshot(self, step: int) -> None:
         if self.snap is not None:
             self.snap.copy_from(self.state)
