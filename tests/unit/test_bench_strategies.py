@@ -29,3 +29,16 @@ def test_the_goal_needs_both_speed_and_memory_and_uncounted_bytes_stay_null():
     assert r["goal_met"] and r["bytes_per_step"]["native"] is None
     heavy = {"native": [_run([1.0], 1000, 100, 1)], "unbroken": [_run([1.0], 1100, 100, 1)]}
     assert not sb.pair_result(heavy, steps=4)["goal_met"]  # 1.10 > 1.05 with no protection memory
+
+
+def test_zero3_runs_next_to_fsdp2_with_reshard_after_forward_and_is_built():
+    from unbroken.bench import native_job
+    from unbroken.bench.baseline_job import FSDP
+
+    assert "zero3" in sb.STRATEGIES
+    peer = native_job.peer_for("zero3")
+    assert not peer["fallback"] and FSDP[peer["optimizer"]] is True  # reshard_after_forward=True
+    assert FSDP[native_job.peer_for("zero2")["optimizer"]] is False
+    one = {"native": [_run([1.0], 1000, 100, 1)], "unbroken": [_run([1.0], 1000, 100, 1)]}
+    res = sb.result({"zero3": one}, steps=4, rounds=1, world=4)
+    assert "zero3" not in res["not_built"] and res["peer"]["zero3"].endswith("reshard_after_forward=True) + AdamW")

@@ -15,7 +15,7 @@ from unbroken.runtime.faults import FaultSpec, chaos_schedule
 @pytest.mark.parametrize("kwargs,needle", [
     ({"world_size": 0}, "world_size must be an integer >= 1, got 0"),
     ({"steps": -1}, "steps must be an integer >= 1"),
-    ({"strategy": "fsdp9"}, "strategy must be one of zero1, zero2, ddp"),
+    ({"strategy": "fsdp9"}, "strategy must be one of zero1, zero2, zero3, ddp"),
     ({"world_size": 6, "parity_group": 4}, "must divide world_size"),
     ({"hang_timeout_s": 0.1}, "at least 3 heartbeats"),
     ({"lr": 0}, "lr must be > 0"),

@@ -127,6 +127,21 @@ def test_memory_model_is_the_fp32_adam_formulas():
     assert states["ddp"] > states["zero1"] > states["zero2"] > states["zero3"]
 
 
+def test_unbroken_zero3_reduce_scatters_once_after_backward_and_holds_the_local_gradient():
+    from unbroken.plan.command import RUNNABLE
+
+    prof, topo = _profile(), _swept(4, 1e-7)
+    P, n = 4 * prof.params, 4
+    assert cost.memory("zero3", prof, n, schedule="unbroken")[0] == P + 4 * P // n
+    ours, fsdp = cost.predict("zero3", prof, topo, schedule="unbroken"), cost.predict("zero3", prof, topo)
+    # the same bytes reduce-scattered, in one piece instead of one per unit (no overlap with backward)
+    assert ours.comm_s == pytest.approx(fsdp.comm_s - sum(topo.seconds("reduce_scatter", 4 * u.params)
+                                                          for u in prof.units)
+                                        + topo.seconds("reduce_scatter", 4 * prof.params))
+    assert ours.exposed_comm_s > fsdp.exposed_comm_s
+    assert "zero3" in RUNNABLE  # --strategy auto may pick it
+
+
 def test_choose_respects_the_memory_limit_and_says_what_would_fit():
     prof, topo = _profile(), _swept(4, 1e-9)
     preds = [cost.predict(s, prof, topo) for s in cost.STRATEGIES]
@@ -152,3 +167,25 @@ def test_parse_model():
         parse_model("bert")
     with pytest.raises(ConfigError, match="must be an integer"):
         parse_model("n_layer=two")
+
+
+def test_strategy_auto_picks_zero3_when_only_it_fits_this_hosts_memory(monkeypatch):
+    from unbroken.config import ConfigError, RunConfig
+    from unbroken.plan import command
+
+    prof, topo = _profile(), _swept(4, 1e-9)
+    monkeypatch.setattr(command.ranks, "topology", lambda *a, **k: topo)
+    monkeypatch.setattr(command.profiles, "load_or_measure", lambda *a, **k: prof)
+    cfg = RunConfig(world_size=4, shadows=0)
+    preds = {p.strategy: p for p in command.plan_predictions(prof, topo, parity_group=4, protect_every=8,
+                                                             schedule="unbroken")}
+    monkeypatch.setattr(command, "memory_budget_bytes", lambda *a, **k: 10 ** 12)
+    assert command.choose_for_run(cfg)[0] == "ddp"  # everything fits: the fastest
+    others = min(preds[s].peak_bytes for s in ("ddp", "zero1"))
+    assert preds["zero3"].peak_bytes < others
+    monkeypatch.setattr(command, "memory_budget_bytes", lambda *a, **k: preds["zero3"].peak_bytes)
+    strategy, why = command.choose_for_run(cfg)
+    assert strategy == "zero3" and "ddp" in why and "does not fit" in why
+    monkeypatch.setattr(command, "memory_budget_bytes", lambda *a, **k: preds["zero3"].peak_bytes - 1)
+    with pytest.raises(ConfigError, match="no strategy fits.*smallest is zero3"):
+        command.choose_for_run(cfg)

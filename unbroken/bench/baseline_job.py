@@ -15,7 +15,9 @@ marker file records it), by SIGKILL after the step's forward. Events go to DIR/b
 `--checkpoint-every 0` saves nothing (not even at the end) and `--optimizer zero` swaps
 AdamW for torch's ZeroRedundancyOptimizer over AdamW (the peer of unbroken's zero1);
 `--optimizer fsdp2` trains with FSDP2's `fully_shard` (each block, then the root) with
-reshard_after_forward=False, ZeRO-2 semantics (the peer of unbroken's zero2), in place of DDP.
+reshard_after_forward=False, ZeRO-2 semantics (the peer of unbroken's zero2), in place of DDP;
+`--optimizer fsdp2-reshard` the same with reshard_after_forward=True, ZeRO-3 semantics (the peer
+of unbroken's zero3: parameters gathered per block for forward and again for backward).
 Every rank logs its peak RSS and live tensor bytes (`unbroken.memory`) when it is done.
 Each step record carries compute_s (forward + backward, DDP's overlapped all-reduce
 included) and update_s (clipping + optimizer step, ZeRO's parameter broadcast included).
@@ -50,7 +52,8 @@ from unbroken.runtime.devices import bind_rank_device, group_backend  # noqa: E4
 from unbroken.jobs.recipe import WarmupCosine as Schedule  # noqa: E402  (lr_at only: the same schedule)
 
 LOG_NAME = "baseline.jsonl"
-OPTIMIZERS = ("adamw", "zero", "fsdp2")  # AdamW under DDP; ZeroRedundancyOptimizer(AdamW); FSDP2 + AdamW
+OPTIMIZERS = ("adamw", "zero", "fsdp2", "fsdp2-reshard")  # AdamW under DDP; ZeroRedundancyOptimizer(AdamW); FSDP2
+FSDP = {"fsdp2": False, "fsdp2-reshard": True}  # FSDP2 + AdamW, by its reshard_after_forward
 
 
 class Log:
@@ -120,7 +123,7 @@ def make_optimizer(model: torch.nn.Module, cfg: RunConfig, kind: str = "adamw") 
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **hyper)
-    if kind not in ("adamw", "fsdp2"):
+    if kind not in ("adamw", *FSDP):
         raise ValueError(f"unknown optimizer {kind!r}; choose one of {', '.join(OPTIMIZERS)}")
     return torch.optim.AdamW(model.parameters(), **hyper)
 
@@ -133,18 +136,18 @@ def train(cfg: RunConfig, run_dir: Path, every: int, kills: set[tuple[int, int]]
     log("process_start", t=T_PROCESS, pid=os.getpid())
     device = bind_rank_device(cfg.backend)  # the CPU, or under nccl this rank's GPU
     model = build_model(cfg.model, VOCAB_SIZE, seed=cfg.seed).to(device)
-    if optimizer == "fsdp2":  # shard before the optimizer sees the parameters (they become DTensors)
+    if optimizer in FSDP:  # shard before the optimizer sees the parameters (they become DTensors)
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:
-            fully_shard(block, reshard_after_forward=False)
-        fully_shard(model, reshard_after_forward=False)
+            fully_shard(block, reshard_after_forward=FSDP[optimizer])
+        fully_shard(model, reshard_after_forward=FSDP[optimizer])
     opt = make_optimizer(model, cfg, optimizer)
     sched = Schedule(lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
     ckpt = latest_checkpoint(run_dir)
     start = load_checkpoint(ckpt, model, opt) if ckpt else 0
     # broadcasts rank 0's weights: all ranks agree (FSDP2 sharded them from the same seeded model)
-    ddp = model if optimizer == "fsdp2" else DistributedDataParallel(
+    ddp = model if optimizer in FSDP else DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None)
     corpus = Corpus.embedded()
     log("ready", loaded_step=start)
@@ -181,7 +184,7 @@ def train(cfg: RunConfig, run_dir: Path, every: int, kills: set[tuple[int, int]]
             log("checkpoint_saved", step=step, save_s=round(time.perf_counter() - t0, 4), bytes=nbytes)
             t_prev = time.perf_counter()  # the next step's time is its own, the save is logged apart
     log("memory", peak_rss_bytes=peak_rss_bytes(), tensor_bytes=held if start < cfg.steps else None)
-    if rank == 0 and optimizer != "fsdp2":  # FSDP2's parameters are shards: no rank holds them all
+    if rank == 0 and optimizer not in FSDP:  # FSDP2's parameters are shards: no rank holds them all
         digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
         log("done", steps=cfg.steps, weights_sha256=digest)
     elif rank == 0:
@@ -197,7 +200,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.checkpoint_every < 0:
         raise SystemExit(f"--checkpoint-every must be >= 0 (0 = never), got {a.checkpoint_every}")
-    if a.optimizer in ("zero", "fsdp2") and a.checkpoint_every:
+    if a.optimizer in ("zero", *FSDP) and a.checkpoint_every:
         raise SystemExit(f"--optimizer {a.optimizer} saves no checkpoints (its state is sharded); "
                          "pass --checkpoint-every 0")
     cfg = RunConfig.from_dict(json.loads((a.run_dir / "config.json").read_text()))

@@ -7,6 +7,7 @@ checkpoints, no restarts) and reading rank 0's per-step records back:
     ddp    torch DDP + torch.optim.AdamW
     zero1  torch DDP + ZeroRedundancyOptimizer(optimizer_class=torch.optim.AdamW)
     zero2  FSDP2 fully_shard(reshard_after_forward=False) + torch.optim.AdamW
+    zero3  FSDP2 fully_shard(reshard_after_forward=True) + torch.optim.AdamW
 
 A strategy without a known peer is compared with the ddp peer, and the result says so.
 """
@@ -26,6 +27,8 @@ PEERS: dict[str, dict] = {
     "zero1": {"optimizer": "zero", "peer": "torch DDP + ZeroRedundancyOptimizer(AdamW)", "short": "DDP+ZeRO"},
     "zero2": {"optimizer": "fsdp2", "peer": "FSDP2 fully_shard(reshard_after_forward=False) + AdamW",
               "short": "FSDP2 (ZeRO-2)"},
+    "zero3": {"optimizer": "fsdp2-reshard", "peer": "FSDP2 fully_shard(reshard_after_forward=True) + AdamW",
+              "short": "FSDP2 (ZeRO-3)"},
 }
 FALLBACK = "ddp"
 

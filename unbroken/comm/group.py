@@ -290,9 +290,17 @@ class Comm:
         return self.start(self._issue(t, lambda pg: pg.recv([t], src, tag), what), what)
 
     def broadcast(self, t: torch.Tensor, src: int, what: str = "broadcast") -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = src, 0
-        self._wait(self._issue(t, lambda pg: pg.broadcast([t], opts), what), what)
+        self.finish(self.broadcast_start([(t, src)], what))
+
+    def broadcast_start(self, pieces: list[tuple[torch.Tensor, int]], what: str = "broadcast") -> "Pending":
+        """Issue one broadcast per (tensor, source rank) and return at once; `finish()` them later
+        as one (zero3's per-unit parameter gathers: each piece comes from the rank that owns it)."""
+        works = []
+        for t, src in pieces:
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = src, 0
+            works.append(self._issue(t, lambda pg, t=t, opts=opts: pg.broadcast([t], opts), what))
+        return self.start(works, what)
 
     def reduce(self, t: torch.Tensor, dst: int, op: dist.ReduceOp, what: str = "reduce") -> None:
         self.finish(self.reduce_start(t, dst, op, what))
@@ -310,6 +318,10 @@ class Comm:
         return self.start(self._issue(mine, lambda pg: pg.gather(outs, [mine], opts), what), what)
 
     # --- XOR / AND: the backend's bitwise reduce ops, or the exchange path (comm/bitwise.py) ---
+    def on_gloo(self, t: torch.Tensor) -> bool:
+        """`t`'s collectives run on gloo (not on a device group)."""
+        return self._pg(t) is self.pg
+
     def bitwise_path(self, t: torch.Tensor) -> str:
         """How XOR/AND of `t` runs here: "native" (gloo's BXOR/BAND) or "exchange" (NCCL has neither)."""
         return "native" if self.bitwise_reduce == "auto" and self._pg(t) is self.pg else "exchange"

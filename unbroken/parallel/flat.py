@@ -92,11 +92,15 @@ class FlatModel:
         for p in self.plist:
             p.grad = None
 
-    def collect_grads(self, loss: float) -> None:
+    def collect_grads(self, loss: float, captured: list[bool] | None = None) -> None:
+        """Each parameter's .grad into `grads` (zeros where it has none), except those `captured`
+        (zero3 copied them during backward: parallel/units.py); padding zeroed, loss set."""
         off = 0
-        for p in self.plist:
+        for i, p in enumerate(self.plist):
             k = p.numel()
-            if p.grad is None:
+            if captured is not None and captured[i]:
+                pass
+            elif p.grad is None:
                 self.grads[off:off + k].zero_()
             else:
                 self.grads[off:off + k].copy_(p.grad.reshape(-1))

@@ -10,8 +10,11 @@ so a rank holds only its own shard's averaged gradient; with no peer holding a l
 gradients there is nothing to replay from, so parity is brought up to date on every step
 (protect_every 1) and a step cut short in its update is redone on every rank, applying only
 the chunks that do not have it yet (`update` skips them; parity is then rebuilt at commit).
-`ddp`: every rank owns everything (replicated); no parity is needed because any survivor is
-a copy.
+`zero3`: zero2 with the parameters sharded too: the rank's parameter shard (`param_shard`) is a
+tensor of its own, not a slice of a full parameter buffer, so there is no all-gather at commit
+(parallel/units.py gathers each unit of the model just in time); shards, chunks and parity are
+zero2's. `ddp`: every rank owns everything (replicated); no parity is needed because any
+survivor is a copy.
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ class OwnedState:
         self.k = group_size if (sharded and group_size >= 2) else 1
         # parity every K steps; the gradient ring keeps the K averaged gradients a replay needs
         # (zero2 keeps none: parity every step)
-        if strategy == "zero2":
+        if strategy in ("zero2", "zero3"):
             protect_every, grad_slots = 1, 1
         self.protect_every = protect_every if self.k >= 2 else 1
         self.flat = FlatModel(named, world=world if sharded else 1, chunk_elems=chunk_elems,
@@ -55,12 +58,16 @@ class OwnedState:
                               ranks=world, buffer_words=buffers.words)
         self.lo, self.hi = self.flat.shard_range(rank if sharded else 0)
         n = self.hi - self.lo
+        # zero3: the shard is the only copy of these parameters this rank keeps (flat.params, the
+        # full buffer, lives only until the initial sync: drop_full)
+        self.param_shard = (self.flat.params[self.lo:self.hi].clone() if strategy == "zero3"
+                            else self.flat.params[self.lo:self.hi])
         dev = self.flat.device  # all of a rank's state lives where its model does
         self.opt_state = {name: torch.zeros(n, device=dev) for name in optim.state_names}
         self._runs = _group_runs(self.flat.plist, group_of, self.lo, self.hi)
         self.reset_state()
         trailer = self.k if self.k >= 2 else 0
-        self.state = ChunkedState([self.flat.params[self.lo:self.hi], *self.opt_state.values()],
+        self.state = ChunkedState([self.param_shard, *self.opt_state.values()],
                                   self.flat.chunk_elems, trailer_words=trailer)
         e = self.state.chunk_elems
         # each chunk in two halves: fault phase `midchunk` fires between them
@@ -94,8 +101,20 @@ class OwnedState:
 
     @property
     def sharded_grads(self) -> bool:
-        """zero2: each rank holds only its own shard of the averaged gradient."""
-        return self.strategy == "zero2"
+        """zero2, zero3: each rank holds only its own shard of the averaged gradient."""
+        return self.strategy in ("zero2", "zero3")
+
+    @property
+    def sharded_params(self) -> bool:
+        """zero3: each rank holds only its own shard of the parameters (outside forward/backward)."""
+        return self.strategy == "zero3"
+
+    def drop_full(self) -> None:
+        """zero3, after the initial sync (or at once, for a shadow): the shard from the full
+        buffer, which is then freed."""
+        if self.sharded_params and self.flat.params is not None:
+            self.param_shard.copy_(self.flat.params[self.lo:self.hi])
+            self.flat.params = None
 
     @property
     def snapshot_bytes(self) -> int:
@@ -141,7 +160,7 @@ class OwnedState:
             grad = grads[lo + a:lo + b]
             if s.clip_coef != 1.0:
                 grad = grad * s.clip_coef  # as clip_grad_norm_; the ring keeps the unclipped gradient
-            self.optim.apply(self.flat.params[lo + a:lo + b], grad, {k: t[a:b] for k, t in self.opt_state.items()},
+            self.optim.apply(self.param_shard[a:b], grad, {k: t[a:b] for k, t in self.opt_state.items()},
                              s.groups[g], s.step)
 
     # --- the step's update ---------------------------------------------------------------
@@ -172,7 +191,7 @@ class OwnedState:
         """Make the step visible everywhere: all-gather the updated parameter shards. After a
         parity step, its completion proves every holder absorbed every window: the snapshot
         moves to this step."""
-        if self.sharded and self.world > 1:
+        if self.sharded and self.world > 1 and not self.sharded_params:
             # in place: each rank's shard is already in its slot of the flat buffer
             world.allgather_into(self.flat.params, self.flat.params[self.lo:self.hi], what="parameter all-gather")
         if parity_step is not None:
@@ -185,6 +204,12 @@ class OwnedState:
             return None
         self.rebuild_at = None
         return self.rebuild_parity(group, step)
+
+    def roll_back_to_snapshot(self) -> None:
+        """zero3, an update cut short before any parity window absorbed it: every chunk back to the
+        snapshot (the state the parity still encodes), so the step can be redone from there."""
+        self.state.copy_from(self.snap)
+        self.txn.chunk_ver[:] = self.txn.snap_ver
 
     def take_snapshot(self, step: int) -> None:
         if self.snap is not None:
@@ -212,7 +237,7 @@ class OwnedState:
     def tensors(self) -> dict[str, torch.Tensor]:
         """What a checkpoint (and a replica hand-off) holds: the parameter shard, its optimizer
         state and the committed model buffers."""
-        return {"params": self.flat.params[self.lo:self.hi], **self.opt_state, "buffers": self.buffers.committed}
+        return {"params": self.param_shard, **self.opt_state, "buffers": self.buffers.committed}
 
     def load(self, tensors: dict[str, torch.Tensor], step: int) -> None:
         mine = self.tensors()

@@ -24,13 +24,16 @@ from rich.table import Table
 from unbroken.cli_error import fail
 from unbroken.config import ConfigError, RunConfig
 from unbroken.plan import cost, profile as profiles, ranks
+from unbroken.protect.interval import memory_budget_bytes
 from unbroken.plan.topology import Topology, TopologyError
 
 # What `--strategy auto` may pick: the strategies whose unbroken schedule the cost model
 # describes. Its zero2 is FSDP2's (per-unit gathers, reduce-scatter overlapped with backward);
 # unbroken's zero2 keeps whole parameters and reduce-scatters once after backward, so the
-# planner does not choose it until the model has that schedule.
-RUNNABLE = ("ddp", "zero1")
+# planner does not choose it until the model has that schedule. unbroken's zero3 gathers per
+# unit as the model's zero3 does and reduce-scatters once after backward: predicted with
+# schedule "unbroken" (plan/cost.py).
+RUNNABLE = ("ddp", "zero1", "zero3")
 
 
 def cache_path(model, batch_size: int, ranks_per_host: int) -> Path:
@@ -67,9 +70,15 @@ def _topology(topology: Optional[Path], measure_to: Optional[Path], world: int, 
         return ranks.topology(world, out, max_bytes=16 << 20, op_budget_s=1.0, label="loopback")
 
 
-def plan_predictions(prof, topo: Topology, *, parity_group: int, protect_every: int) -> list[cost.Prediction]:
-    return [cost.predict(s, prof, topo, protection_bytes=protection_bytes(
-        s, prof.params, topo.world, parity_group=parity_group, protect_every=protect_every)) for s in cost.STRATEGIES]
+def plan_predictions(prof, topo: Topology, *, parity_group: int, protect_every: int,
+                     schedule: str = "fsdp") -> list[cost.Prediction]:
+    """Every strategy's prediction; schedule "unbroken": zero3 as unbroken runs it (plan/cost.py),
+    whose gradient ring holds one step (zero2 and zero3 bring parity up to date every step)."""
+    def k(s: str) -> int:
+        return 1 if schedule == "unbroken" and s in ("zero2", "zero3") else protect_every
+
+    return [cost.predict(s, prof, topo, schedule=schedule, protection_bytes=protection_bytes(
+        s, prof.params, topo.world, parity_group=parity_group, protect_every=k(s))) for s in cost.STRATEGIES]
 
 
 def plan(model: str = typer.Option("tiny-gpt", "--model", help="tiny-gpt, small, or key=value,... over ModelConfig"),
@@ -140,15 +149,26 @@ def _table(preds: list[cost.Prediction], chosen: cost.Prediction, limit: float |
 
 def choose_for_run(cfg: RunConfig) -> tuple[str, str]:
     """(strategy, why) for `unbroken run --strategy auto`: the planner's pick among the strategies
-    unbroken runs, on loopback (this host), the job's model, batch and protection settings."""
+    unbroken runs, on loopback (this host), the job's model, batch and protection settings: the
+    fastest whose predicted peak fits the memory this host has free per process (its workers
+    and shadows), so a model too big for ddp's or zero1's replicas gets zero3.
+    ConfigError (exit 2) when none fits."""
     with tempfile.TemporaryDirectory() as tmp:
         topo = ranks.topology(cfg.world_size, Path(tmp) / "topology.json", max_bytes=16 << 20, op_budget_s=1.0,
                               label="loopback")
     prof = profiles.load_or_measure(cache_path(cfg.model, cfg.batch_size, cfg.world_size), cfg.model,
                                     batch_size=cfg.batch_size, ranks_per_host=cfg.world_size)
     k = cfg.protect_every if isinstance(cfg.protect_every, int) else 8
-    preds = [p for p in plan_predictions(prof, topo, parity_group=cfg.parity_group, protect_every=k)
-             if p.strategy in RUNNABLE]
-    chosen = cost.choose(preds, None)
-    why = ", ".join(f"{p.strategy} {p.step_s * 1e3:.0f} ms" for p in preds)
-    return chosen.strategy, f"predicted step: {why}"
+    preds = [p for p in plan_predictions(prof, topo, parity_group=cfg.parity_group, protect_every=k,
+                                         schedule="unbroken") if p.strategy in RUNNABLE]
+    limit = memory_budget_bytes(cfg.world_size + cfg.shadow_pool_max, fraction=1.0)
+    try:
+        chosen = cost.choose(preds, limit)
+    except cost.PlanError:
+        least = min(preds, key=lambda p: p.peak_bytes)
+        raise ConfigError(f"--strategy auto: no strategy fits in the {limit / 2**30:.2f} GiB this host has free per "
+                          f"process; the smallest is {least.strategy} at {least.peak_bytes / 2**30:.2f} GiB: use "
+                          "more ranks, fewer shadows or a smaller batch") from None
+    why = ", ".join(f"{p.strategy} {p.step_s * 1e3:.0f} ms{'' if p.fits(limit) else ' (does not fit)'}"
+                    for p in preds)
+    return chosen.strategy, f"predicted step: {why}; {limit / 2**30:.1f} GiB free per process"

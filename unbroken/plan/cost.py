@@ -11,10 +11,15 @@ step (the profile's world-1 step minus its forward, backward and optimizer). Col
     zero3  zero2 plus the all-gather again before each unit's backward (prefetched one ahead;
            the root stays gathered from forward to backward)
 
+unbroken's own zero3 (`schedule="unbroken"`, what `--strategy auto` predicts it with) gathers
+as zero3 above but sums the gradient in one reduce-scatter after backward (as its zero2 does:
+the same reduction, hence the same bits), and holds the whole local gradient until then.
+
 Memory per rank (fp32, Adam's two moments; P = 4 bytes x parameters, N ranks): ddp 4P,
 zero1 2P + 2P/N, zero2 P + 3P/N, zero3 4P/N as state; plus transients (DDP's bucket copy P,
 zero2's unsharded parameters, zero3's two largest units), the activations, and unbroken's
-protection memory when asked for (`protection_bytes`).
+protection memory when asked for (`protection_bytes`). unbroken's zero3: 4P/N as state plus the
+local gradient (P) as state, its two largest units' parameters as transient.
 """
 from __future__ import annotations
 
@@ -70,7 +75,7 @@ def _gradient_allreduce(pipe: Pipeline, prof: ModelProfile, topo: Topology) -> N
         pipe.add("all-reduce", "comm", topo.seconds("all_reduce", b), after=[piece])
 
 
-def _fsdp(pipe: Pipeline, prof: ModelProfile, topo: Topology, *, regather: bool) -> None:
+def _fsdp(pipe: Pipeline, prof: ModelProfile, topo: Topology, *, regather: bool, scatter_after: bool = False) -> None:
     units = list(prof.units)
     order = [units[-1], *units[:-1]]  # the root's all-gather comes first (it wraps the blocks)
     prev = None
@@ -90,11 +95,16 @@ def _fsdp(pipe: Pipeline, prof: ModelProfile, topo: Topology, *, regather: bool)
                                          topo.seconds("all_gather", 4 * nxt.params), after=[prev])
         deps = [prev] + ([gathers[u.name]] if u.name in gathers else [])
         prev = pipe.add(f"backward {u.name}", "compute", prof.backward_s * u.flop_share, after=deps)
-        pipe.add(f"reduce-scatter {u.name}", "comm", topo.seconds("reduce_scatter", 4 * u.params), after=[prev])
+        if not scatter_after:
+            pipe.add(f"reduce-scatter {u.name}", "comm", topo.seconds("reduce_scatter", 4 * u.params), after=[prev])
+    if scatter_after:  # one reduce-scatter of the whole gradient once backward has ended
+        pipe.add("reduce-scatter", "comm", topo.seconds("reduce_scatter", 4 * prof.params), after=[prev])
 
 
-def predict(strategy: str, prof: ModelProfile, topo: Topology, *, protection_bytes: int = 0) -> Prediction:
-    """Step time and memory of `strategy` on `topo` (whose world size is the job's)."""
+def predict(strategy: str, prof: ModelProfile, topo: Topology, *, protection_bytes: int = 0,
+            schedule: str = "fsdp") -> Prediction:
+    """Step time and memory of `strategy` on `topo` (whose world size is the job's); schedule
+    "unbroken": unbroken's own zero3 (module docstring), else the native peers' schedules."""
     if strategy not in STRATEGIES:
         raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or auto")
     p = topo.world
@@ -112,17 +122,17 @@ def predict(strategy: str, prof: ModelProfile, topo: Topology, *, protection_byt
             for n in prof.tensor_elems:
                 pipe.add("broadcast", "comm", topo.seconds("broadcast", 4 * n), after=[last])
     else:
-        _fsdp(pipe, prof, topo, regather=strategy == "zero3")
+        _fsdp(pipe, prof, topo, regather=strategy == "zero3", scatter_after=schedule == "unbroken")
     span = pipe.makespan()
     compute = pipe.busy("compute") + overhead + (0.0 if strategy == "zero1" else opt)
     step = span + overhead + (0.0 if strategy == "zero1" else opt)
-    state, peak = memory(strategy, prof, p)
+    state, peak = memory(strategy, prof, p, schedule=schedule)
     return Prediction(strategy=strategy, step_s=step, compute_s=compute, comm_s=pipe.busy("comm"),
                       exposed_comm_s=max(0.0, step - compute), state_bytes=state,
                       peak_bytes=peak + protection_bytes)
 
 
-def memory(strategy: str, prof: ModelProfile, world: int) -> tuple[int, int]:
+def memory(strategy: str, prof: ModelProfile, world: int, *, schedule: str = "fsdp") -> tuple[int, int]:
     """(state bytes, peak bytes) per rank: parameters, gradients, Adam's moments, transients, activations."""
     P, n = 4 * prof.params, world
     shard = lambda x: math.ceil(x / n)  # noqa: E731
@@ -133,6 +143,8 @@ def memory(strategy: str, prof: ModelProfile, world: int) -> tuple[int, int]:
         state, transient = 2 * P + shard(2 * P), P
     elif strategy == "zero2":
         state, transient = P + shard(3 * P), largest[0]  # a unit's unsharded gradient before its reduce-scatter
+    elif schedule == "unbroken":  # + the whole local gradient; two units' parameters
+        state, transient = P + shard(4 * P), sum(largest[:2])
     else:
         state, transient = shard(4 * P), sum(largest[:2]) * 2  # current + prefetched unit, parameters and gradients
     return state, state + transient + prof.activation_bytes

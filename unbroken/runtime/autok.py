@@ -14,7 +14,8 @@ import statistics
 
 import torch
 
-from unbroken.protect.interval import DEFAULT_K, best_interval
+from unbroken.config import ConfigError
+from unbroken.protect.interval import DEFAULT_K, best_interval, memory_budget_bytes, ring_slots
 
 N_AUX = 3  # (step_s, update_s, parity_extra_s)
 
@@ -56,3 +57,15 @@ class IntervalTuner:
                           max_k=self.max_k)
         return {"protect_every": k, "parity_extra_s": round(extra, 5), "step_s": round(step_s, 5),
                 "replay_step_s": round(update_s, 5), "mtbf_s": self.mtbf_s, "max_k": self.max_k}
+
+
+def gradient_ring_slots(cfg, n_params: int) -> int:
+    """Gradient buffers the ring needs (K, or the most "auto" may use); ConfigError naming the
+    largest K that fits when the ring would not fit in memory."""
+    if not cfg.tier1 or cfg.strategy != "zero1" or cfg.effective_parity_group < 2:
+        return 1
+    grad_bytes = 4 * (n_params + 4)
+    try:
+        return ring_slots(cfg.protect_every, grad_bytes, memory_budget_bytes(cfg.world_size + cfg.shadow_pool_max))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -125,6 +125,8 @@ def _rebuild(tr: RecoveryInputs, new_member: bool) -> None:
     src = _state_source(survivors, target, handed_off=bool(holders))
     if src is None:
         path = _restore_tier2(tr, reason=f"no survivor can bring its state to step {target}")
+    elif owned.sharded_params and any(s["chunks"][1] > target for s in survivors):
+        path = _zero3_update_cut_short(tr, status, survivors, new_ranks, target, src)
     elif owned.sharded_grads and owned.tier1 is not None and any(s["chunks"][1] > target for s in survivors):
         path = _rebuild_redo_kept(tr, status, new_ranks, target)
     elif owned.sharded and owned.tier1 is not None:
@@ -153,6 +155,22 @@ def _rebuild(tr: RecoveryInputs, new_member: bool) -> None:
                            recompute_ranks=[] if holders else sorted(set(range(tr.world_size)) - set(kept)),
                            replaced=new_ranks, rebuild_s=round(secs, 4), rebuilt_bytes=nbytes,
                            rebuild_gbps=round(nbytes / secs / 1e9, 3))
+
+
+def _zero3_update_cut_short(tr: RecoveryInputs, status: list[dict], survivors: list[dict], new_ranks: list[int],
+                            target: int, src: int) -> str:
+    """zero3, step target+1 cut short inside its update. No rank keeps a full copy of the
+    parameters (nor its local gradient), so the redone step starts from the state of `target`
+    everywhere: while no parity window has absorbed the step anywhere, the parity and every
+    survivor's snapshot still hold that state (the survivors roll back to it, the lost shard
+    is decoded at it) and the step is redone as after a kill before the update; once a window
+    has, the lost shard's values of `target` exist nowhere: tier 2."""
+    if any(s["snap_ver"] != target or set(s["parity_ver"]) != {target} for s in survivors):
+        return _restore_tier2(tr, reason=f"zero3: step {target + 1} was cut short inside its update after parity "
+                                         f"absorbed part of it: no copy of the parameters of step {target} is left")
+    if tr.st.has_state:
+        tr.owned.roll_back_to_snapshot()
+    return _rebuild_sharded(tr, status, new_ranks, target, src, redo=True)
 
 
 def _state_source(survivors: list[dict], target: int, *, handed_off: bool) -> int | None:
@@ -243,7 +261,7 @@ def _rebuild_sharded(tr: RecoveryInputs, status: list[dict], new_ranks: list[int
     for r in new_ranks:
         lost_by_group.setdefault(owned.groups.group_of(r), []).append(r)
     can = all(len(v) == 1 for v in lost_by_group.values())
-    if target == 0:
+    if target == 0 and not owned.sharded_params:
         # Nothing was ever updated: everyone holds the initial parameters; moments are zero.
         tr.comm.broadcast(owned.flat.params, src=src, what="initial parameter hand-off")
         if tr.rank in new_ranks:
@@ -256,7 +274,8 @@ def _rebuild_sharded(tr: RecoveryInputs, status: list[dict], new_ranks: list[int
     c_max = max(s["committed"] for s in status if not s["new"])
     log_src = _log_source(status, oldest + 1, c_max)
     tr.st.steps_replayed = target - oldest if new_ranks else 0  # steps the lost shard is replayed
-    if point is not None and can and redo and log_src is not None:
+    # (zero3: a new member's forward gathers its own shard, so it must hold it first: no overlap)
+    if point is not None and can and redo and log_src is not None and not owned.sharded_params:
         return _rebuild_overlapped(tr, status, lost_by_group, target, point, log_src)
     mine_lost = lost_by_group.get(owned.groups.group_of(tr.rank), [])
     ok, buf, pv = log_src is not None, None, None

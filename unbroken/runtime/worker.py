@@ -33,10 +33,9 @@ from unbroken.parallel.schedule import ScheduleClock
 from unbroken.parallel.strategy import OwnedState
 from unbroken.config import ConfigError
 from unbroken.protect.txn import StepScalars
-from unbroken.protect.interval import memory_budget_bytes, ring_slots
-from unbroken.runtime.autok import IntervalTuner
+from unbroken.runtime.autok import IntervalTuner, gradient_ring_slots
 from unbroken.runtime.overlap_tune import overlap_control
-from unbroken.runtime import adopt, crash, devices, membership
+from unbroken.runtime import adopt, crash, devices, membership, zero3
 from unbroken.runtime.determinism import FORWARD, InputFingerprints, seed_everything
 from unbroken.runtime.loop import LoopAPI
 from unbroken.runtime.numerics import NonFiniteGradient, NumericsChecks, NumericsFault  # noqa: F401 (re-exported)
@@ -45,18 +44,6 @@ from unbroken.runtime.context import ProcessContext
 from unbroken.runtime.recovery import RolledBack, finish_deferred_decode, recover, reporter, resume_from_tier2
 from unbroken.runtime.state import RecoveryInputs, TrainState
 from unbroken.runtime.faults import FaultInjector
-
-
-def gradient_ring_slots(cfg, n_params: int) -> int:
-    """Gradient buffers the ring needs (K, or the most "auto" may use); ConfigError naming the
-    largest K that fits when the ring would not fit in memory."""
-    if not cfg.tier1 or cfg.strategy != "zero1" or cfg.effective_parity_group < 2:
-        return 1
-    grad_bytes = 4 * (n_params + 4)
-    try:
-        return ring_slots(cfg.protect_every, grad_bytes, memory_budget_bytes(cfg.world_size + cfg.shadow_pool_max))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 class LayoutMismatch(ValueError):
@@ -169,6 +156,8 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         self.rank = rank
         if getattr(self, "buckets", None) is not None:
             self.buckets.close()
+        if getattr(self, "units", None) is not None:
+            self.units.close()  # zero3: the parameters are plain tensors again before a new state reads them
         cfg = self.cfg
         try:
             slots = gradient_ring_slots(cfg, sum(p.numel() for _, p in self.named))
@@ -182,9 +171,12 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
                                 chunk_elems=max(16, cfg.chunk_kb * 1024 // (4 * n_tensors)),
                                 protect_every=self.tuner.initial_k if cfg.protect_every == "auto"
                                 else int(cfg.protect_every), grad_slots=slots, nnodes=self.ctx.nnodes)
+        self.units = zero3.build_units(self.model, self.owned, lambda: self.comm)  # zero3: gathered per unit
+        if self.st.has_state is not True:
+            self.owned.drop_full()  # a shadow: its shard comes from recovery, never from the initial sync
         self.overlap.adopt_agreed(self.ctx.store)  # a member joining later: the plan its peers tuned
         self.buckets = GradBuckets(self.owned.flat, bucket_elems=self.overlap.plan.bucket_elems)
-        self.local_grads = torch.empty_like(self.owned.flat.grads)
+        self.local_grads = zero3.kept_buffer(self.owned)
         # zero2's reduce-scatter output (the other strategies all-reduce in place: nothing to allocate)
         self._shard_grad = (torch.empty(self.owned.hi - self.owned.lo, device=self.owned.flat.device)
                             if self.owned.sharded_grads else None)
@@ -208,6 +200,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
             if self.rank == 0:
                 self._check_fault_chunks()
             self.comm.broadcast(self.owned.flat.params, src=0, what="initial parameter sync")
+            self.owned.drop_full()  # zero3: keep only this rank's shard of them
             if self.model_buffers.words:  # as DDP at construction: rank 0's buffers everywhere
                 self.comm.broadcast(self.model_buffers.committed, src=0, what="initial buffer sync")
                 self.model_buffers.restore()
@@ -224,6 +217,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
                 resume_from_tier2(self._recovery_inputs())
         except CollectiveError as e:
             self.ctx.events.emit("collective_error", step=0, phase="build", error=str(e)[:300])
+            self.owned.drop_full()
             recover(self._recovery_inputs(), new_member=False)
         if not self.ctx.resume:
             self._maybe_checkpoint(0)
@@ -418,8 +412,8 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         tail (loss, votes, fingerprints, buffers) that also sums each shard's squared norm.
         Returns the averaged gradient's global norm."""
         owned, flat = self.owned, self.owned.flat
-        shard = self._shard_grad
-        self.comm.reduce_scatter(shard, grads[:flat.n_pad], what=f"gradient reduce-scatter step {t}")
+        shard = zero3.sum_gradient_shard(self.comm, owned, grads, self._shard_grad,
+                                         what=f"gradient reduce-scatter step {t}")
         shard.div_(self.world_size)
         grads[owned.lo:owned.hi].copy_(shard)
         grads[flat.norm_sq] = float(torch.linalg.vector_norm(shard)) ** 2
@@ -436,6 +430,8 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         if self._slow_s:
             time.sleep(self._slow_s)
         flat.zero_grad()
+        if self.units is not None:
+            self.units.begin_step()
         self.model_buffers.restore()  # a redone forward starts from the committed buffers
         n = self.accumulation_steps
         values = []
@@ -457,13 +453,15 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
                                what=f"gradient all-reduce step {t}")
             last.backward()
         else:
+            if self.units is not None:
+                self.units.capture(flat.grads)  # zero3: each gradient lands as its unit's backward ends
             last.backward()
-            flat.collect_grads(value)
+            flat.collect_grads(value, self.units.end_step() if self.units is not None else None)
             if self._nan_pending:
                 flat.grads[0] = float("nan")
-            self.local_grads.copy_(flat.grads)
+            kept = zero3.keep_local(self.owned, flat.grads, self.local_grads, t)
         self._nan_pending = False
-        self.st.local_step = t
+        self.st.local_step = t if overlap else kept
 
     def _call(self, closure, i: int) -> torch.Tensor:
         loss = closure() if self.accumulation_steps == 1 else closure(i)
@@ -568,7 +566,10 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
 
     # --- the end ---------------------------------------------------------------------------
     def weights_sha256(self) -> str:
+        """sha256 of the trained parameters in flat order (zero3: collective, shard by shard)."""
         flat = self.owned.flat
+        if self.owned.sharded_params:
+            return zero3.sharded_sha256(self.comm, self.owned)
         return hashlib.sha256(flat.params[:flat.n].numpy()).hexdigest()  # hashed in place: no copy
 
     def finish(self) -> str:
@@ -578,17 +579,22 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         self._point("done", self.st.step_count)
         if self.ckpt is not None:
             self.ckpt.close(timeout=self.cfg.collective_timeout_s)
+        # what training held (the final hash and write below are not training memory: a native
+        # peer logs it here too; zero3 gathers every unit for the weights file)
+        held, peak = live_tensor_bytes([p.grad for _, p in self.named if p.grad is not None]), peak_rss_bytes()
         digest = self.weights_sha256()
-        # what training held (the final write below is not training memory: a native peer logs it here too)
-        held = live_tensor_bytes([p.grad for _, p in self.named if p.grad is not None])
         self.ctx.events.emit("worker_done", steps=self.st.step_count, weights_sha256=digest,
-                             peak_rss_bytes=peak_rss_bytes(), tensor_bytes=held,
+                             peak_rss_bytes=peak, tensor_bytes=held,
                              protection_bytes=self.owned.protection_bytes(checkpoint_writer=self.ckpt is not None))
+        if self.units is not None:
+            self.units.gather_all()
         if self.rank == 0:
             # streamed into the temp file: no clone, no in-memory copy of the serialized weights
             # (the trained parameters are views of one flat buffer, saved once)
             state = self.model.state_dict()
             atomic_write_with(self.ctx.run_dir / "weights.pt", lambda f: torch.save(state, f))
             atomic_write_bytes(self.ctx.run_dir / "weights.sha256", f"{digest}  parameters\n".encode())
+        if self.units is not None:
+            self.units.end_step()
         membership.put(self.ctx.store, f"done/{self.rank}", {"sha256": digest, "steps": self.st.step_count})
         return digest
