@@ -27,8 +27,8 @@ class Rates:
     up: tuple[float, ...]
     down: tuple[float, ...]
     latency_s: float = 2e-4
-    op_s: float = 1e-4
-    reduce_Bps: float = 2e9  # one rank summing rows (bytes of rows per second): a piece's reduction is exposed
+    op_s: float = 3e-5
+    reduce_Bps: float = 1e9  # one rank summing rows (bytes of rows per second, a loaded core): what is not overlapped
 
     def __post_init__(self) -> None:
         if len(self.up) != len(self.down) or not self.up:
@@ -163,12 +163,14 @@ def candidates(rates: Rates, nbytes: int) -> list[Pattern]:
     n, pieces = rates.world, pieces_for(nbytes)
     ident = tuple(range(n))
     by_speed = sorted(range(n), key=lambda r: (-min(rates.up[r], rates.down[r]), r))
-    out = [Pattern.static_ring(n, pieces), Pattern.static_ring(n),
-           Pattern(kind="pipelined", order=ident, split=(1,) * n, pieces=pieces)]
+    # No ring in pieces: its sends are paced by its receives (a window), so a flow to a fast peer
+    # stalls behind a slow one and measures slow (flows.py could no longer tell the links apart).
+    # The pipelined exchange posts every row at once: each flow runs at its own links' pace.
+    out = [Pattern.static_ring(n), Pattern(kind="pipelined", order=ident, split=(1,) * n, pieces=pieces)]
     split = balanced_split(rates, list(range(n)))
     out += [Pattern(kind="pipelined", order=ident, split=split, pieces=k) for k in PIECES if k != pieces]
     out.append(Pattern(kind="pipelined", order=ident, split=split, pieces=pieces))
-    out.append(Pattern(kind="ring", order=tuple(by_speed), split=split, pieces=pieces))
+    out.append(Pattern(kind="ring", order=tuple(by_speed), split=split))
     for k in range(1, n):
         aggs = tuple(sorted(by_speed[:k]))
         leaves = [r for r in range(n) if r not in aggs]
