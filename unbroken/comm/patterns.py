@@ -140,13 +140,14 @@ def reference(tp: Transport, t: torch.Tensor, seq: int, what: str = "reference a
     flat.copy_(reduce_rows(rows))
 
 
-RING_WINDOW = 2  # sends a ring rank keeps in flight: the next is on the wire while the last one ends
+RING_WINDOW = 2  # all-gather sends a ring rank keeps in flight: the next is on the wire while the last one ends
 
 
 def _ring(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) -> None:
-    """Reduce-scatter then all-gather along `order`, each chunk cut in `pieces`, one send schedule per
-    rank (`_ring_schedule`): a piece's all-gather starts once its rows are reduced, overlapping the
-    reduce-scatter of the next piece; a rank keeps RING_WINDOW sends in flight, never waits a round."""
+    """Reduce-scatter then all-gather along `order`, each chunk cut in `pieces` (`_ring_schedule`):
+    every rank's rows go to their owners at once, piece by piece; a piece's all-gather along the
+    ring starts as soon as its rows are reduced, overlapping the rows of the next pieces, with
+    RING_WINDOW all-gather sends in flight (a rank never waits for a round to end)."""
     n, me = tp.world, tp.rank
     b = bounds(flat.numel(), p.split)
     cut = [pieces_of(*b[r], p.pieces) for r in range(n)]
@@ -159,7 +160,8 @@ def _ring(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) ->
     rs_in: list[list[Transfer]] = [[] for _ in cut[me]]
     ag_in: dict[tuple[int, int], Transfer] = {}
     for src in rows:
-        for _, kind, peer, o, i in _ring_schedule(p, src, npieces):
+        theirs = _ring_schedule(p, src, npieces)  # issued rows first (below), then the all-gather
+        for _, kind, peer, o, i in sorted(theirs, key=lambda x: x[1] != "rows"):
             if peer != me:
                 continue
             if kind == "rows":
@@ -168,20 +170,24 @@ def _ring(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) ->
             else:
                 a, z = cut[o][i]
                 ag_in[(o, i)] = tp.recv(flat[a:z], src, tag(seq, PHASE_RING_GATHER, o, i))
+    mine = _ring_schedule(p, me, npieces)
+    # rows depend on nothing: all of them leave at once, each flow at its own links' pace (a slow
+    # owner does not hold up the rows for a fast one, and flows.py can read every link)
+    row_sends = [tp.send(flat[cut[o][i][0]:cut[o][i][1]], peer, tag(seq, PHASE_ROWS, me, i))
+                 for _, kind, peer, o, i in mine if kind == "rows"]
     sends, waited = [], 0
-    for _, kind, peer, owner, i in _ring_schedule(p, me, npieces):
+    for _, kind, peer, owner, i in (x for x in mine if x[1] != "rows"):
         if len(sends) - waited >= RING_WINDOW:
-            tp.wait([sends[waited]], f"{what} (ring send {waited})")
+            tp.wait([sends[waited]], f"{what} (all-gather send {waited})")
             waited += 1
         a, z = cut[owner][i]
         if kind == "own":  # my piece i: every rank's rows are in; reduce in rank order, pass it on
             tp.wait(rs_in[i], f"{what} (reduce-scatter piece {i})")
             flat[a:z] = reduce_rows([flat[a:z] if r == me else rows[r][a - lo:z - lo] for r in range(n)])
-        elif kind == "fwd":
+        else:
             tp.wait([ag_in.pop((owner, i))], f"{what} (all-gather of rank {owner}'s piece {i})")
-        phase, src = (PHASE_ROWS, me) if kind == "rows" else (PHASE_RING_GATHER, owner)
-        sends.append(tp.send(flat[a:z], peer, tag(seq, phase, src, i)))
-    tp.wait([*sends[waited:], *ag_in.values()], f"{what} (all-gather)")
+        sends.append(tp.send(flat[a:z], peer, tag(seq, PHASE_RING_GATHER, owner, i)))
+    tp.wait([*row_sends, *sends[waited:], *ag_in.values()], f"{what} (all-gather)")
 
 
 def _ring_schedule(p: Pattern, me: int, npieces: list[int]) -> list[tuple[int, int, int, int, int]]:

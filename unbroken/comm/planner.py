@@ -85,9 +85,9 @@ def predict(p: Pattern, nbytes: float, rates: Rates) -> float:
 
 
 def _ring_time(p: Pattern, c: list[float], rates: Rates) -> float:
-    """The windowed ring (patterns._ring): every rank's sends go one after another (rows to each
-    owner, then the all-gather to the next rank), its receives too, and the busiest rank's direction
-    sets the pace; what the pieces save is the reduction of a whole chunk between the two halves."""
+    """The ring (patterns._ring): every pair's bytes at that pair's rate, a rank's sends (rows to each
+    owner, the all-gather to the next rank) and receives added up, the busiest rank's direction sets
+    the pace; what the pieces save is the reduction of a whole chunk between the two halves."""
     n, order, total, busy = rates.world, p.order, sum(c), 0.0
     for i, r in enumerate(order):
         nxt, prv = order[(i + 1) % n], order[(i - 1) % n]
@@ -163,14 +163,12 @@ def candidates(rates: Rates, nbytes: int) -> list[Pattern]:
     n, pieces = rates.world, pieces_for(nbytes)
     ident = tuple(range(n))
     by_speed = sorted(range(n), key=lambda r: (-min(rates.up[r], rates.down[r]), r))
-    # No ring in pieces: its sends are paced by its receives (a window), so a flow to a fast peer
-    # stalls behind a slow one and measures slow (flows.py could no longer tell the links apart).
-    # The pipelined exchange posts every row at once: each flow runs at its own links' pace.
-    out = [Pattern.static_ring(n), Pattern(kind="pipelined", order=ident, split=(1,) * n, pieces=pieces)]
+    out = [Pattern.static_ring(n, pieces), Pattern.static_ring(n),
+           Pattern(kind="pipelined", order=ident, split=(1,) * n, pieces=pieces)]
     split = balanced_split(rates, list(range(n)))
     out += [Pattern(kind="pipelined", order=ident, split=split, pieces=k) for k in PIECES if k != pieces]
     out.append(Pattern(kind="pipelined", order=ident, split=split, pieces=pieces))
-    out.append(Pattern(kind="ring", order=tuple(by_speed), split=split))
+    out.append(Pattern(kind="ring", order=tuple(by_speed), split=split, pieces=pieces))
     for k in range(1, n):
         aggs = tuple(sorted(by_speed[:k]))
         leaves = [r for r in range(n) if r not in aggs]
