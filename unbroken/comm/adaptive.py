@@ -170,18 +170,20 @@ class AdaptiveAllreduce:
 
     def _replan(self, slots: torch.Tensor, nbytes: int) -> None:
         """Fold the last collective's flows in; the plan for this one (of `nbytes`)."""
-        for link, congested in self.table.observe_flows(self.flows_of(slots)):
-            if self.emit:
-                est = self.table.links.get(link)
-                self.emit("link_congestion", link=f"{link[0]}:{link[1]}", congested=congested, seq=self.seq,
-                          rate_Bps=est.rate if est else None, baseline_Bps=est.baseline if est else None)
+        self.table.observe_flows(self.flows_of(slots))
         self._estimates = {f"{k}:{r}": round(v.rate) for (k, r), v in sorted(self.table.links.items())}
         self.decide(nbytes)
 
     def decide(self, nbytes: int) -> None:
         """The plan for the next collective of `nbytes`, from the current estimates (the planner runs
         only when the links' picture changed: which links are slow and by how much, to 5%)."""
-        self._slow = set(self.slow_links()[0])
+        slow, fleet = self.slow_links()
+        if self.emit:
+            for link in sorted(set(slow) ^ self._slow):
+                est = self.table.links.get(link)
+                self.emit("link_congestion", link=f"{link[0]}:{link[1]}", congested=link in slow, seq=self.seq,
+                          rate_Bps=est.rate if est else None, reference_Bps=max(est.baseline, fleet) if est else None)
+        self._slow = set(slow)
         rates = self.rates()
         ref = max(rates.up + rates.down)
         key = (nbytes, tuple(round(x / ref * 20) for x in rates.up + rates.down))
@@ -192,7 +194,7 @@ class AdaptiveAllreduce:
         if plan != self.plan:
             if self.emit:
                 self.emit("collective_plan", seq=self.seq + 1, plan=plan.to_json(), previous=self.plan.to_json(),
-                          predicted_s=predicted, congested=[f"{k}:{r}" for k, r in self.table.congested()])
+                          predicted_s=predicted, congested=[f"{k}:{r}" for k, r in sorted(self._slow)])
             self.plan = plan
 
 
