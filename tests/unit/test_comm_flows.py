@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 from unbroken.comm.flows import Flow, FlowConfig, FlowTable, LinkEstimate, join, peak_rates
 
 rates = st.floats(1e3, 1e11, allow_nan=False)
-MB, FAST, SLOW = 1 << 20, 125e6, 125e6 / 4
 
 
 @given(xs=st.lists(rates, min_size=1, max_size=40))
@@ -112,20 +111,3 @@ def test_a_link_without_flows_is_forgotten_and_its_congestion_cleared():
     assert t.rate(("up", 2)) is not None
     assert t.observe_flows([Flow(0, 1, 1 << 24, 0.0, 0.1)]) == [(("up", 2), False)]
     assert t.rate(("up", 2)) is None and t.rate(("up", 0)) is not None
-
-
-def test_results_only_raise_a_link_that_was_not_measured_otherwise():
-    t = FlowTable()
-    for _ in range(3):
-        t.observe_flows([Flow(0, 1, 8 * MB, 0.0, 8 * MB / SLOW), Flow(1, 0, 8 * MB, 0.0, 8 * MB / FAST)])
-    assert t.rate(("down", 1)) == pytest.approx(SLOW)
-    t.observe_flows([Flow(1, 0, 8 * MB, 0.0, 8 * MB / FAST)])  # rank 1 now receives results only
-    t.raise_from([Flow(0, 1, 8 * MB, 0.0, 8 * MB / (FAST / 8))])  # slower than its estimate: ignored
-    assert t.rate(("down", 1)) == pytest.approx(SLOW)
-    for _ in range(2):
-        t.observe_flows([Flow(1, 0, 8 * MB, 0.0, 8 * MB / FAST)])
-        t.raise_from([Flow(0, 1, 8 * MB, 0.0, 8 * MB / FAST)])  # faster: folded in
-    assert t.rate(("down", 1)) == pytest.approx(FAST)
-    t.observe_flows([Flow(0, 1, 8 * MB, 0.0, 8 * MB / SLOW)])
-    t.raise_from([Flow(0, 1, 8 * MB, 0.0, 8 * MB / FAST)])  # measured this collective: results never override
-    assert t.links[("down", 1)].recent[-1] == pytest.approx(SLOW)

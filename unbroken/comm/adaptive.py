@@ -91,7 +91,10 @@ class AdaptiveAllreduce:
         return [[[0.0] * 4 for _ in range(PHASES)] for _ in range(self.world)]
 
     def _record(self, kind: str, peer: int, tag: int, nbytes: int, posted: float, ended: float) -> None:
-        s = self._slots[peer][(tag >> 18) & 3]
+        phase = (tag >> 18) & 3
+        if phase == PHASE_RESULTS:  # paced by the owners' reductions, not by the link: no rate
+            return
+        s = self._slots[peer][phase]
         if kind == "send":
             s[3] = posted if s[3] == 0 else min(s[3], posted)
             return
@@ -125,10 +128,8 @@ class AdaptiveAllreduce:
         self.tp.broken = f"{what} (flow statistics): {str(e).splitlines()[0][:160]}"
         raise CollectiveError(f"rank {self.rank}/{self.world}: {self.tp.broken}") from e
 
-    def flows_of(self, slots: torch.Tensor) -> tuple[list[flows.Flow], list[flows.Flow]]:
-        """The collective's flows from every rank's slots (rank j's row: what j received and sent): those
-        that measure their links, and the results, paced by the owners' reductions as much as by the
-        link (they can only show that a link is at least that fast)."""
+    def flows_of(self, slots: torch.Tensor) -> list[flows.Flow]:
+        """The collective's flows from every rank's slots (rank j's row: what j received and sent)."""
         recvs, sends = [], []
         rows = slots.tolist()  # one conversion: indexing a tensor element by element costs microseconds each
         for j in range(self.world):
@@ -138,19 +139,15 @@ class AdaptiveAllreduce:
                         recvs.append((i, j, ph, int(nb), posted, ended))
                     if sent > 0:
                         sends.append((j, i, ph, sent))
-        both = flows.join(recvs, sends)
-        return ([f for f, r in zip(both, recvs) if r[2] != PHASE_RESULTS],
-                [f for f, r in zip(both, recvs) if r[2] == PHASE_RESULTS])
+        return flows.join(recvs, sends)
 
     # --- planning ------------------------------------------------------------------------------
     def slow_links(self) -> tuple[dict[flows.Link, float], float]:
-        """The links the planner plans around (link -> its estimate) and the fleet's typical rate, the
-        median of the faster half of the links' estimates: every link's reference (a link congested
-        from the start has no uncongested rate of its own). A link is slow below `congested_below` x
-        it, and stays slow until it is above `clear_above` x it (hysteresis: no plan flapping on
-        noise). Not the link's own best estimate: a maximum over time is inflated by token-bucket
-        bursts (links measured above their line rate), and against it healthy links looked slow
-        and a recovered one never cleared (plans thrashed in the changing-rate scenario)."""
+        """The links the planner plans around (link -> its estimate) and the fleet's typical rate.
+        A link's reference is the higher of its own best estimate (its uncongested rate, once seen)
+        and the fleet's typical rate (the median of the faster half of the links: a link congested
+        from the start never saw its own). It is slow below `congested_below` x its reference, and
+        stays slow until it is above `clear_above` x it (hysteresis: no plan flapping on noise)."""
         cfg, est = self.table.cfg, {k: v for k, v in self.table.links.items() if v.rate}
         if not est:
             return {}, 1e9
@@ -159,7 +156,7 @@ class AdaptiveAllreduce:
         slow = {}
         for link, v in sorted(est.items()):
             bar = cfg.clear_above if link in self._slow else cfg.congested_below
-            if v.rate < bar * fleet:
+            if v.rate < bar * max(v.baseline, fleet):
                 slow[link] = v.rate
         return slow, fleet
 
@@ -173,11 +170,7 @@ class AdaptiveAllreduce:
 
     def _replan(self, slots: torch.Tensor, nbytes: int) -> None:
         """Fold the last collective's flows in; the plan for this one (of `nbytes`)."""
-        measured, results = self.flows_of(slots)
-        self.table.observe_flows(measured)
-        # a rank that owns nothing receives only results: without them its down link would stay at its
-        # slow estimate until forgotten (FlowConfig.stale_after) once its congestion is gone
-        self.table.raise_from(results)
+        self.table.observe_flows(self.flows_of(slots))
         self._estimates = {f"{k}:{r}": round(v.rate) for (k, r), v in sorted(self.table.links.items())}
         self.decide(nbytes)
 
@@ -189,7 +182,7 @@ class AdaptiveAllreduce:
             for link in sorted(set(slow) ^ self._slow):
                 est = self.table.links.get(link)
                 self.emit("link_congestion", link=f"{link[0]}:{link[1]}", congested=link in slow, seq=self.seq,
-                          rate_Bps=est.rate if est else None, reference_Bps=fleet)
+                          rate_Bps=est.rate if est else None, reference_Bps=max(est.baseline, fleet) if est else None)
         self._slow = set(slow)
         rates = self.rates()
         ref = max(rates.up + rates.down)

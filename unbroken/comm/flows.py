@@ -114,15 +114,6 @@ class FlowTable:
                 changed.append((link, False))
         return changed
 
-    def raise_from(self, flows: Iterable[Flow]) -> None:
-        """Flows paced by more than their links (results wait for the owners' reductions) show only that
-        a link is at least that fast: fold such a rate into a link not observed in this collective whose
-        estimate is lower (a recovered link stops looking slow); never lower an estimate with one."""
-        for link, rate in sorted(peak_rates(flows, self.cfg).items()):
-            est = self.links.get(link)
-            if est is not None and est.rate is not None and self._seen.get(link) != self.tick and rate > est.rate:
-                self.observe(link, rate)
-
     def rate(self, link: Link) -> float | None:
         est = self.links.get(link)
         return est.rate if est else None
