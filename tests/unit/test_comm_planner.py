@@ -147,12 +147,12 @@ def test_a_link_slow_from_the_start_is_slow_against_the_fleet_and_noise_is_not()
     assert len(set(noisy.rates().up + noisy.rates().down)) == 1
 
 
-def test_a_link_is_slow_against_its_own_best_and_clears_only_past_the_upper_threshold():
+def test_a_slow_link_clears_only_past_the_upper_threshold():
     ad = _fed(4, {})
     _feed(ad, {("up", 1): FAST * 0.5})  # congestion appears on a link that was fast
     ad.decide(64 * MB)
     assert set(ad.slow_links()[0]) == {("up", 1)} and ad.plan.split[1] < max(ad.plan.split)
-    _feed(ad, {("up", 1): FAST * 0.7})  # better, but not past 0.8 x its best: still slow (hysteresis)
+    _feed(ad, {("up", 1): FAST * 0.7})  # better, but not past 0.8 x the fleet: still slow (hysteresis)
     ad.decide(64 * MB)
     assert set(ad.slow_links()[0]) == {("up", 1)}
     fresh = _fed(4, {("up", 1): FAST * 0.7})  # the same rate, never slow before: not slow

@@ -143,20 +143,21 @@ class AdaptiveAllreduce:
 
     # --- planning ------------------------------------------------------------------------------
     def slow_links(self) -> tuple[dict[flows.Link, float], float]:
-        """The links the planner plans around (link -> its estimate) and the fleet's typical rate.
-        A link's reference is the higher of its own best estimate (its uncongested rate, once seen)
-        and the fleet's typical rate (the median of the faster half of the links: a link congested
-        from the start never saw its own). It is slow below `congested_below` x its reference, and
-        stays slow until it is above `clear_above` x it (hysteresis: no plan flapping on noise)."""
+        """The links the planner plans around (link -> its estimate) and the fleet's typical rate, the
+        median of the links' estimates: every link's reference (a link congested from the start has no
+        uncongested rate of its own). A link is slow below `congested_below` x it, and stays slow
+        until it is above `clear_above` x it (hysteresis: no plan flapping on noise). Neither the
+        link's own best estimate nor the faster links' rate: maxima are inflated by token-bucket
+        bursts (links measured above their line rate), and against them healthy links looked slow
+        and a recovered one did not clear (in trials of the changing-rate scenario)."""
         cfg, est = self.table.cfg, {k: v for k, v in self.table.links.items() if v.rate}
         if not est:
             return {}, 1e9
-        fast_half = sorted((v.rate for v in est.values()), reverse=True)[:(len(est) + 1) // 2]
-        fleet = statistics.median(fast_half)
+        fleet = statistics.median(v.rate for v in est.values())
         slow = {}
         for link, v in sorted(est.items()):
             bar = cfg.clear_above if link in self._slow else cfg.congested_below
-            if v.rate < bar * max(v.baseline, fleet):
+            if v.rate < bar * fleet:
                 slow[link] = v.rate
         return slow, fleet
 
@@ -182,7 +183,7 @@ class AdaptiveAllreduce:
             for link in sorted(set(slow) ^ self._slow):
                 est = self.table.links.get(link)
                 self.emit("link_congestion", link=f"{link[0]}:{link[1]}", congested=link in slow, seq=self.seq,
-                          rate_Bps=est.rate if est else None, reference_Bps=max(est.baseline, fleet) if est else None)
+                          rate_Bps=est.rate if est else None, reference_Bps=fleet)
         self._slow = set(slow)
         rates = self.rates()
         ref = max(rates.up + rates.down)
