@@ -66,7 +66,9 @@ def test_one_slow_link_scenario_runs_in_namespaces(tmp_path):
 @pytest.mark.parametrize("args,needle", [(["--scenarios", "bogus"], "unknown --scenarios bogus"),
                                          (["--slow-mbit", "2000"], "--slow-mbit < --fast-mbit"),
                                          (["--world-size", "3", "--scenarios", "two_slow"], "--world-size >= 4"),
-                                         (["--payloads", "0"], "--payloads")])
+                                         (["--payloads", "0"], "--payloads"),
+                                         (["--only", "bogus"], "unknown --only bogus"),
+                                         (["--only", "e2e", "--steps", "2"], "--steps >= 4")])
 def test_bad_options_are_one_line_errors(args, needle):
     from typer.testing import CliRunner
 
@@ -84,3 +86,23 @@ def test_collectives_flag_is_validated():
         RunConfig(collectives="fast")
     with pytest.raises(ConfigError, match="use --backend gloo"):
         RunConfig(collectives="adaptive", backend="nccl")
+
+
+def test_e2e_figures_are_ratios_of_median_step_times():
+    from unbroken.bench import collectives_e2e as e2e
+
+    rec = lambda s: {"step_s": s, "steps_timed": 6, "plan_changes": 0, "last_plan": None}  # noqa: E731
+    runs = {"gloo": [rec(1.2), rec(1.0), rec(1.4)], "static": [rec(1.5), rec(1.6), rec(1.7)],
+            "adaptive": [rec(0.8), rec(0.9), rec(1.0)]}
+    res = e2e.result(runs, world=4, fast=1000, slow=250, steps=10, rounds=3)
+    assert res["step_s"] == {"gloo": 1.2, "static": 1.6, "adaptive": 0.9}
+    assert res["speedup_vs_gloo"] == pytest.approx(1.2 / 0.9) and res["speedup_vs_static"] == pytest.approx(1.6 / 0.9)
+
+
+def test_a_full_rewrite_keeps_the_e2e_section(tmp_path):
+    import json
+
+    path = tmp_path / "collectives.json"
+    assert cb.kept_sections(path) == {}
+    path.write_text(json.dumps({"e2e": {"speedup_vs_gloo": 1.3}, "rows": []}))
+    assert cb.kept_sections(path) == {"e2e": {"speedup_vs_gloo": 1.3}}

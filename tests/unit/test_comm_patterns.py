@@ -51,7 +51,7 @@ def patterns(draw, world: int) -> Pattern:
     split = tuple(draw(st.lists(st.integers(0, 5), min_size=world, max_size=world)))
     if not sum(split):
         split = (1,) * world
-    return Pattern(kind=kind, order=order, split=split, pieces=draw(st.integers(1, 4)) if kind == "pipelined" else 1)
+    return Pattern(kind=kind, order=order, split=split, pieces=draw(st.integers(1, 4)))
 
 
 @settings(max_examples=40)

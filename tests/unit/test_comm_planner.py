@@ -42,10 +42,12 @@ def test_one_slow_rank_owns_nothing_and_the_plan_beats_the_ring_by_its_bytes(wor
     assert ring / t > 0.9 * 2 * (world - 1) / world
 
 
-def test_uniform_links_keep_the_static_ring_and_a_small_gain_does_not_switch():
+def test_uniform_links_get_an_even_plan_and_a_small_gain_does_not_switch():
     rates = Rates.uniform(4, FAST)
-    assert choose(None, rates, 64 * MB)[0] == Pattern.static_ring(4)
-    current = Pattern(kind="pipelined", order=(0, 1, 2, 3), split=(1, 1, 1, 1), pieces=32)
+    for nbytes in (MB, 16 * MB, 64 * MB, 256 * MB):
+        plan = choose(None, rates, nbytes)[0]
+        assert len(set(plan.split)) == 1 and plan.order == (0, 1, 2, 3) and plan.kind in ("ring", "pipelined")
+    current = Pattern.static_ring(4)
     assert choose(current, rates, 64 * MB, min_gain=0.1)[0] == current  # within 10%: kept
     assert choose(current, rates, 64 * MB, min_gain=0.0)[0] != current
 
@@ -117,5 +119,44 @@ def test_a_plan_change_is_an_event_written_by_rank_zero(tmp_path):
 
     plans = on_ranks(world, body)
     assert plans[0] == plans[1] == plans[2] and plans[0].split[2] == 0
-    kinds = [e.kind for e in read_events(tmp_path / "events.jsonl")]
-    assert "collective_plan" in kinds
+    evs = read_events(tmp_path / "events.jsonl")
+    assert "collective_plan" in [e.kind for e in evs]
+    assert {e.fields["link"] for e in evs if e.kind == "link_congestion" and e.fields["congested"]} == {"up:2", "down:2"}
+
+
+def _fed(world: int, rates: dict, times: int = 3) -> AdaptiveAllreduce:
+    """An adaptive all-reduce (no group: planning only) whose table saw every link at `rates` (default FAST)."""
+    ad = AdaptiveAllreduce(None, rank=0, world=world, timeout_s=5)
+    _feed(ad, rates, times)
+    return ad
+
+
+def _feed(ad: AdaptiveAllreduce, rates: dict, times: int = 3) -> None:
+    for _ in range(times):
+        for r in range(ad.world):
+            for way in ("up", "down"):
+                ad.table.observe((way, r), rates.get((way, r), FAST))
+
+
+def test_a_link_slow_from_the_start_is_slow_against_the_fleet_and_noise_is_not():
+    ad = _fed(4, {("up", 2): FAST / 2, ("down", 3): FAST / 2})
+    assert set(ad.slow_links()[0]) == {("up", 2), ("down", 3)}  # never saw its own fast rate
+    assert ad.rates().up[2] == pytest.approx(FAST / 2) and ad.rates().up[0] == pytest.approx(FAST)
+    noisy = _fed(4, {("up", 1): FAST * 0.75, ("down", 0): FAST * 1.2, ("down", 2): FAST * 0.8})
+    assert noisy.slow_links()[0] == {}  # within the threshold of the fleet: all planned alike
+    assert len(set(noisy.rates().up + noisy.rates().down)) == 1
+
+
+def test_a_slow_link_clears_only_past_the_upper_threshold():
+    ad = _fed(4, {})
+    _feed(ad, {("up", 1): FAST * 0.5})  # congestion appears on a link that was fast
+    ad.decide(64 * MB)
+    assert set(ad.slow_links()[0]) == {("up", 1)} and ad.plan.split[1] < max(ad.plan.split)
+    _feed(ad, {("up", 1): FAST * 0.7})  # better, but not past 0.8 x the fleet: still slow (hysteresis)
+    ad.decide(64 * MB)
+    assert set(ad.slow_links()[0]) == {("up", 1)}
+    fresh = _fed(4, {("up", 1): FAST * 0.7})  # the same rate, never slow before: not slow
+    assert fresh.slow_links()[0] == {}
+    _feed(ad, {})
+    ad.decide(64 * MB)
+    assert ad.slow_links()[0] == {} and len(set(ad.plan.split)) == 1

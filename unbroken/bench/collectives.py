@@ -233,6 +233,14 @@ def _bitwise(runs: dict) -> bool:
     return True
 
 
+def kept_sections(path: Path) -> dict:
+    """What `--only e2e` (bench/collectives_e2e.py) wrote into collectives.json, kept on rewrite."""
+    if not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    return {k: old[k] for k in ("e2e",) if k in old}
+
+
 def table(res: dict) -> Table:
     t = Table(title=f"all-reduce algbw (GB/s), {res['world_size']} ranks, links {res['fast_mbit']:g} Mbit/s "
                     f"(slow {res['slow_mbit']:g})")

@@ -260,10 +260,18 @@ def collectives(out: Path = _OUT, world: int = typer.Option(4, "--world-size", h
                 fast: float = typer.Option(1000.0, "--fast-mbit", help="every link's rate"),
                 slow: float = typer.Option(250.0, "--slow-mbit", help="a congested link's rate"),
                 scenarios: str = typer.Option("", "--scenarios", help="comma-separated; default: all"),
+                only: Optional[List[str]] = typer.Option(None, "--only", help="just this section, merged into "
+                                                         "collectives.json: e2e (the demo job, one slow link)"),
+                steps: int = typer.Option(20, "--steps", help="e2e: steps per run (the first 2 are not timed)"),
                 quick: bool = _QUICK) -> None:
-    """gloo's all-reduce vs our static ring vs the congestion-aware one, on shaped links in namespaces (needs root)."""
+    """gloo's all-reduce vs our static ring vs the congestion-aware one, on shaped links in namespaces (needs root);
+    `--only e2e`: the demo job's step time with one slow link under each."""
     from unbroken.bench import collectives as cb
     from unbroken.plan.netns import available
+
+    if only:
+        _collectives_e2e(out, only, world=world, fast=fast, slow=slow, steps=steps, rounds=rounds, quick=quick)
+        return
 
     sizes = _int_list(payloads, "--payloads")
     names = tuple(s for s in scenarios.split(",") if s) or cb.SCENARIOS
@@ -284,4 +292,26 @@ def collectives(out: Path = _OUT, world: int = typer.Option(4, "--world-size", h
                      log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
     res["quick"] = quick
     cb.plot(res, Path(out) / "collectives.png")
-    _finish("collectives", res, cb.table, out)
+    _finish("collectives", {**res, **cb.kept_sections(Path(out) / "collectives.json")}, cb.table, out)
+
+
+def _collectives_e2e(out: Path, only: list[str], *, world: int, fast: float, slow: float, steps: int, rounds: int,
+                     quick: bool) -> None:
+    """The `e2e` section of collectives.json (bench/collectives_e2e.py), every other key kept."""
+    from unbroken.bench import collectives_e2e as e2e
+    from unbroken.bench.node_loss import write_sections
+    from unbroken.plan.netns import available
+
+    if bad := [o for o in only if o != "e2e"]:
+        fail(f"unknown --only {', '.join(bad)}; choose from e2e")
+    if not 2 <= world <= 64 or rounds < 1 or steps < 4 or not 0 < slow < fast:
+        fail(f"need 2 <= --world-size <= 64, --rounds >= 1, --steps >= 4 and 0 < --slow-mbit < --fast-mbit; "
+             f"got {world}, {rounds}, {steps}, {slow}, {fast}")
+    if why := available():
+        fail(f"bench collectives --only e2e builds network namespaces: {why}")
+    res = e2e.measure(world=world, fast=fast, slow=slow, steps=8 if quick else steps, rounds=1 if quick else rounds,
+                      log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
+    res["quick"] = quick
+    Console().print("e2e: " + json.dumps({k: v for k, v in res.items() if k != "runs"}))
+    write_sections({"e2e": res}, Path(out) / "collectives.json")
+    Console().print(f"wrote e2e into {Path(out) / 'collectives.json'}")

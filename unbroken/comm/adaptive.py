@@ -1,13 +1,15 @@
 """The congestion-aware all-reduce: run the current plan, learn the links, re-plan, all ranks alike.
 
-After every collective each rank all-gathers one small fixed-size table of what its transfers
-saw (per peer and phase: bytes, when it posted, when the receive ended), so every rank folds
-the same flows into the same estimates (comm/flows.py) and computes the same plan
-(comm/planner.py) for the next collective: no plan ever has to be broadcast, and a change takes
+After every collective each rank issues an all-gather of one small fixed-size table of what its
+transfers saw (per peer and phase: bytes, when it posted, when the receive ended) and returns;
+the next call waits for it (by then it has usually arrived: the caller computed meanwhile), so
+every rank folds the same flows into the same estimates (comm/flows.py) and computes the same
+plan (comm/planner.py) for that collective: no plan ever has to be broadcast, and a change takes
 effect at the next collective on every rank. A congestion flag change and a plan change are
 events (`link_congestion`, `collective_plan`), written by rank 0 before the plan is used.
 
-mode "static" always runs the static ring and learns nothing (the baseline). All-reduces under
+mode "static" always runs the static ring (rank order, even chunks, its pieces set by the size
+alone) and learns nothing: the baseline. All-reduces under
 `learn_bytes` (the same decision on every rank: the size is the same) skip the exchange: their
 flows are too small to measure a link (flows.FlowConfig.min_bytes) and the sync would cost
 more than it could win.
@@ -52,26 +54,36 @@ class AdaptiveAllreduce:
         self._decided: tuple | None = None  # what the last plan was chosen for
         self.history: deque[dict] = deque(maxlen=1024)  # the last collectives: seq, plan, seconds, estimates
         self._slots = self._empty_slots()  # per peer, phase: bytes, posted, ended (receives), posted (sends)
+        self._slow: set[flows.Link] = set()  # the links the current plan was made around (hysteresis)
+        self._estimates: dict | None = None  # the link estimates the current plan was chosen from
+        self._pending: tuple | None = None  # the flow exchange in flight: (work, output, input)
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
         nbytes = t.numel() * t.element_size()
         if self.plan is None:
             self.plan, _ = planner.choose(None, planner.Rates.uniform(self.world), nbytes, min_gain=self.min_gain)
-        elif self.mode == "adaptive":
+        elif self.mode == "static":
+            self.plan = Pattern.static_ring(self.world, planner.pieces_for(nbytes))
+        elif self._pending is None:
             self.decide(nbytes)  # a new size may want other pieces (a no-op while size and links hold)
+        sync_s = None
+        if self._pending is not None:  # the last collective's flow exchange: fold it in, re-plan
+            t1 = time.perf_counter()
+            self._replan(self._finish_gather(what), nbytes)
+            sync_s = time.perf_counter() - t1  # learning's cost here: the wait for it and the planner
         self.seq += 1
         plan, t0 = self.plan, time.perf_counter()
         self._slots = self._empty_slots()
         allreduce(self.tp, t, plan, self.seq, what)
-        self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": time.perf_counter() - t0})
+        self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": time.perf_counter() - t0,
+                             "sync_s": sync_s, "estimates": self._estimates})
         if self.mode == "adaptive" and self.world > 1 and nbytes >= self.learn_bytes:
-            t1 = time.perf_counter()
-            self._replan(nbytes, what)
-            # learning's cost: the exchange, the wait for the last rank to finish included
-            self.history[-1]["sync_s"] = time.perf_counter() - t1
+            self._start_gather(what)
 
     def close(self) -> None:
-        """The group is retired: its transport's waiter threads may end."""
+        """The group is retired: its transport's waiter threads may end (a flow exchange still in
+        flight fails with the group's sockets; it writes only into its own buffer)."""
+        self._pending = None
         self.tp.close()
 
     # --- flow records ------------------------------------------------------------------------
@@ -90,17 +102,31 @@ class AdaptiveAllreduce:
         s[2] = max(s[2], ended)
         s[0] += nbytes
 
-    def _gather(self, what: str) -> torch.Tensor:
-        """Every rank's slots (world, world, PHASES, 4); bounded by the transport's timeout."""
+    def _start_gather(self, what: str) -> None:
+        """Issue the all-gather of every rank's slots (world, world, PHASES, 4) and return: it travels
+        while the caller computes, and the next call waits for it (every rank issues it at the same
+        point of the group's op sequence, so other collectives on the group keep their order)."""
         mine = torch.tensor(self._slots, dtype=torch.float64)
         out = torch.empty((self.world, *mine.shape), dtype=torch.float64)
         try:
             work = self.pg.allgather([[out[r] for r in range(self.world)]], [mine])
+        except RuntimeError as e:
+            self._gather_failed(what, e)
+        self._pending = (work, out, mine)
+
+    def _finish_gather(self, what: str) -> torch.Tensor:
+        """The slots of the exchange `_start_gather` issued; bounded by the transport's timeout."""
+        work, out, _ = self._pending
+        self._pending = None
+        try:
             work.wait(timedelta(seconds=self.tp.timeout_s))
         except RuntimeError as e:
-            self.tp.broken = f"{what} (flow statistics): {str(e).splitlines()[0][:160]}"
-            raise CollectiveError(f"rank {self.rank}/{self.world}: {self.tp.broken}") from e
+            self._gather_failed(what, e)
         return out
+
+    def _gather_failed(self, what: str, e: RuntimeError) -> None:
+        self.tp.broken = f"{what} (flow statistics): {str(e).splitlines()[0][:160]}"
+        raise CollectiveError(f"rank {self.rank}/{self.world}: {self.tp.broken}") from e
 
     def flows_of(self, slots: torch.Tensor) -> list[flows.Flow]:
         """The collective's flows from every rank's slots (rank j's row: what j received and sent)."""
@@ -116,36 +142,49 @@ class AdaptiveAllreduce:
         return flows.join(recvs, sends)
 
     # --- planning ------------------------------------------------------------------------------
+    def slow_links(self) -> tuple[dict[flows.Link, float], float]:
+        """The links the planner plans around (link -> its estimate) and the fleet's typical rate, the
+        median of the links' estimates: every link's reference (a link congested from the start has no
+        uncongested rate of its own). A link is slow below `congested_below` x it, and stays slow
+        until it is above `clear_above` x it (hysteresis: no plan flapping on noise). Neither the
+        link's own best estimate nor the faster links' rate: maxima are inflated by token-bucket
+        bursts (links measured above their line rate), and against them healthy links looked slow
+        and a recovered one did not clear (in trials of the changing-rate scenario)."""
+        cfg, est = self.table.cfg, {k: v for k, v in self.table.links.items() if v.rate}
+        if not est:
+            return {}, 1e9
+        fleet = statistics.median(v.rate for v in est.values())
+        slow = {}
+        for link, v in sorted(est.items()):
+            bar = cfg.clear_above if link in self._slow else cfg.congested_below
+            if v.rate < bar * fleet:
+                slow[link] = v.rate
+        return slow, fleet
+
     def rates(self) -> planner.Rates:
-        """The links' estimates as the planner sees them, relative to a reference: the median over
-        ranks of each rank's slower known direction. A link within the congestion threshold of it counts as the
-        reference (on shared hosts estimates wander by tens of percent, and a plan tuned to noise
-        loses to the ring), and so does a link not seen yet; a slower link counts as itself."""
-        est = {k: v.rate for k, v in self.table.links.items() if v.rate}
-        known = ([est[k] for k in (("up", r), ("down", r)) if k in est] for r in range(self.world))
-        per_rank = [min(x) for x in known if x]
-        ref = statistics.median(per_rank) if per_rank else 1e9
-        low = self.table.cfg.congested_below * ref
+        """The links as the planner sees them: a slow link (`slow_links`) at its estimate, every other
+        link, measured or not yet, at the fleet's typical rate (on shared hosts estimates wander by
+        tens of percent, and a plan tuned to that noise loses to the ring)."""
+        slow, fleet = self.slow_links()
+        return planner.Rates(up=tuple(slow.get(("up", r), fleet) for r in range(self.world)),
+                             down=tuple(slow.get(("down", r), fleet) for r in range(self.world)))
 
-        def used(link: flows.Link) -> float:
-            r = est.get(link)
-            return r if r is not None and r < low else ref
-
-        return planner.Rates(up=tuple(used(("up", r)) for r in range(self.world)),
-                             down=tuple(used(("down", r)) for r in range(self.world)))
-
-    def _replan(self, nbytes: int, what: str) -> None:
-        for link, congested in self.table.observe_flows(self.flows_of(self._gather(what))):
-            if self.emit:
-                est = self.table.links[link]
-                self.emit("link_congestion", link=f"{link[0]}:{link[1]}", congested=congested, seq=self.seq,
-                          rate_Bps=est.rate, baseline_Bps=est.baseline)
-        self.history[-1]["estimates"] = {f"{k}:{r}": round(v.rate) for (k, r), v in sorted(self.table.links.items())}
+    def _replan(self, slots: torch.Tensor, nbytes: int) -> None:
+        """Fold the last collective's flows in; the plan for this one (of `nbytes`)."""
+        self.table.observe_flows(self.flows_of(slots))
+        self._estimates = {f"{k}:{r}": round(v.rate) for (k, r), v in sorted(self.table.links.items())}
         self.decide(nbytes)
 
     def decide(self, nbytes: int) -> None:
         """The plan for the next collective of `nbytes`, from the current estimates (the planner runs
         only when the links' picture changed: which links are slow and by how much, to 5%)."""
+        slow, fleet = self.slow_links()
+        if self.emit:
+            for link in sorted(set(slow) ^ self._slow):
+                est = self.table.links.get(link)
+                self.emit("link_congestion", link=f"{link[0]}:{link[1]}", congested=link in slow, seq=self.seq,
+                          rate_Bps=est.rate if est else None, reference_Bps=fleet)
+        self._slow = set(slow)
         rates = self.rates()
         ref = max(rates.up + rates.down)
         key = (nbytes, tuple(round(x / ref * 20) for x in rates.up + rates.down))
@@ -156,7 +195,7 @@ class AdaptiveAllreduce:
         if plan != self.plan:
             if self.emit:
                 self.emit("collective_plan", seq=self.seq + 1, plan=plan.to_json(), previous=self.plan.to_json(),
-                          predicted_s=predicted, congested=[f"{k}:{r}" for k, r in self.table.congested()])
+                          predicted_s=predicted, congested=[f"{k}:{r}" for k, r in sorted(self._slow)])
             self.plan = plan
 
 

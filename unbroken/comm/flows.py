@@ -12,7 +12,9 @@ Each link's estimate is the median of its last `FlowConfig.window` observations 
 a rank descheduled on a shared host, moves nothing; a real change shows within window//2 + 1
 collectives), with a baseline (the highest estimate seen) and a congestion flag with
 hysteresis: set when the estimate falls below `congested_below` x baseline, cleared only above
-`clear_above` x baseline.
+`clear_above` x baseline. (The adaptive all-reduce plans against the fleet's rate instead,
+comm/adaptive.py `slow_links`, with the same thresholds: a maximum over time is inflated by a
+token bucket's burst.)
 Pure logic: no clocks, no I/O; comm/adaptive.py feeds it.
 """
 from __future__ import annotations

@@ -8,9 +8,10 @@ rank to its chunk, never a partial sum, and reduces them into a zero buffer in r
 pieces or the aggregation ranks: every pattern equals `reference` (gather everything, sum
 in rank order) bit for bit, for floats as for integers.
 
-    ring       reduce-scatter in N-1 shift rounds along `order` (round s: my contribution to
-               the chunk of the rank s places ahead), then a ring all-gather along `order`
-               (the static baseline: even split, one piece)
+    ring       reduce-scatter along `order` (my contribution to the chunk of the rank s places
+               ahead, s = 1..N-1), then a ring all-gather along `order`; with `pieces` > 1 each
+               chunk goes piece by piece and a piece's all-gather overlaps the next piece's
+               reduce-scatter (the static baseline: even split, identity order)
     pipelined  every transfer in flight at once, each owner chunk cut in `pieces`: a piece's
                all-gather starts as soon as it is reduced, so a rank's sending (reduce-scatter)
                overlaps its receiving (all-gather); `split` sets each rank's share
@@ -25,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from unbroken.comm.transport import Transport
+from unbroken.comm.transport import Transfer, Transport
 
 KINDS = ("ring", "pipelined", "tree")
 MAX_WORLD = 64  # the tag layout gives a source rank 6 bits
@@ -65,8 +66,9 @@ class Pattern:
         return len(self.order)
 
     @classmethod
-    def static_ring(cls, world: int) -> "Pattern":
-        return cls(kind="ring", order=tuple(range(world)), split=(1,) * world)
+    def static_ring(cls, world: int, pieces: int = 1) -> "Pattern":
+        """The baseline: ranks in rank order, even chunks (`pieces` each: the ring's own pipelining)."""
+        return cls(kind="ring", order=tuple(range(world)), split=(1,) * world, pieces=pieces)
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "order": list(self.order), "split": list(self.split), "pieces": self.pieces,
@@ -138,36 +140,74 @@ def reference(tp: Transport, t: torch.Tensor, seq: int, what: str = "reference a
     flat.copy_(reduce_rows(rows))
 
 
+RING_WINDOW = 2  # all-gather sends a ring rank keeps in flight: the next is on the wire while the last one ends
+
+
 def _ring(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) -> None:
-    n, me, order = tp.world, tp.rank, p.order
-    pos, b = order.index(me), bounds(flat.numel(), p.split)
+    """Reduce-scatter then all-gather along `order`, each chunk cut in `pieces` (`_ring_schedule`):
+    every rank's rows go to their owners at once, piece by piece; a piece's all-gather along the
+    ring starts as soon as its rows are reduced, overlapping the rows of the next pieces, with
+    RING_WINDOW all-gather sends in flight (a rank never waits for a round to end)."""
+    n, me = tp.world, tp.rank
+    b = bounds(flat.numel(), p.split)
+    cut = [pieces_of(*b[r], p.pieces) for r in range(n)]
     lo, hi = b[me]
-    rows: list[torch.Tensor] = [flat[lo:hi] if r == me else torch.empty(hi - lo, dtype=flat.dtype) for r in range(n)]
-    for s in range(1, n):  # reduce-scatter: raw contributions straight to their owner
-        dst, src = order[(pos + s) % n], order[(pos - s) % n]
-        xs = [tp.recv(rows[src], src, tag(seq, PHASE_ROWS, src, 0))] if hi > lo else []
-        if b[dst][1] > b[dst][0]:
-            xs.append(tp.send(flat[b[dst][0]:b[dst][1]], dst, tag(seq, PHASE_ROWS, me, 0)))
-        tp.wait(xs, f"{what} (reduce-scatter round {s})")
-    if hi > lo:
-        flat[lo:hi] = reduce_rows(rows)
-    nxt, prv = order[(pos + 1) % n], order[(pos - 1) % n]
-    # all-gather: finished chunks travel along the ring. Every receive is posted at once (each into
-    # its own chunk); a chunk is forwarded as soon as it has arrived, without waiting for the
-    # previous send to end, so consecutive rounds overlap
-    span = {o: b[o] for o in order if b[o][1] > b[o][0]}
-    ins = {order[(pos - s - 1) % n]: s for s in range(n - 1)}
-    recvs = {o: tp.recv(flat[span[o][0]:span[o][1]], prv, tag(seq, PHASE_RING_GATHER, o, 0))
-             for o in ins if o in span}
-    sends = []
-    for s in range(n - 1):
-        out_owner = order[(pos - s) % n]
-        if s > 0 and out_owner in recvs:
-            tp.wait([recvs[out_owner]], f"{what} (all-gather round {s - 1})")
-        if out_owner in span:
-            sends.append(tp.send(flat[span[out_owner][0]:span[out_owner][1]], nxt,
-                                 tag(seq, PHASE_RING_GATHER, out_owner, 0)))
-    tp.wait([*sends, *recvs.values()], f"{what} (all-gather)")
+    npieces = [len(c) for c in cut]
+    rows = {src: torch.empty(hi - lo, dtype=flat.dtype) for src in range(n) if src != me}
+    # every receive is posted at once, each into its own place (raw rows for my pieces, finished
+    # pieces of the other chunks), from each peer in the order it sends them: a pair's works are
+    # waited for in the order they were posted (transport.py)
+    rs_in: list[list[Transfer]] = [[] for _ in cut[me]]
+    ag_in: dict[tuple[int, int], Transfer] = {}
+    for src in rows:
+        theirs = _ring_schedule(p, src, npieces)  # issued rows first (below), then the all-gather
+        for _, kind, peer, o, i in sorted(theirs, key=lambda x: x[1] != "rows"):
+            if peer != me:
+                continue
+            if kind == "rows":
+                a, z = cut[me][i]
+                rs_in[i].append(tp.recv(rows[src][a - lo:z - lo], src, tag(seq, PHASE_ROWS, src, i)))
+            else:
+                a, z = cut[o][i]
+                ag_in[(o, i)] = tp.recv(flat[a:z], src, tag(seq, PHASE_RING_GATHER, o, i))
+    mine = _ring_schedule(p, me, npieces)
+    # rows depend on nothing: all of them leave at once, each flow at its own links' pace (a slow
+    # owner does not hold up the rows for a fast one, and flows.py can read every link)
+    row_sends = [tp.send(flat[cut[o][i][0]:cut[o][i][1]], peer, tag(seq, PHASE_ROWS, me, i))
+                 for _, kind, peer, o, i in mine if kind == "rows"]
+    sends, waited = [], 0
+    for _, kind, peer, owner, i in (x for x in mine if x[1] != "rows"):
+        if len(sends) - waited >= RING_WINDOW:
+            tp.wait([sends[waited]], f"{what} (all-gather send {waited})")
+            waited += 1
+        a, z = cut[owner][i]
+        if kind == "own":  # my piece i: every rank's rows are in; reduce in rank order, pass it on
+            tp.wait(rs_in[i], f"{what} (reduce-scatter piece {i})")
+            flat[a:z] = reduce_rows([flat[a:z] if r == me else rows[r][a - lo:z - lo] for r in range(n)])
+        else:
+            tp.wait([ag_in.pop((owner, i))], f"{what} (all-gather of rank {owner}'s piece {i})")
+        sends.append(tp.send(flat[a:z], peer, tag(seq, PHASE_RING_GATHER, owner, i)))
+    tp.wait([*row_sends, *sends[waited:], *ag_in.values()], f"{what} (all-gather)")
+
+
+def _ring_schedule(p: Pattern, me: int, npieces: list[int]) -> list[tuple[int, int, int, int, int]]:
+    """`me`'s sends in order: (step, kind, peer, chunk owner, piece). Piece i's rows go to the rank s
+    places ahead at step i(N-1) + s-1 ("rows"); the owner sends its reduced piece i on at step (i+1)(N-1)
+    ("own") and the rank r places behind it forwards it at step (i+1)(N-1) + r ("fwd"). What a send
+    waits for was sent at an earlier step by its sender: no two ranks can wait for each other."""
+    n, order = len(p.order), p.order
+    pos = order.index(me)
+    nxt = order[(pos + 1) % n]
+    out = []
+    for s in range(1, n):
+        dst = order[(pos + s) % n]
+        out += [(i * (n - 1) + s - 1, 2, dst, dst, i) for i in range(npieces[dst])]
+    out += [((i + 1) * (n - 1), 0, nxt, me, i) for i in range(npieces[me])]
+    for r in range(1, n - 1):
+        o = order[(pos - r) % n]
+        out += [((i + 1) * (n - 1) + r, 1, nxt, o, i) for i in range(npieces[o])]
+    names = ("own", "fwd", "rows")
+    return [(step, names[k], peer, o, i) for step, k, peer, o, i in sorted(out)]
 
 
 def _pipelined(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) -> None:

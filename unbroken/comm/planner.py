@@ -27,12 +27,13 @@ class Rates:
     up: tuple[float, ...]
     down: tuple[float, ...]
     latency_s: float = 2e-4
-    op_s: float = 1e-4
+    op_s: float = 3e-5
+    reduce_Bps: float = 1e9  # one rank summing rows (bytes of rows per second, a loaded core): what is not overlapped
 
     def __post_init__(self) -> None:
         if len(self.up) != len(self.down) or not self.up:
             raise ValueError(f"Rates needs one up and one down rate per rank, got {len(self.up)} and {len(self.down)}")
-        if any(not x > 0 for x in (*self.up, *self.down)) or self.latency_s < 0 or self.op_s < 0:
+        if any(not x > 0 for x in (*self.up, *self.down, self.reduce_Bps)) or self.latency_s < 0 or self.op_s < 0:
             raise ValueError(f"Rates must be > 0 bytes/s and latency, op_s >= 0 s, got {self.up}, {self.down}, "
                              f"{self.latency_s}, {self.op_s}")
 
@@ -67,12 +68,7 @@ def predict(p: Pattern, nbytes: float, rates: Rates) -> float:
     if n == 1:
         return 0.0
     if p.kind == "ring":
-        order, total = p.order, 0.0
-        for s in range(1, n):  # reduce-scatter: rank at position i sends to position i+s
-            total += lat + max(c[order[(i + s) % n]] / rates.pair(order[i], order[(i + s) % n]) for i in range(n))
-        for s in range(n - 1):  # all-gather: position i forwards chunk of position i-s to i+1
-            total += lat + max(c[order[(i - s) % n]] / rates.pair(order[i], order[(i + 1) % n]) for i in range(n))
-        return total + rates.op_s * 4 * (n - 1)
+        return _ring_time(p, c, rates)
     if p.kind == "pipelined":
         return _exchange_time(c, {r: [r] for r in range(n)}, rates, p.pieces)
     aggs = p.aggregators
@@ -86,6 +82,20 @@ def predict(p: Pattern, nbytes: float, rates: Rates) -> float:
     down = max([nbytes / rates.pair(parent[leaf], leaf) for leaf in leaves]
                + [(len(h) - 1) * nbytes / rates.up[a] for a, h in holders.items()])
     return 2 * lat + up + _exchange_time(c, holders, rates, p.pieces) + down
+
+
+def _ring_time(p: Pattern, c: list[float], rates: Rates) -> float:
+    """The ring (patterns._ring): every pair's bytes at that pair's rate, a rank's sends (rows to each
+    owner, the all-gather to the next rank) and receives added up, the busiest rank's direction sets
+    the pace; what the pieces save is the reduction of a whole chunk between the two halves."""
+    n, order, total, busy = rates.world, p.order, sum(c), 0.0
+    for i, r in enumerate(order):
+        nxt, prv = order[(i + 1) % n], order[(i - 1) % n]
+        out = sum(c[d] / rates.pair(r, d) for d in range(n) if d != r) + (total - c[nxt]) / rates.pair(r, nxt)
+        inn = sum(c[r] / rates.pair(s, r) for s in range(n) if s != r) + (total - c[r]) / rates.pair(prv, r)
+        busy = max(busy, out, inn)
+    exposed_reduce = n * max(c) / p.pieces / rates.reduce_Bps
+    return busy + exposed_reduce + rates.latency_s * 2 * (n - 1) + rates.op_s * 4 * (n - 1) * p.pieces
 
 
 def _exchange_time(c: list[float], holders: dict[int, list[int]], rates: Rates, pieces: int) -> float:
@@ -102,7 +112,8 @@ def _exchange_time(c: list[float], holders: dict[int, list[int]], rates: Rates, 
         busy = max(busy, (rows_out + results_out) / rates.up[a], (rows_in + results_in) / rates.down[a])
         fill = max(fill, rows_out / rates.up[a], rows_in / rates.down[a])
     ops = 4 * (n - 1) * pieces  # rows and results, out and in, per piece
-    return rates.latency_s * 2 * pieces + rates.op_s * ops + busy + fill / pieces
+    exposed_reduce = n * max(c) / pieces / rates.reduce_Bps
+    return rates.latency_s * 2 * pieces + rates.op_s * ops + busy + fill / pieces + exposed_reduce
 
 
 def balanced_split(rates: Rates, members: list[int], holders: dict[int, int] | None = None) -> tuple[int, ...]:
@@ -152,11 +163,12 @@ def candidates(rates: Rates, nbytes: int) -> list[Pattern]:
     n, pieces = rates.world, pieces_for(nbytes)
     ident = tuple(range(n))
     by_speed = sorted(range(n), key=lambda r: (-min(rates.up[r], rates.down[r]), r))
-    out = [Pattern.static_ring(n), Pattern(kind="pipelined", order=ident, split=(1,) * n, pieces=pieces)]
+    out = [Pattern.static_ring(n, pieces), Pattern.static_ring(n),
+           Pattern(kind="pipelined", order=ident, split=(1,) * n, pieces=pieces)]
     split = balanced_split(rates, list(range(n)))
     out += [Pattern(kind="pipelined", order=ident, split=split, pieces=k) for k in PIECES if k != pieces]
     out.append(Pattern(kind="pipelined", order=ident, split=split, pieces=pieces))
-    out.append(Pattern(kind="ring", order=tuple(by_speed), split=split))
+    out.append(Pattern(kind="ring", order=tuple(by_speed), split=split, pieces=pieces))
     for k in range(1, n):
         aggs = tuple(sorted(by_speed[:k]))
         leaves = [r for r in range(n) if r not in aggs]
