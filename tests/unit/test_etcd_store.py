@@ -169,3 +169,18 @@ def test_a_member_that_exits_at_start_is_reported_with_its_logged_reason(tmp_pat
     assert etcd_cluster._log_reason(log) == "failed to create WAL: no space left on device"
     log.write_text("plain text\nlast words\n")
     assert etcd_cluster._log_reason(log) == "last words"
+
+
+@needs_etcd
+def test_members_killed_at_start_are_named_with_their_signal_and_the_cluster_starts_again(tmp_path, monkeypatch,
+                                                                                        capsys):
+    real, first = etcd_cluster.etcd_binary(), tmp_path / "first-attempt-done"
+    fake = tmp_path / "etcd"  # the first start's members die by SIGKILL before logging, as CI once saw
+    fake.write_text(f"#!/bin/sh\nif [ ! -e {first}.$1$2 ]; then : > {first}.$1$2; kill -9 $$; fi\nexec {real} \"$@\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(etcd_cluster, "etcd_binary", lambda: str(fake))
+    with etcd_cluster.running(tmp_path / "c") as members:
+        assert EtcdStore(etcd_cluster.url(members, "again"), timeout_s=10).add("n", 1) == 1
+    err = capsys.readouterr().err
+    assert "killed by SIGKILL" in err and "log empty" in err and "starting it again" in err
+    assert not (tmp_path / "c").exists() and not (tmp_path / "c-again").exists()

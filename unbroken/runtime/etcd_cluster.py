@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -26,6 +27,10 @@ _HEARTBEAT_MS, _ELECTION_MS = 50, 500
 
 class ClusterError(RuntimeError):
     """The cluster cannot be started or stopped as asked."""
+
+
+class MembersExited(ClusterError):
+    """Members exited while the cluster started; the message names how each ended and what it logged."""
 
 
 @dataclass(frozen=True)
@@ -157,10 +162,11 @@ def _wait_healthy(members: list[Member], directory: Path, timeout_s: float) -> N
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:
-        dead = [m.name for m in members if not _alive(m.pid)]
+        dead = [m for m in members if not _alive(m.pid)]
         if dead:
-            raise ClusterError(f"etcd member(s) {', '.join(dead)} exited at start: "
-                               f"{_log_reason(directory / f'{dead[0]}.log')} (log: {directory}/{dead[0]}.log)")
+            ended = ", ".join(f"{m.name} ({_exit_status(m.pid)})" for m in dead)
+            raise MembersExited(f"etcd member(s) {ended} exited at start: {_log_reason(directory / f'{dead[0].name}.log')}"
+                                f" (log: {directory}/{dead[0].name}.log)")
         try:
             for m in members:
                 etcd3gw.client(host=m.host, port=m.client_port, timeout=2).status()
@@ -170,6 +176,18 @@ def _wait_healthy(members: list[Member], directory: Path, timeout_s: float) -> N
             last = f"{type(e).__name__}: {e}"
             time.sleep(0.1)
     raise ClusterError(f"the etcd cluster did not become healthy within {timeout_s:.0f}s ({last[:200]})")
+
+
+def _exit_status(pid: int) -> str:
+    """How an exited member ended (collected now when it is our child): an exit code or the signal."""
+    try:
+        got, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return "exit status unknown: not this process's child"
+    if got == 0:
+        return "exiting"
+    code = os.waitstatus_to_exitcode(status)
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 def _alive(pid: int) -> bool:
@@ -246,8 +264,16 @@ def scratch_dir(name: str, fallback: Path, members: int = 3) -> Path:
 @contextmanager
 def running(directory: Path, **kwargs):
     """A cluster for the length of a `with` block (tests, benchmarks): started in `directory`,
-    yielding its members; stopped and the directory removed after, also on failure."""
-    members = start(directory, **kwargs)
+    yielding its members; stopped and the directory removed after, also on failure. A throwaway cluster
+    whose members exit at start is started once more in a fresh directory on fresh ports, with the first
+    attempt's reason on stderr (CI once saw all three members end at start with empty logs)."""
+    try:
+        members = start(directory, **kwargs)
+    except MembersExited as first:
+        shutil.rmtree(directory, ignore_errors=True)
+        print(f"unbroken: etcd throwaway cluster: {first}; starting it again", file=sys.stderr, flush=True)
+        directory = directory.with_name(directory.name + "-again")
+        members = start(directory, **kwargs)
     try:
         yield members
     finally:
