@@ -60,7 +60,6 @@ def _write(msg: dict) -> None:
 
 def _become(req: dict, server: int) -> None:
     """In the forked child: turn into the requested worker, run it, never return."""
-    code = 1
     try:
         die_with_parent()
         if os.getppid() != server:  # the server died between the fork and the prctl
@@ -85,7 +84,7 @@ def _become(req: dict, server: int) -> None:
 
         traceback.print_exc()
     finally:
-        os._exit(code)
+        os._exit(1)
 
 
 def _reap(live: set[int]) -> None:
@@ -160,11 +159,11 @@ class Forked:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
+        if self.returncode is None:
+            code = self._server.wait_exit(self.pid, timeout)
+            if code is None:
                 raise subprocess.TimeoutExpired(f"forked pid {self.pid}", timeout)
-            time.sleep(0.005)
+            self.returncode = code
         return self.returncode
 
 
@@ -233,6 +232,12 @@ class ForkServer:
             if pid in self._codes:
                 return self._codes[pid]
             return -signal.SIGKILL if self._down else None
+
+    def wait_exit(self, pid: int, timeout_s: float | None) -> int | None:
+        """`pid`'s exit code once the server reports it (None if `timeout_s` passes first)."""
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self._codes or self._down, timeout=timeout_s)
+        return self.exit_code(pid)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Close its stdin (it kills and reaps what is left) and reap it."""
