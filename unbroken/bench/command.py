@@ -161,7 +161,7 @@ def multinode(out: Path = _OUT, steps: int = typer.Option(24, "--steps", help="s
               rounds: int = typer.Option(2, "--rounds", help="runs of every system per layout, interleaved"),
               profile: Optional[List[str]] = typer.Option(None, "--profile", help="link profile(s): 1gbit, 10gbit (default both)"),
               only: Optional[List[str]] = typer.Option(None, "--only", help="just these sections, merged into "
-                                                       "multinode.json: node-loss, node0-loss, store-cost"),
+                                                       "multinode.json: scaling, node-loss, node0-loss, store-cost"),
               quick: bool = _QUICK) -> None:
     """Tokens/s and per-rank efficiency for 1x4, 2x2 and 2x4 nodes x ranks on shaped links, next to torchrun + DDP
     (needs root); then whole-node loss (node 1, node 0 on the etcd store) and the etcd store's cost."""
@@ -169,23 +169,23 @@ def multinode(out: Path = _OUT, steps: int = typer.Option(24, "--steps", help="s
     from unbroken.cli_error import fail
     from unbroken.plan.netns import available
 
-    if unknown := [o for o in only or [] if o not in _NODE_SECTIONS]:
-        fail(f"unknown --only {', '.join(unknown)}; choose from {', '.join(_NODE_SECTIONS)}")
-    if only:
-        _node_sections(out, only, rounds=1 if quick else max(rounds, 3))
-        return
+    sections = list(dict.fromkeys(only or ["scaling", *_NODE_SECTIONS]))
+    if unknown := [o for o in sections if o != "scaling" and o not in _NODE_SECTIONS]:
+        fail(f"unknown --only {', '.join(unknown)}; choose from scaling, {', '.join(_NODE_SECTIONS)}")
     profiles = tuple(profile or mn.PROFILES)
     if unknown := [p for p in profiles if p not in mn.PROFILES]:
         fail(f"unknown --profile {', '.join(unknown)}; choose from {', '.join(mn.PROFILES)}")
     if steps < 6 or rounds < 1:
         fail(f"need --steps >= 6 and --rounds >= 1; got {steps}, {rounds}")
-    if available():
-        fail(f"bench multinode builds network namespaces: {available()}")
-    res = mn.measure(steps=8 if quick else steps, rounds=1 if quick else rounds, profiles=profiles,
-                     log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
-    mn.plot(res, Path(out) / "multinode.png")
-    _finish("multinode", {**res, **mn.kept_sections(Path(out) / "multinode.json")}, mn.table, out)
-    _node_sections(out, list(_NODE_SECTIONS), rounds=1 if quick else max(rounds, 3))
+    if "scaling" in sections:
+        if available():
+            fail(f"bench multinode builds network namespaces: {available()}")
+        res = mn.measure(steps=8 if quick else steps, rounds=1 if quick else rounds, profiles=profiles,
+                         log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
+        mn.plot(res, Path(out) / "multinode.png")
+        _finish("multinode", {**res, **mn.kept_sections(Path(out) / "multinode.json")}, mn.table, out)
+    if node := [s for s in sections if s != "scaling"]:
+        _node_sections(out, node, rounds=1 if quick else max(rounds, 3))
 
 
 def overlap(out: Path = _OUT, steps: int = typer.Option(20, "--steps", help="steps per run (the first 2 are not timed)"),

@@ -29,7 +29,7 @@ from unbroken.plan.netns import Netns, Wiring
 
 LAYOUTS = ((1, 4), (2, 2), (2, 4))  # (nodes, ranks per node)
 PROFILES = {"1gbit": 1000.0, "10gbit": 10000.0}
-SYSTEMS = ("unbroken-zero1", "unbroken-ddp", "torchrun-ddp")
+SYSTEMS = ("unbroken-ddp", "unbroken-zero1", "unbroken-zero2", "unbroken-zero3", "torchrun-ddp")
 _PORT = 29611
 _TOKEN = "bench-multinode"
 _TIMEOUT_S = 600.0
@@ -169,9 +169,10 @@ def plot(res: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(profiles), figsize=(5 * len(profiles), 4), dpi=120, squeeze=False)
     try:
         for ax, p in zip(axes[0], profiles):
+            width = 0.8 / len(SYSTEMS)
             for i, s in enumerate(SYSTEMS):
-                xs = [j + (i - 1) * 0.27 for j in range(len(res["layouts"]))]
-                ax.bar(xs, [res["tokens_per_s"][p][lay][s] for lay in res["layouts"]], width=0.27, label=s)
+                xs = [j + (i - (len(SYSTEMS) - 1) / 2) * width for j in range(len(res["layouts"]))]
+                ax.bar(xs, [res["tokens_per_s"][p][lay][s] for lay in res["layouts"]], width=width, label=s)
             ax.set_xticks(range(len(res["layouts"])), res["layouts"])
             ax.set_title(f"{p} links"), ax.set_xlabel("nodes x ranks"), ax.set_ylabel("tokens/s")
             ax.legend(fontsize=8)
