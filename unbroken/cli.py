@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import sys
 
-import typer
+from unbroken.runtime import prestart
+
+if __name__ == "__main__" or sys.argv[0].endswith("/unbroken"):
+    prestart.early(sys.argv)  # `run`: the fork server imports torch while the imports below do
+
+import typer  # noqa: E402 - after the fork server's start, on purpose
 
 from unbroken.bench.adoption import adoption
 from unbroken.bench.chaos import chaos

@@ -106,3 +106,34 @@ def test_the_exec_way_when_the_server_is_off(tmp_path, monkeypatch):
         assert c.popen.wait(timeout=60) == 4
     finally:
         t.stop_all()
+
+
+def test_a_run_command_line_names_its_run_directory_for_the_early_server(tmp_path):
+    from unbroken.runtime.prestart import run_dir_in
+
+    assert run_dir_in(["unbroken", "run", "--steps", "3", "--run-dir", str(tmp_path / "r")]) == str(tmp_path / "r")
+    assert run_dir_in(["unbroken", "run", f"--run-dir={tmp_path}/r", "--resume", str(tmp_path / "old")]) == \
+        str(tmp_path / "old")  # --resume wins, as in the command
+    assert run_dir_in(["unbroken", "run", "--steps", "3"]) is None  # the default run dir is chosen later
+    assert run_dir_in(["unbroken", "bench", "--run-dir", "x"]) is None and run_dir_in(["unbroken"]) is None
+
+
+def test_the_early_server_is_taken_for_its_run_directory_and_closed_for_another(tmp_path, monkeypatch):
+    from unbroken.runtime import prestart
+
+    monkeypatch.setenv("UNBROKEN_TOKEN", "secret")
+    prestart.early(["unbroken", "run", "--run-dir", str(tmp_path / "a")])
+    server = prestart._early
+    assert server is not None and "UNBROKEN_TOKEN" not in server.env
+    assert prestart.take({"UNBROKEN_RUN_DIR": str(tmp_path / "b")}) is None  # another run: closed
+    assert server._popen.poll() is not None
+    prestart.early(["unbroken", "run", "--run-dir", str(tmp_path / "a")])
+    got = prestart.take({"UNBROKEN_RUN_DIR": str(tmp_path / "a")})
+    try:
+        assert got is not None and prestart.take({"UNBROKEN_RUN_DIR": str(tmp_path / "a")}) is None  # taken once
+        got.wait_ready()
+    finally:
+        got.close()
+    monkeypatch.setenv(FORK_SERVER_ENV, "0")
+    prestart.early(["unbroken", "run", "--run-dir", str(tmp_path / "a")])
+    assert prestart._early is None

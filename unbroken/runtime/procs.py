@@ -18,11 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from unbroken.runtime import prestart
+from unbroken.runtime.prestart import FORK_SERVER_ENV, inherited as _inherited
 from unbroken.runtime.zygote import ForkServer, ForkServerDown, die_with_parent
-
-
-_SECRETS = ("UNBROKEN_TOKEN",)  # the supervisor's secrets: never in a worker's environment
-FORK_SERVER_ENV = "UNBROKEN_FORK_SERVER"  # "0": start every child the exec way
 
 
 def kill_pids(pids: list[int]) -> list[int]:
@@ -53,10 +51,6 @@ class Child:
         return self.popen.poll()
 
 
-def _inherited() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in _SECRETS}
-
-
 def fork_server(base_env: dict[str, str], warn: Callable[[str], None]) -> ForkServer | None:
     """A fork server that has imported torch, or None: off (UNBROKEN_FORK_SERVER=0), or it
     failed (`warn` says why). Start it before joining a job: waiting for its import must not
@@ -64,7 +58,7 @@ def fork_server(base_env: dict[str, str], warn: Callable[[str], None]) -> ForkSe
     `base_env` becomes every child's /proc/PID/environ (runtime/zygote.py)."""
     if os.environ.get(FORK_SERVER_ENV, "1") == "0":
         return None
-    server = ForkServer({**_inherited(), **base_env})
+    server = prestart.take(base_env) or ForkServer({**_inherited(), **base_env})
     try:
         server.wait_ready()
     except ForkServerDown as e:

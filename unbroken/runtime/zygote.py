@@ -172,6 +172,7 @@ class ForkServer:
     asks it for children, and learns their exits from a reader thread."""
 
     def __init__(self, env: dict[str, str]) -> None:
+        self.env = dict(env)  # its start environment: every forked child's /proc/PID/environ
         self._err = tempfile.TemporaryFile()  # the server's own stderr: quoted if it fails (no file in RUN_DIR yet)
         self._popen = subprocess.Popen([sys.executable, "-m", "unbroken.runtime.zygote"], env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
