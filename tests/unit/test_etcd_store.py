@@ -174,9 +174,9 @@ def test_a_member_that_exits_at_start_is_reported_with_its_logged_reason(tmp_pat
 @needs_etcd
 def test_members_killed_at_start_are_named_with_their_signal_and_the_cluster_starts_again(tmp_path, monkeypatch,
                                                                                         capsys):
-    real, first = etcd_cluster.etcd_binary(), tmp_path / "first-attempt-done"
-    fake = tmp_path / "etcd"  # the first start's members die by SIGKILL before logging, as CI once saw
-    fake.write_text(f"#!/bin/sh\nif [ ! -e {first}.$1$2 ]; then : > {first}.$1$2; kill -9 $$; fi\nexec {real} \"$@\"\n")
+    real = etcd_cluster.etcd_binary()
+    fake = tmp_path / "etcd"  # the first start's members ($4: --data-dir) die by SIGKILL before logging
+    fake.write_text(f"#!/bin/sh\ncase \"$4\" in *-again/*) exec {real} \"$@\";; esac\nkill -9 $$\n")
     fake.chmod(0o755)
     monkeypatch.setattr(etcd_cluster, "etcd_binary", lambda: str(fake))
     with etcd_cluster.running(tmp_path / "c") as members:
@@ -184,3 +184,21 @@ def test_members_killed_at_start_are_named_with_their_signal_and_the_cluster_sta
     err = capsys.readouterr().err
     assert "killed by SIGKILL" in err and "log empty" in err and "starting it again" in err
     assert not (tmp_path / "c").exists() and not (tmp_path / "c-again").exists()
+
+
+@needs_etcd
+def test_members_read_as_alive_when_proc_does_not_show_them(tmp_path, monkeypatch):
+    """In a container /proc can belong to another pid namespace (CI read three live members as dead):
+    the members this process started answer from their Popen, not from /proc."""
+    real_path = etcd_cluster.Path
+
+    def no_proc(p, *a):
+        if str(p).startswith("/proc/"):
+            return real_path("/proc/no-such-pid") / "x"
+        return real_path(p, *a)
+
+    monkeypatch.setattr(etcd_cluster, "Path", no_proc)
+    with etcd_cluster.running(real_path(tmp_path) / "c") as members:
+        assert all(etcd_cluster._alive(m.pid) for m in members)
+        assert EtcdStore(etcd_cluster.url(members, "ns"), timeout_s=10).add("n", 2) == 2
+    assert not any(etcd_cluster._alive(m.pid) for m in members)

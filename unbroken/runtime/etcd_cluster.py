@@ -23,6 +23,10 @@ from pathlib import Path
 
 STATE = "cluster.json"
 _HEARTBEAT_MS, _ELECTION_MS = 50, 500
+# members this process started, by pid: their state comes from the Popen (waitpid), never from /proc,
+# which can lag an exec (an empty cmdline) or belong to another pid namespace in a container (CI saw
+# all three live members read as dead there)
+_CHILDREN: dict[int, subprocess.Popen] = {}
 
 
 class ClusterError(RuntimeError):
@@ -116,6 +120,7 @@ def start(directory: Path, *, members: int = 3, base_port: int = 0, timeout_s: f
                  "--log-level", "warn"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
             log.close()
+            _CHILDREN[proc.pid] = proc
             started.append(Member(name, c, p, proc.pid, h))
         _write_state(directory, started)
         _wait_healthy(started, directory, timeout_s)
@@ -179,30 +184,46 @@ def _wait_healthy(members: list[Member], directory: Path, timeout_s: float) -> N
 
 
 def _exit_status(pid: int) -> str:
-    """How an exited member ended (collected now when it is our child): an exit code or the signal."""
-    try:
-        got, status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
+    """How an exited member ended: an exit code or the signal (known for members this process started)."""
+    proc = _CHILDREN.get(pid)
+    if proc is None:
         return "exit status unknown: not this process's child"
-    if got == 0:
-        return "exiting"
-    code = os.waitstatus_to_exitcode(status)
+    code = proc.poll()
+    if code is None:
+        return "still running"
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 def _alive(pid: int) -> bool:
-    """`pid` is still one of our etcd processes (not exited, not a zombie, not a reused number)."""
+    """`pid` is still one of our etcd processes (not exited, not a zombie, not a reused number).
+
+    A member this process started answers from its Popen (which also reaps it); any other pid (a
+    cluster started by an earlier `unbroken store start`) from a signal 0 and /proc, where a cmdline
+    that names another program means the number was reused."""
+    proc = _CHILDREN.get(pid)
+    if proc is not None:
+        return proc.poll() is None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False  # another user's process: the number was reused
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
-        return False  # gone (any other OSError, e.g. out of file descriptors, is not an answer: raised)
-    return stat.rsplit(")", 1)[1].split()[0] != "Z" and b"etcd" in cmd
+        return True  # signal 0 reached it; this /proc does not show it (another pid namespace)
+    return stat.rsplit(")", 1)[1].split()[0] != "Z" and (not cmd or b"etcd" in cmd)
 
 
 def _reap(pid: int) -> None:
+    proc = _CHILDREN.get(pid)
+    if proc is not None:
+        proc.poll()  # ours: collect it once it has exited
+        return
     try:
-        os.waitpid(pid, os.WNOHANG)  # ours (this process started it): collect it
+        os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         pass
 
@@ -223,6 +244,9 @@ def _stop_members(members: list[Member], grace_s: float = 5.0) -> None:
                 break
             time.sleep(0.05)
     left = [m.pid for m in members if _alive(m.pid)]
+    for m in members:
+        if m.pid not in left:
+            _CHILDREN.pop(m.pid, None)
     if left:
         raise ClusterError(f"etcd pid(s) {left} did not exit after SIGKILL")
 
