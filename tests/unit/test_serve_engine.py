@@ -91,3 +91,17 @@ def test_an_engine_fault_fails_its_batch_and_the_engine_goes_on(adapter_dir):
         t.join(10)
     assert done[0].error.status == 500 and "boom" in str(done[0].error)
     assert done[1].error is None and len(done[1].out) == 2 and e.cache.resident() == ["a0"]
+
+
+def test_the_engine_logs_what_the_twin_is_fitted_to(adapter_dir):
+    """Every iteration: rows, padded length, largest rank, loads, wall and CPU seconds (CPU <= wall,
+    both > 0); every admission: the hand-off delay and, for an idle engine, its wake-up."""
+    e = Engine(ServeConfig(max_batch=4, slots=2), adapter_dir)
+    e.submit(Request("a0", encode("hello"), 3))
+    e.run_until_idle()
+    e.submit(Request("a1", encode("abc"), 2))
+    e.submit(Request("a2", encode("zz"), 2))
+    e.run_until_idle()
+    assert [rec[:4] for rec in e.iteration_log] == [(1, 5, 4, 1), (1, 6, 4, 0), (1, 7, 4, 0), (2, 3, 16, 2), (2, 4, 16, 0)]
+    assert all(0 < rec[5] <= rec[4] * 1.05 + 1e-4 for rec in e.iteration_log)
+    assert len(e.admission_log) == 3 and all(d >= 0 and w is not None and w >= 0 for d, w in e.admission_log)

@@ -100,18 +100,56 @@ def test_forest_learns_the_twin():
     assert err < 0.25, err
 
 
+def _profile_log(rng, n=300, preempt=0.0):
+    """Iteration records with known CPU costs; `preempt`: the chance that an iteration loses 20 ms
+    of wall time to another process (CPU seconds unchanged)."""
+    log = []
+    for _ in range(n):
+        b, length, r, k = int(rng.integers(1, 9)), int(rng.integers(2, 64)), int(rng.choice([0, 4, 16])), int(rng.integers(0, 3))
+        cpu = (COSTS.iteration(b, length, r) + k * COSTS.load) * (1 + 0.01 * rng.standard_normal())
+        log.append((b, length, r, k, cpu + (0.02 if rng.random() < preempt else 0.0), cpu))
+    return log
+
+
 def test_profile_fit_recovers_known_costs():
     from unbroken.serve.profile import fit
 
-    rng = np.random.default_rng(0)
-    log = []
-    for _ in range(300):
-        b, length, r, n = int(rng.integers(1, 9)), int(rng.integers(2, 64)), int(rng.choice([0, 4, 16])), int(rng.integers(0, 3))
-        t = COSTS.iteration(b, length, r) + n * COSTS.load
-        log.append((b, length, r, n, t * (1 + 0.01 * rng.standard_normal())))
-    got = fit(log, [0.003, 0.004, 0.005])
+    got = fit(_profile_log(np.random.default_rng(0)), [0.003, 0.004, 0.005], [(0.001, 0.002), (0.002, None), (0.003, 0.004)])
     assert abs(got.token - COSTS.token) / COSTS.token < 0.05 and abs(got.base - COSTS.base) / COSTS.base < 0.1
     assert abs(got.load - COSTS.load) / COSTS.load < 0.2 and got.http == 0.004
+    assert got.dispatch == 0.002 and got.wake == 0.003
+    assert 0.95 < min(got.slowdown) <= max(got.slowdown) < 1.05  # nothing else ran: wall = CPU
+
+
+def test_profile_fit_keeps_the_cost_shape_and_the_spread_under_preemption():
+    """A third of the iterations preempted: the CPU shape is still recovered (a fit of wall times
+    would fold the preemptions into the per-iteration base), and the slowdown quantiles carry them,
+    so the twin's mean iteration matches the profiled mean wall time while its median stays typical."""
+    from unbroken.serve.profile import fit
+
+    log = _profile_log(np.random.default_rng(1), n=600, preempt=1 / 3)
+    got = fit(log, [0.004])
+    assert abs(got.token - COSTS.token) / COSTS.token < 0.05 and abs(got.base - COSTS.base) / COSTS.base < 0.1
+    wall = np.array([rec[4] for rec in log])
+    pred = np.array([got.iteration(b, length, r) + k * got.load for b, length, r, k, *_ in log])
+    factors = np.array(got.slowdown)
+    assert abs(pred.mean() * factors.mean() - wall.mean()) / wall.mean() < 0.1
+    assert np.median(factors) < 1.1 and factors.max() > 1.5
+
+
+def test_twin_adds_the_hand_off_and_wake_up_to_a_lone_request():
+    s = AdapterSet.zipf(2, 1.0, seed=0)
+    one = [Arrival(0.0, s.names[0], 4, 3)]
+    cfg = ServeConfig(max_batch=4, slots=2)
+    base, b = simulate(cfg, s, one, COSTS, slo_s=1.0)
+    late = Costs(**{**COSTS.as_dict(), "dispatch": 0.003, "wake": 0.002})
+    later, c = simulate(cfg, s, one, late, slo_s=1.0)
+    assert abs((later.p50_s - base.p50_s) - 0.005) < 1e-9
+    slow = Costs(**{**COSTS.as_dict(), "slowdown": (2.0,)})
+    slower, _ = simulate(cfg, s, one, slow, slo_s=1.0)
+    engine_s = base.p50_s - COSTS.http
+    assert abs((slower.p50_s - COSTS.http) - 2 * engine_s) < 1e-9
+    assert b["requests"][0][1] == COSTS.http / 2 and c["requests"][0][1] == COSTS.http / 2 + 0.005
 
 
 def test_greedy_spreads_load_over_the_servers_it_needs():

@@ -7,7 +7,6 @@ through the router and measures servers used, SLO attainment and throughput.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -45,6 +44,7 @@ SKEWS = {"flat": 0.6, "skewed": 1.2}  # Zipf alpha of adapter popularity
 # held out: never used to fit the twin (profiling uses synthetic batches only)
 VALIDATION = [("conv", 8, 1.2, 2.0), ("poisson", 16, 0.6, 3.0), ("bursty", 12, 1.0, 2.5), ("code", 24, 0.8, 3.5)]
 METHODS = ("greedy", "round_robin", "random")
+CHECK_PROFILE_PHASE_S = 2.0  # seconds per profiling rate before each held-out configuration (~6 s)
 
 
 def _arrivals(kind: str, adapters: AdapterSet, rate: float, duration: float, seed: int):
@@ -81,23 +81,35 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if b else float(a != b)
 
 
-def validate_twin(url: str, costs, duration: float, console: Console) -> dict:
+def validate_twin(url: str, duration: float, console: Console) -> dict:
+    """Each held-out configuration right after its own short profile (the profiling workload, never
+    the configuration's requests): the shared box's speed drifts from minute to minute, and a twin
+    calibrated minutes earlier predicts a different box."""
     rows = []
     for i, (kind, n, alpha, rate) in enumerate(VALIDATION):
+        costs = fit_costs(url, phase_s=CHECK_PROFILE_PHASE_S)
+        _drain([url])
         adapters = AdapterSet.zipf(n, alpha, seed=100 + i)
         arrivals = _arrivals(kind, adapters, rate, duration, seed=200 + i)
         real, real_wall = _real(url, arrivals)
         _drain([url])
         twin, stats = simulate(CFG, adapters, arrivals, costs, slo_s=SLO_S, timeout_s=TIMEOUT_S)
         rows.append({"workload": kind, "adapters": n, "alpha": alpha, "rate": rate, "duration_s": duration,
-                     "real": real.as_dict(),
+                     "costs": costs.as_dict(), "real": real.as_dict(),
                      "twin": twin.as_dict(), "error_throughput": _rel(twin.throughput_tok_s, real.throughput_tok_s),
                      "error_p50": _rel(twin.p50_s, real.p50_s), "speedup": real_wall / stats["wall_s"]})
         console.print(f"  twin check {kind:8s} n={n:2d} rate={rate}: throughput real {real.throughput_tok_s:6.1f} "
-                      f"twin {twin.throughput_tok_s:6.1f} tok/s, p50 real {real.p50_s:.3f} twin {twin.p50_s:.3f} s")
+                      f"twin {twin.throughput_tok_s:6.1f} tok/s, p50 real {real.p50_s:.3f} twin {twin.p50_s:.3f} s "
+                      f"(profile: {_brief(costs)})")
     return {"configs": rows, "twin_error_throughput": statistics.mean(r["error_throughput"] for r in rows),
             "twin_error_p50": statistics.mean(r["error_p50"] for r in rows),
             "twin_speedup": statistics.median(r["speedup"] for r in rows)}
+
+
+def _brief(costs) -> str:
+    """A profile in one line: CPU per iteration (base, per token), HTTP, the median slowdown."""
+    return (f"base {costs.base * 1e3:.2f} ms, token {costs.token * 1e6:.1f} us, http {costs.http * 1e3:.2f} ms, "
+            f"slowdown median {statistics.median(costs.slowdown):.2f}")
 
 
 def capacity(costs, duration: float) -> float:
@@ -203,14 +215,12 @@ def run_study(duration: float, train_runs: int, out_dir: Path) -> None:
                 write_adapter(adir, name, model=serve_model(), rank=rank, seed=sum(map(ord, name)) * 31 + rank)
         write_profile_adapters(adir)
         with Fleet(adir, [free_port() for _ in range(FLEET)], CFG, log_dir=Path(tmp)) as urls:
-            console.print("profiling one server and fitting the twin's costs")
-            costs = fit_costs(urls[0])
-            _drain(urls)
-            console.print(f"  costs: {json.dumps({k: round(v, 6) for k, v in costs.as_dict().items()})}")
-            twin_check = validate_twin(urls[0], costs, duration, console)
+            console.print("twin vs one real server, each held-out configuration after a short profile")
+            twin_check = validate_twin(urls[0], duration, console)
             console.print("profiling again (the box's speed drifts): the forest learns from the twin as of now")
             fleet_costs = fit_costs(urls[1])
             _drain(urls)
+            console.print(f"  profile: {_brief(fleet_costs)}")
             cap, loads = capacity(fleet_costs, duration), LOADS
             console.print(f"one server's capacity (twin): {cap:.2f} req/s; fleet loads {loads}")
             console.print(f"training the random forest on {train_runs} twin runs")
@@ -229,7 +239,7 @@ def run_study(duration: float, train_runs: int, out_dir: Path) -> None:
         "server_saving_vs_round_robin": statistics.median(saving.values()), "saving_per_scenario": saving,
         "greedy_slo_at_least_round_robin": {k: row["greedy"]["slo"] >= row["round_robin"]["slo"]
                                             for k, row in scenarios.items()},
-        "twin_check": twin_check, "costs": costs.as_dict(), "scenarios": scenarios,
+        "twin_check": twin_check, "scenarios": scenarios,
         "server_capacity_req_s": cap,
         "fleet_costs": fleet_costs.as_dict(),
         "setup": {"fleet": FLEET, "adapters": N_ADAPTERS, "loads_req_s": loads, "skews_zipf_alpha": SKEWS,

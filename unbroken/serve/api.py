@@ -79,8 +79,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def iterations(request: web.Request) -> web.Response:
-    """The recent iterations [rows, padded length, largest rank, adapter loads, seconds] (profiling)."""
-    return web.json_response({"iterations": list(request.app[ENGINE].iteration_log)})
+    """The recent iterations [rows, padded length, largest rank, adapter loads, seconds, CPU seconds]
+    and admissions [arrival to queued, idle engine's wake-up or null] (profiling)."""
+    engine = request.app[ENGINE]
+    return web.json_response({"iterations": list(engine.iteration_log), "admissions": list(engine.admission_log)})
 
 
 async def health(request: web.Request) -> web.Response:

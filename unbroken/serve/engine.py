@@ -35,6 +35,7 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
     out: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # when each generated token was produced
+    queued: float | None = None  # appended to the engine's queue (after the HTTP thread's hand-off)
     start: float | None = None  # admitted into the running batch
     slot: int = 0
     error: RequestError | None = None  # set when the request failed after it was queued
@@ -74,9 +75,11 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self.iterations = 0
-        # the recent iterations as (rows, padded length, largest rank, adapter loads, seconds): what
-        # the twin's costs are fitted to (GET /v1/iterations)
-        self.iteration_log: deque[tuple[int, int, int, int, float]] = deque(maxlen=8192)
+        # the recent iterations as (rows, padded length, largest rank, adapter loads, seconds, the
+        # engine thread's CPU seconds) and admissions as (arrival -> queued, idle engine's wake-up or
+        # None): what the twin's costs are fitted to (GET /v1/iterations)
+        self.iteration_log: deque[tuple[int, int, int, int, float, float]] = deque(maxlen=8192)
+        self.admission_log: deque[tuple[float, float | None]] = deque(maxlen=8192)
 
     # -- requests --------------------------------------------------------------------------
     def check_adapter(self, name: str) -> int:
@@ -99,6 +102,7 @@ class Engine:
                 self.metrics.rejected += 1
                 raise RequestError(f"server over its memory limit: {len(self.waiting)} requests queued "
                                    f"(max_waiting {self.cfg.max_waiting}); retry later or add servers", 429)
+            req.queued = time.perf_counter()
             self.waiting.append(req)
         self._wake.set()
         return req
@@ -106,10 +110,12 @@ class Engine:
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> bool:
         """One iteration: admit what fits, decode one token for every running request. False if idle."""
-        t0, loads0 = time.perf_counter(), self.cache.loads
-        self._admit()
+        t0, cpu0, loads0, idle = time.perf_counter(), time.thread_time(), self.cache.loads, not self.running
+        admitted = self._admit()
         if not self.running:
             return False
+        for r in admitted:  # an idle engine's wake-up: from the request's queueing to this iteration's start
+            self.admission_log.append((r.queued - r.arrival, max(0.0, t0 - r.queued) if idle else None))
         batch = self.running
         lens = torch.tensor([len(r.tokens) for r in batch])
         idx = torch.zeros(len(batch), int(lens.max()), dtype=torch.long)
@@ -131,7 +137,9 @@ class Engine:
             else:
                 self._finish(r)
         self.running = keep
-        self.iteration_log.append((len(batch), int(lens.max()), self.table.rank, self.cache.loads - loads0, now - t0))
+        # the whole step (admission, loads, forward, finishing): the cycle the next iteration waits for
+        self.iteration_log.append((len(batch), int(lens.max()), self.table.rank, self.cache.loads - loads0,
+                                   time.perf_counter() - t0, time.thread_time() - cpu0))
         return True
 
     def serve(self, stop: threading.Event) -> None:
@@ -158,11 +166,12 @@ class Engine:
             self.step()
 
     # -- internals -------------------------------------------------------------------------
-    def _admit(self) -> None:
+    def _admit(self) -> list[Request]:
+        """Move what fits from the queue into the running batch; returns the requests admitted."""
         with self._lock:
             if not self.waiting or len(self.running) >= self.cfg.max_batch:
-                return
-            still = deque()
+                return []
+            still, admitted = deque(), []
             while self.waiting:
                 r = self.waiting.popleft()
                 slot = 0 if r.adapter is None else None
@@ -178,7 +187,9 @@ class Engine:
                     continue
                 r.slot, r.start = slot, time.perf_counter()
                 self.running.append(r)
+                admitted.append(r)
             self.waiting = still
+            return admitted
 
     def _finish(self, r: Request) -> None:
         if r.slot:

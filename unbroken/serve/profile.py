@@ -1,7 +1,9 @@
 """A short profiling run that fits the twin's costs: a synthetic load (rising rates, mixed ranks) is
 sent to a real server; its own log of iterations (rows, padded length, largest rank, adapter loads,
-seconds) is fitted by non-negative least squares, and the HTTP round trip is the median of client
-minus server latency. Measured under load, as the server will run."""
+seconds, CPU seconds) gives the CPU cost by non-negative least squares and the spread of wall / CPU
+(the box's contention, GIL waits) as quantiles; its log of admissions gives the hand-off and wake-up
+delays, and the HTTP round trip is the median of client minus server latency. Measured under load,
+as the server will run."""
 from __future__ import annotations
 
 import json
@@ -39,13 +41,32 @@ def profiling_workload(phase_s: float) -> list[Arrival]:
     return out
 
 
-def fit(log: list, http_gaps: list[float]) -> Costs:
-    """Costs from iteration records [rows, length, rank, loads, seconds] and client-minus-server gaps."""
-    x = np.array([[1, b, b * length, b * length * r, n] for b, length, r, n, _ in log], float)
-    y = np.array([rec[-1] for rec in log], float)
-    c, _ = nnls(x, y)
+SLOWDOWN_QUANTILES = 20
+
+
+def fit(log: list, http_gaps: list[float], admissions: list | None = None) -> Costs:
+    """Costs from iteration records [rows, length, rank, loads, seconds, CPU seconds], client-minus-
+    server gaps and admission records [arrival to queued, idle wake-up or None].
+
+    The CPU seconds carry the cost's shape (a preempted iteration's wall time says nothing about
+    its rows and length); wall / CPU per iteration is kept as SLOWDOWN_QUANTILES equal-probability
+    quantiles, so that the twin's short requests see the typical iteration and its long ones the
+    mean."""
+    x = np.array([[1, b, b * length, b * length * r, n] for b, length, r, n, *_ in log], float)
+    wall = np.array([rec[4] for rec in log], float)
+    cpu = np.array([rec[5] for rec in log], float)
+    c, _ = nnls(x, cpu)
+    ratio = wall / np.maximum(x @ c, 1e-9)
+    q = np.quantile(ratio, (np.arange(SLOWDOWN_QUANTILES) + 0.5) / SLOWDOWN_QUANTILES)
+    dispatch = [a[0] for a in admissions or []]
+    wakes = [a[1] for a in admissions or [] if a[1] is not None]
     return Costs(base=float(c[0]), row=float(c[1]), token=float(c[2]), lora=float(c[3]), load=float(c[4]),
-                 http=max(0.0, statistics.median(http_gaps)) if http_gaps else 0.0)
+                 http=_median(http_gaps), dispatch=_median(dispatch), wake=_median(wakes),
+                 slowdown=tuple(float(v) for v in np.maximum(q, 1e-3)))
+
+
+def _median(xs: list[float]) -> float:
+    return max(0.0, statistics.median(xs)) if xs else 0.0
 
 
 def fit_costs(server_url: str, *, phase_s: float = 4.0) -> Costs:
@@ -54,5 +75,5 @@ def fit_costs(server_url: str, *, phase_s: float = 4.0) -> Costs:
     bad = [r.status for r in results if r.status != 200]
     assert not bad, f"profiling requests failed with statuses {sorted(set(bad))}"
     with urllib.request.urlopen(server_url + "/v1/iterations", timeout=10) as r:
-        log = json.loads(r.read())["iterations"]
-    return fit(log, [r.e2e_s - r.server_e2e_s for r in results])
+        logs = json.loads(r.read())
+    return fit(logs["iterations"], [r.e2e_s - r.server_e2e_s for r in results], logs["admissions"])
