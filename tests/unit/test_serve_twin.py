@@ -101,13 +101,15 @@ def test_forest_learns_the_twin():
 
 
 def _profile_log(rng, n=300, preempt=0.0):
-    """Iteration records with known CPU costs; `preempt`: the chance that an iteration loses 20 ms
-    of wall time to another process (CPU seconds unchanged)."""
+    """Iteration records with known CPU costs, every fourth the first after idleness; `preempt`: the
+    chance that a later iteration loses 20 ms of wall time to another process (CPU unchanged)."""
     log = []
-    for _ in range(n):
+    for i in range(n):
         b, length, r, k = int(rng.integers(1, 9)), int(rng.integers(2, 64)), int(rng.choice([0, 4, 16])), int(rng.integers(0, 3))
         cpu = (COSTS.iteration(b, length, r) + k * COSTS.load) * (1 + 0.01 * rng.standard_normal())
-        log.append((b, length, r, k, cpu + (0.02 if rng.random() < preempt else 0.0), cpu))
+        fresh = i % 4 == 0
+        lost = 0.02 if not fresh and rng.random() < preempt else 0.0
+        log.append((b, length, r, k, cpu + lost, cpu, 0.0 if fresh else 0.05))
     return log
 
 
@@ -133,8 +135,9 @@ def test_profile_fit_keeps_the_cost_shape_and_the_spread_under_preemption():
     wall = np.array([rec[4] for rec in log])
     pred = np.array([got.iteration(b, length, r) + k * got.load for b, length, r, k, *_ in log])
     factors = np.array(got.slowdown)
-    assert abs(pred.mean() * factors.mean() - wall.mean()) / wall.mean() < 0.1
+    assert abs((0.75 * np.mean(factors) + 0.25 * np.mean(got.slowdown_fresh)) * pred.mean() - wall.mean()) / wall.mean() < 0.1
     assert np.median(factors) < 1.1 and factors.max() > 1.5
+    assert max(got.slowdown_fresh) < 1.05  # the first iterations after idleness were never preempted
 
 
 def test_twin_adds_the_hand_off_and_wake_up_to_a_lone_request():
@@ -145,10 +148,11 @@ def test_twin_adds_the_hand_off_and_wake_up_to_a_lone_request():
     late = Costs(**{**COSTS.as_dict(), "dispatch": 0.003, "wake": 0.002})
     later, c = simulate(cfg, s, one, late, slo_s=1.0)
     assert abs((later.p50_s - base.p50_s) - 0.005) < 1e-9
-    slow = Costs(**{**COSTS.as_dict(), "slowdown": (2.0,)})
+    slow = Costs(**{**COSTS.as_dict(), "slowdown": (2.0,), "slowdown_fresh": (3.0,)})
     slower, _ = simulate(cfg, s, one, slow, slo_s=1.0)
-    engine_s = base.p50_s - COSTS.http
-    assert abs((slower.p50_s - COSTS.http) - 2 * engine_s) < 1e-9
+    first, rest = COSTS.iteration(1, 4, s.ranks[0]) + COSTS.load, COSTS.iteration(1, 5, s.ranks[0]) + COSTS.iteration(1, 6, s.ranks[0])
+    assert abs((base.p50_s - COSTS.http) - (first + rest)) < 1e-9
+    assert abs((slower.p50_s - COSTS.http) - (3 * first + 2 * rest)) < 1e-9
     assert b["requests"][0][1] == COSTS.http / 2 and c["requests"][0][1] == COSTS.http / 2 + 0.005
 
 

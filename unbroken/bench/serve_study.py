@@ -26,7 +26,7 @@ from unbroken.serve.fleet import Fleet
 from unbroken.serve.outcome import Outcome, summarize
 from unbroken.serve.perfmodel import PerfModel, mean_lengths, twin_dataset
 from unbroken.serve.placement import greedy, random_placement, round_robin, servers_used
-from unbroken.serve.profile import fit_costs, write_profile_adapters
+from unbroken.serve.profile import fit_costs, log_since, observed_slowdown, server_log, write_profile_adapters
 from unbroken.serve.router import Router, build_router_app
 from unbroken.serve.twin import simulate
 from unbroken.serve.workload import AdapterSet, from_trace, generate
@@ -91,18 +91,27 @@ def validate_twin(url: str, duration: float, console: Console) -> dict:
         _drain([url])
         adapters = AdapterSet.zipf(n, alpha, seed=100 + i)
         arrivals = _arrivals(kind, adapters, rate, duration, seed=200 + i)
+        before = server_log(url)
         real, real_wall = _real(url, arrivals)
         _drain([url])
         twin, stats = simulate(CFG, adapters, arrivals, costs, slo_s=SLO_S, timeout_s=TIMEOUT_S)
+        # a diagnostic, never the headline: the same twin given the slowdown the server logged during
+        # this run, which separates the twin's own error from the box's drift since the profile
+        seen = observed_slowdown(costs, log_since(before, server_log(url), "iterations"))
+        twin_seen, _ = simulate(CFG, adapters, arrivals, seen, slo_s=SLO_S, timeout_s=TIMEOUT_S)
         rows.append({"workload": kind, "adapters": n, "alpha": alpha, "rate": rate, "duration_s": duration,
                      "costs": costs.as_dict(), "real": real.as_dict(),
                      "twin": twin.as_dict(), "error_throughput": _rel(twin.throughput_tok_s, real.throughput_tok_s),
-                     "error_p50": _rel(twin.p50_s, real.p50_s), "speedup": real_wall / stats["wall_s"]})
+                     "error_p50": _rel(twin.p50_s, real.p50_s), "speedup": real_wall / stats["wall_s"],
+                     "slowdown_seen": seen.slowdown, "twin_given_slowdown_seen": twin_seen.as_dict(),
+                     "error_p50_given_slowdown_seen": _rel(twin_seen.p50_s, real.p50_s)})
         console.print(f"  twin check {kind:8s} n={n:2d} rate={rate}: throughput real {real.throughput_tok_s:6.1f} "
                       f"twin {twin.throughput_tok_s:6.1f} tok/s, p50 real {real.p50_s:.3f} twin {twin.p50_s:.3f} s "
-                      f"(profile: {_brief(costs)})")
+                      f"(profile: {_brief(costs)}; run's slowdown median {statistics.median(seen.slowdown):.2f}, "
+                      f"p50 twin given it {twin_seen.p50_s:.3f} s)")
     return {"configs": rows, "twin_error_throughput": statistics.mean(r["error_throughput"] for r in rows),
             "twin_error_p50": statistics.mean(r["error_p50"] for r in rows),
+            "twin_error_p50_given_slowdown_seen": statistics.mean(r["error_p50_given_slowdown_seen"] for r in rows),
             "twin_speedup": statistics.median(r["speedup"] for r in rows)}
 
 
@@ -231,6 +240,7 @@ def run_study(duration: float, train_runs: int, out_dir: Path) -> None:
     saving = {k: 1 - row["greedy"]["servers"] / row["round_robin"]["servers"] for k, row in scenarios.items()}
     result = {
         "twin_error_throughput": twin_check["twin_error_throughput"], "twin_error_p50": twin_check["twin_error_p50"],
+        "twin_error_p50_given_slowdown_seen": twin_check["twin_error_p50_given_slowdown_seen"],
         "twin_speedup": twin_check["twin_speedup"], "rf_error": rf["rf_error"], "rf": rf,
         "servers": {m: {k: row[m]["servers"] for k, row in scenarios.items()} for m in METHODS},
         "slo_attainment": {m: {k: row[m]["slo"] for k, row in scenarios.items()} for m in METHODS},

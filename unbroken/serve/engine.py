@@ -74,7 +74,8 @@ class Engine:
         self._known: dict[str, int] = {}  # adapter -> rank, checked once on disk
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self.iterations = 0
+        self.iterations = self.admissions = 0
+        self._busy_since = 0.0  # when the engine last went from idle to running
         # the recent iterations as (rows, padded length, largest rank, adapter loads, seconds, the
         # engine thread's CPU seconds) and admissions as (arrival -> queued, idle engine's wake-up or
         # None): what the twin's costs are fitted to (GET /v1/iterations)
@@ -114,6 +115,9 @@ class Engine:
         admitted = self._admit()
         if not self.running:
             return False
+        self.admissions += len(admitted)
+        if idle:
+            self._busy_since = t0
         for r in admitted:  # an idle engine's wake-up: from the request's queueing to this iteration's start
             self.admission_log.append((r.queued - r.arrival, max(0.0, t0 - r.queued) if idle else None))
         batch = self.running
@@ -139,7 +143,7 @@ class Engine:
         self.running = keep
         # the whole step (admission, loads, forward, finishing): the cycle the next iteration waits for
         self.iteration_log.append((len(batch), int(lens.max()), self.table.rank, self.cache.loads - loads0,
-                                   time.perf_counter() - t0, time.thread_time() - cpu0))
+                                   time.perf_counter() - t0, time.thread_time() - cpu0, t0 - self._busy_since))
         return True
 
     def serve(self, stop: threading.Event) -> None:

@@ -22,7 +22,9 @@ class Costs:
     base + row*B + token*B*L + lora*B*L*r of the engine's CPU, loading an adapter into a slot `load`;
     the wall time of an iteration is that times a factor drawn from `slowdown` (wall / CPU per
     iteration as profiled: the core's share left by other processes, waits for the GIL), so a twin
-    run sees the profiled spread of iteration times and not only their mean.
+    run sees the profiled spread of iteration times and not only their mean. The first iteration
+    after the engine was idle draws from `slowdown_fresh` instead: the OS runs a process that
+    slept at once, one that keeps running gets its share of a busy box.
     `http` is a request's round trip outside the engine (client, HTTP, event loop), `dispatch` the
     hand-off from the HTTP thread to the engine's queue, `wake` how long an idle engine takes to
     start on a queued request."""
@@ -36,9 +38,11 @@ class Costs:
     dispatch: float = 0.0
     wake: float = 0.0
     slowdown: tuple[float, ...] = (1.0,)  # equal-probability quantiles
+    slowdown_fresh: tuple[float, ...] = (1.0,)
 
     def __post_init__(self) -> None:
-        assert self.slowdown and min(self.slowdown) > 0, f"slowdown factors must be > 0, got {self.slowdown}"
+        for f in (self.slowdown, self.slowdown_fresh):
+            assert f and min(f) > 0, f"slowdown factors must be > 0, got {f}"
 
     def iteration(self, b: int, length: int, rank: int) -> float:
         """CPU seconds of one iteration (times a slowdown factor for its wall time)."""
@@ -76,19 +80,20 @@ def simulate(cfg: ServeConfig, adapters: AdapterSet, arrivals: list[Arrival], co
     horizon = arrivals[-1].t + timeout_s if arrivals else 0.0
     pending, waiting, running = deque(reqs), deque(), []
     now, iterations = 0.0, 0
-    draw, factors = random.Random(seed).choice, costs.slowdown
+    draw = random.Random(seed).choice
     while (pending or waiting or running) and now < horizon:
         while pending and pending[0].arrival <= now:
             waiting.append(pending.popleft())
         if not running and not waiting:
             now = pending[0].arrival + costs.wake
             continue
+        fresh = not running
         waiting = _admit(cfg, cache, waiting, running, now)
         if not running:  # every slot pinned cannot happen with nothing running
             continue
         cpu = sum(loads) + costs.iteration(len(running), max(r.length for r in running), max(r.rank for r in running))
         loads.clear()
-        now += cpu * draw(factors)
+        now += cpu * draw(costs.slowdown_fresh if fresh else costs.slowdown)
         iterations += 1
         keep = []
         for r in running:
