@@ -97,13 +97,16 @@ def validate_twin(url: str, duration: float, console: Console) -> dict:
         twin, stats = simulate(CFG, adapters, arrivals, costs, slo_s=SLO_S, timeout_s=TIMEOUT_S)
         # a diagnostic, never the headline: the same twin given the slowdown the server logged during
         # this run, which separates the twin's own error from the box's drift since the profile
-        seen = observed_slowdown(costs, log_since(before, server_log(url), "iterations"))
+        run_log = log_since(before, server_log(url), "iterations")
+        seen = observed_slowdown(costs, run_log)
         twin_seen, _ = simulate(CFG, adapters, arrivals, seen, slo_s=SLO_S, timeout_s=TIMEOUT_S)
         rows.append({"workload": kind, "adapters": n, "alpha": alpha, "rate": rate, "duration_s": duration,
                      "costs": costs.as_dict(), "real": real.as_dict(),
                      "twin": twin.as_dict(), "error_throughput": _rel(twin.throughput_tok_s, real.throughput_tok_s),
                      "error_p50": _rel(twin.p50_s, real.p50_s), "speedup": real_wall / stats["wall_s"],
-                     "slowdown_seen": seen.slowdown, "twin_given_slowdown_seen": twin_seen.as_dict(),
+                     "cpu_actual_over_predicted": _cpu_ratio(costs, run_log),
+                     "slowdown_seen": seen.slowdown, "slowdown_fresh_seen": seen.slowdown_fresh,
+                     "twin_given_slowdown_seen": twin_seen.as_dict(),
                      "error_p50_given_slowdown_seen": _rel(twin_seen.p50_s, real.p50_s)})
         console.print(f"  twin check {kind:8s} n={n:2d} rate={rate}: throughput real {real.throughput_tok_s:6.1f} "
                       f"twin {twin.throughput_tok_s:6.1f} tok/s, p50 real {real.p50_s:.3f} twin {twin.p50_s:.3f} s "
@@ -113,6 +116,12 @@ def validate_twin(url: str, duration: float, console: Console) -> dict:
             "twin_error_p50": statistics.mean(r["error_p50"] for r in rows),
             "twin_error_p50_given_slowdown_seen": statistics.mean(r["error_p50_given_slowdown_seen"] for r in rows),
             "twin_speedup": statistics.median(r["speedup"] for r in rows)}
+
+
+def _cpu_ratio(costs, log: list) -> float:
+    """The engine's CPU seconds in a run over what the profiled costs predict for its iterations."""
+    pred = sum(costs.iteration(b, length, r) + n * costs.load for b, length, r, n, *_ in log)
+    return sum(rec[5] for rec in log) / pred if pred else float("nan")
 
 
 def _brief(costs) -> str:
