@@ -77,9 +77,10 @@ class Engine:
         self.iterations = self.admissions = 0
         self._busy_since = 0.0  # when the engine last went from idle to running
         # the recent iterations as (rows, padded length, largest rank, adapter loads, seconds, the
-        # engine thread's CPU seconds) and admissions as (arrival -> queued, idle engine's wake-up or
-        # None): what the twin's costs are fitted to (GET /v1/iterations)
-        self.iteration_log: deque[tuple[int, int, int, int, float, float]] = deque(maxlen=8192)
+        # engine thread's CPU seconds, seconds since the engine was last idle) and admissions as
+        # (arrival -> queued, idle engine's wake-up or None): what the twin's costs are fitted to
+        # (GET /v1/iterations)
+        self.iteration_log: deque[tuple[int, int, int, int, float, float, float]] = deque(maxlen=8192)
         self.admission_log: deque[tuple[float, float | None]] = deque(maxlen=8192)
 
     # -- requests --------------------------------------------------------------------------
