@@ -80,8 +80,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def iterations(request: web.Request) -> web.Response:
     """The recent iterations [rows, padded length, largest rank, adapter loads, seconds, CPU seconds,
-    seconds since the engine was last idle] and admissions [arrival to queued, idle engine's wake-up or null], the most recent last, with
-    the counts of both since the start (a caller slices out what happened since its last look)."""
+    seconds since the engine was last idle] and admissions [arrival to queued, idle engine's wake-up
+    or null], the most recent last, with the counts of both since the start (a caller slices out what
+    happened since its last look)."""
     engine = request.app[ENGINE]
     return web.json_response({"iterations": list(engine.iteration_log), "admissions": list(engine.admission_log),
                               "iterations_total": engine.iterations, "admissions_total": engine.admissions})
