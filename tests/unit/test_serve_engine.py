@@ -102,7 +102,8 @@ def test_the_engine_logs_what_the_twin_is_fitted_to(adapter_dir):
     e.submit(Request("a1", encode("abc"), 2))
     e.submit(Request("a2", encode("zz"), 2))
     e.run_until_idle()
-    assert [rec[:4] for rec in e.iteration_log] == [(1, 5, 4, 1), (1, 6, 4, 0), (1, 7, 4, 0), (2, 3, 16, 2), (2, 4, 16, 0)]
+    want = [(1, 5, 4, 1), (1, 6, 4, 0), (1, 7, 4, 0), (2, 3, 16, 2), (2, 4, 16, 0)]  # rows, length, rank, loads
+    assert [rec[:4] for rec in e.iteration_log] == want
     assert all(0 < rec[5] <= rec[4] * 1.05 + 1e-4 for rec in e.iteration_log)
     assert [rec[6] == 0 for rec in e.iteration_log] == [True, False, False, True, False]  # after idleness
     assert len(e.admission_log) == 3 and all(d >= 0 and w is not None and w >= 0 for d, w in e.admission_log)

@@ -105,7 +105,8 @@ def _profile_log(rng, n=300, preempt=0.0):
     chance that a later iteration loses 20 ms of wall time to another process (CPU unchanged)."""
     log = []
     for i in range(n):
-        b, length, r, k = int(rng.integers(1, 9)), int(rng.integers(2, 64)), int(rng.choice([0, 4, 16])), int(rng.integers(0, 3))
+        b, length = int(rng.integers(1, 9)), int(rng.integers(2, 64))
+        r, k = int(rng.choice([0, 4, 16])), int(rng.integers(0, 3))
         cpu = (COSTS.iteration(b, length, r) + k * COSTS.load) * (1 + 0.01 * rng.standard_normal())
         fresh = i % 4 == 0
         lost = 0.02 if not fresh and rng.random() < preempt else 0.0
@@ -116,7 +117,8 @@ def _profile_log(rng, n=300, preempt=0.0):
 def test_profile_fit_recovers_known_costs():
     from unbroken.serve.profile import fit
 
-    got = fit(_profile_log(np.random.default_rng(0)), [0.003, 0.004, 0.005], [(0.001, 0.002), (0.002, None), (0.003, 0.004)])
+    admissions = [(0.001, 0.002), (0.002, None), (0.003, 0.004)]
+    got = fit(_profile_log(np.random.default_rng(0)), [0.003, 0.004, 0.005], admissions)
     assert abs(got.token - COSTS.token) / COSTS.token < 0.05 and abs(got.base - COSTS.base) / COSTS.base < 0.1
     assert abs(got.load - COSTS.load) / COSTS.load < 0.2 and got.http == 0.004
     assert got.dispatch == 0.002 and got.wake == 0.003
@@ -135,7 +137,8 @@ def test_profile_fit_keeps_the_cost_shape_and_the_spread_under_preemption():
     wall = np.array([rec[4] for rec in log])
     pred = np.array([got.iteration(b, length, r) + k * got.load for b, length, r, k, *_ in log])
     factors = np.array(got.slowdown)
-    assert abs((0.75 * np.mean(factors) + 0.25 * np.mean(got.slowdown_fresh)) * pred.mean() - wall.mean()) / wall.mean() < 0.1
+    mean_factor = 0.75 * np.mean(factors) + 0.25 * np.mean(got.slowdown_fresh)  # a quarter are fresh
+    assert abs(mean_factor * pred.mean() - wall.mean()) / wall.mean() < 0.1
     assert np.median(factors) < 1.1 and factors.max() > 1.5
     assert max(got.slowdown_fresh) < 1.05  # the first iterations after idleness were never preempted
 
@@ -150,7 +153,8 @@ def test_twin_adds_the_hand_off_and_wake_up_to_a_lone_request():
     assert abs((later.p50_s - base.p50_s) - 0.005) < 1e-9
     slow = Costs(**{**COSTS.as_dict(), "slowdown": (2.0,), "slowdown_fresh": (3.0,)})
     slower, _ = simulate(cfg, s, one, slow, slo_s=1.0)
-    first, rest = COSTS.iteration(1, 4, s.ranks[0]) + COSTS.load, COSTS.iteration(1, 5, s.ranks[0]) + COSTS.iteration(1, 6, s.ranks[0])
+    r = s.ranks[0]
+    first, rest = COSTS.iteration(1, 4, r) + COSTS.load, COSTS.iteration(1, 5, r) + COSTS.iteration(1, 6, r)
     assert abs((base.p50_s - COSTS.http) - (first + rest)) < 1e-9
     assert abs((slower.p50_s - COSTS.http) - (3 * first + 2 * rest)) < 1e-9
     assert b["requests"][0][1] == COSTS.http / 2 and c["requests"][0][1] == COSTS.http / 2 + 0.005
