@@ -26,7 +26,8 @@ from unbroken.serve.fleet import Fleet
 from unbroken.serve.outcome import Outcome, summarize
 from unbroken.serve.perfmodel import PerfModel, mean_lengths, twin_dataset
 from unbroken.serve.placement import greedy, random_placement, round_robin, servers_used
-from unbroken.serve.profile import fit_costs, log_since, observed_slowdown, server_log, write_profile_adapters
+from unbroken.serve.profile import (fit_costs, fit_profiles, log_since, observed_slowdown, profile, server_log,
+                                    write_profile_adapters)
 from unbroken.serve.router import Router, build_router_app
 from unbroken.serve.twin import simulate
 from unbroken.serve.workload import AdapterSet, from_trace, generate
@@ -44,7 +45,7 @@ SKEWS = {"flat": 0.6, "skewed": 1.2}  # Zipf alpha of adapter popularity
 # held out: never used to fit the twin (profiling uses synthetic batches only)
 VALIDATION = [("conv", 8, 1.2, 2.0), ("poisson", 16, 0.6, 3.0), ("bursty", 12, 1.0, 2.5), ("code", 24, 0.8, 3.5)]
 METHODS = ("greedy", "round_robin", "random")
-CHECK_PROFILE_PHASE_S = 2.0  # seconds per profiling rate before each held-out configuration (~6 s)
+CHECK_PROFILE_PHASE_S = 2.0  # seconds per profiling rate around each held-out configuration (~6 s)
 
 
 def _arrivals(kind: str, adapters: AdapterSet, rate: float, duration: float, seed: int):
@@ -82,22 +83,23 @@ def _rel(a: float, b: float) -> float:
 
 
 def validate_twin(url: str, duration: float, console: Console) -> dict:
-    """Each held-out configuration right after its own short profile (the profiling workload, never
-    the configuration's requests): the shared box's speed drifts from minute to minute, and a twin
-    calibrated minutes earlier predicts a different box."""
+    """Each held-out configuration between two short profiles (the profiling workload, never the
+    configuration's requests), its twin fitted to both pooled: the shared box's speed drifts from
+    minute to minute, and profiles that bracket a run see the box it ran on."""
     rows = []
+    before = _profile(url)
     for i, (kind, n, alpha, rate) in enumerate(VALIDATION):
-        costs = fit_costs(url, phase_s=CHECK_PROFILE_PHASE_S)
-        _drain([url])
         adapters = AdapterSet.zipf(n, alpha, seed=100 + i)
         arrivals = _arrivals(kind, adapters, rate, duration, seed=200 + i)
-        before = server_log(url)
+        mark = server_log(url)
         real, real_wall = _real(url, arrivals)
         _drain([url])
+        run_log = log_since(mark, server_log(url), "iterations")
+        after = _profile(url)
+        costs = fit_profiles(before, after)
         twin, stats = simulate(CFG, adapters, arrivals, costs, slo_s=SLO_S, timeout_s=TIMEOUT_S)
         # a diagnostic, never the headline: the same twin given the slowdown the server logged during
-        # this run, which separates the twin's own error from the box's drift since the profile
-        run_log = log_since(before, server_log(url), "iterations")
+        # this run, which separates the twin's own error from the box's drift around the run
         seen = observed_slowdown(costs, run_log)
         twin_seen, _ = simulate(CFG, adapters, arrivals, seen, slo_s=SLO_S, timeout_s=TIMEOUT_S)
         rows.append({"workload": kind, "adapters": n, "alpha": alpha, "rate": rate, "duration_s": duration,
@@ -110,12 +112,19 @@ def validate_twin(url: str, duration: float, console: Console) -> dict:
                      "error_p50_given_slowdown_seen": _rel(twin_seen.p50_s, real.p50_s)})
         console.print(f"  twin check {kind:8s} n={n:2d} rate={rate}: throughput real {real.throughput_tok_s:6.1f} "
                       f"twin {twin.throughput_tok_s:6.1f} tok/s, p50 real {real.p50_s:.3f} twin {twin.p50_s:.3f} s "
-                      f"(profile: {_brief(costs)}; run's slowdown median {statistics.median(seen.slowdown):.2f}, "
+                      f"(profiles: {_brief(costs)}; run's slowdown median {statistics.median(seen.slowdown):.2f}, "
                       f"p50 twin given it {twin_seen.p50_s:.3f} s)")
+        before = after
     return {"configs": rows, "twin_error_throughput": statistics.mean(r["error_throughput"] for r in rows),
             "twin_error_p50": statistics.mean(r["error_p50"] for r in rows),
             "twin_error_p50_given_slowdown_seen": statistics.mean(r["error_p50_given_slowdown_seen"] for r in rows),
             "twin_speedup": statistics.median(r["speedup"] for r in rows)}
+
+
+def _profile(url: str):
+    p = profile(url, phase_s=CHECK_PROFILE_PHASE_S)
+    _drain([url])
+    return p
 
 
 def _cpu_ratio(costs, log: list) -> float:

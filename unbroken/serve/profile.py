@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import statistics
 import urllib.request
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -96,13 +96,34 @@ def _median(xs: list[float]) -> float:
     return max(0.0, statistics.median(xs)) if xs else 0.0
 
 
-def fit_costs(server_url: str, *, phase_s: float = 4.0) -> Costs:
+@dataclass(frozen=True)
+class Profile:
+    """What one profiling run measured: the server's iteration and admission records it caused and
+    the client-minus-server latency of each profiling request."""
+
+    iterations: list
+    admissions: list
+    http_gaps: list[float]
+
+
+def profile(server_url: str, *, phase_s: float = 4.0) -> Profile:
     """Profile the server at `server_url` (its adapter directory must hold `write_profile_adapters`');
-    only what the profiling requests made the server log is used. The server must be otherwise idle."""
+    only what the profiling requests made the server log is kept. The server must be otherwise idle."""
     before = server_log(server_url)
     results = replay(server_url, profiling_workload(phase_s), timeout_s=30.0)
     bad = [r.status for r in results if r.status != 200]
     assert not bad, f"profiling requests failed with statuses {sorted(set(bad))}"
     after = server_log(server_url)
-    return fit(log_since(before, after, "iterations"), [r.e2e_s - r.server_e2e_s for r in results],
-               log_since(before, after, "admissions"))
+    return Profile(log_since(before, after, "iterations"), log_since(before, after, "admissions"),
+                   [r.e2e_s - r.server_e2e_s for r in results])
+
+
+def fit_profiles(*profiles: Profile) -> Costs:
+    """The twin's costs from one or more profiling runs, pooled."""
+    return fit([x for p in profiles for x in p.iterations], [x for p in profiles for x in p.http_gaps],
+               [x for p in profiles for x in p.admissions])
+
+
+def fit_costs(server_url: str, *, phase_s: float = 4.0) -> Costs:
+    """Profile the server at `server_url` and fit the twin's costs."""
+    return fit_profiles(profile(server_url, phase_s=phase_s))
