@@ -165,3 +165,16 @@ def test_greedy_spreads_load_over_the_servers_it_needs():
     p = greedy(_Capacity(), ServeConfig(), s, 5.0, 4, lengths=(10.0, 8.0))
     shares = [sum(s.popularity[s.names.index(n)] for n in h) for h in p]
     assert len(p) == 2 and max(shares) - min(shares) < 0.2  # not one full server and one nearly idle
+
+
+def test_a_profile_keeps_only_what_was_logged_since_its_first_look():
+    from unbroken.serve.profile import log_since
+
+    before = {"iterations": [[1], [2]], "iterations_total": 2}
+    after = {"iterations": [[1], [2], [3], [4]], "iterations_total": 4}
+    assert log_since(before, after, "iterations") == [[3], [4]]
+    assert log_since(after, after, "iterations") == []
+    rolled = {"iterations": [[4], [5]], "iterations_total": 5}  # the server keeps its 2 most recent
+    assert log_since(after, rolled, "iterations") == [[5]]
+    with pytest.raises(AssertionError, match="look more often"):
+        log_since(before, rolled, "iterations")
