@@ -83,9 +83,7 @@ async def iterations(request: web.Request) -> web.Response:
     seconds since the engine was last idle] and admissions [arrival to queued, idle engine's wake-up
     or null], the most recent last, with the counts of both since the start (a caller slices out what
     happened since its last look)."""
-    engine = request.app[ENGINE]
-    return web.json_response({"iterations": list(engine.iteration_log), "admissions": list(engine.admission_log),
-                              "iterations_total": engine.iterations, "admissions_total": engine.admissions})
+    return web.json_response(request.app[ENGINE].logs())
 
 
 async def health(request: web.Request) -> web.Response:

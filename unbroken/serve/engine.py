@@ -74,7 +74,9 @@ class Engine:
         self._known: dict[str, int] = {}  # adapter -> rank, checked once on disk
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self.iterations = self.admissions = 0
+        self.iterations = 0
+        self._logged = {"iterations": 0, "admissions": 0}  # ever logged: readers slice by these
+        self._log_lock = threading.Lock()  # a log and its count change together
         self._busy_since = 0.0  # when the engine last went from idle to running
         # the recent iterations as (rows, padded length, largest rank, adapter loads, seconds, the
         # engine thread's CPU seconds, seconds since the engine was last idle) and admissions as
@@ -116,11 +118,12 @@ class Engine:
         admitted = self._admit()
         if not self.running:
             return False
-        self.admissions += len(admitted)
         if idle:
             self._busy_since = t0
-        for r in admitted:  # an idle engine's wake-up: from the request's queueing to this iteration's start
-            self.admission_log.append((r.queued - r.arrival, max(0.0, t0 - r.queued) if idle else None))
+        with self._log_lock:  # an idle engine's wake-up: from the request's queueing to this iteration's start
+            self.admission_log.extend((r.queued - r.arrival, max(0.0, t0 - r.queued) if idle else None)
+                                      for r in admitted)
+            self._logged["admissions"] += len(admitted)
         batch = self.running
         lens = torch.tensor([len(r.tokens) for r in batch])
         idx = torch.zeros(len(batch), int(lens.max()), dtype=torch.long)
@@ -143,9 +146,18 @@ class Engine:
                 self._finish(r)
         self.running = keep
         # the whole step (admission, loads, forward, finishing): the cycle the next iteration waits for
-        self.iteration_log.append((len(batch), int(lens.max()), self.table.rank, self.cache.loads - loads0,
-                                   time.perf_counter() - t0, time.thread_time() - cpu0, t0 - self._busy_since))
+        rec = (len(batch), int(lens.max()), self.table.rank, self.cache.loads - loads0,
+               time.perf_counter() - t0, time.thread_time() - cpu0, t0 - self._busy_since)
+        with self._log_lock:
+            self.iteration_log.append(rec)
+            self._logged["iterations"] += 1
         return True
+
+    def logs(self) -> dict:
+        """Both logs and how many records of each were ever logged, read together (GET /v1/iterations)."""
+        with self._log_lock:
+            return {"iterations": list(self.iteration_log), "admissions": list(self.admission_log),
+                    "iterations_total": self._logged["iterations"], "admissions_total": self._logged["admissions"]}
 
     def serve(self, stop: threading.Event) -> None:
         while not stop.is_set():
