@@ -135,22 +135,22 @@ class Engine:
         nxt = logits[torch.arange(len(batch)), lens - 1].argmax(-1).tolist()
         now = time.perf_counter()
         self.iterations += 1
-        keep = []
+        keep, done = [], []
         for r, t in zip(batch, nxt):
             r.tokens.append(t)
             r.out.append(t)
             r.times.append(now)
-            if len(r.out) < r.max_tokens:
-                keep.append(r)
-            else:
-                self._finish(r)
-        self.running = keep
-        # the whole step (admission, loads, forward, finishing): the cycle the next iteration waits for
+            (keep if len(r.out) < r.max_tokens else done).append(r)
+        # the step (admission, loads, forward), logged before the engine looks idle or any of its
+        # requests is handed back: whoever saw either and then reads the log finds this iteration
         rec = (len(batch), int(lens.max()), self.table.rank, self.cache.loads - loads0,
                time.perf_counter() - t0, time.thread_time() - cpu0, t0 - self._busy_since)
         with self._log_lock:
             self.iteration_log.append(rec)
             self._logged["iterations"] += 1
+        self.running = keep
+        for r in done:
+            self._finish(r)
         return True
 
     def logs(self) -> dict:
