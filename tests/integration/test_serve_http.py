@@ -79,3 +79,23 @@ def test_router_sends_each_adapter_to_its_server(adapter_dir, tmp_path):
         for url, n in zip(urls, (2, 1)):
             with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
                 assert f"unbroken_serve_ttft_seconds_count {n}" in r.read().decode()
+
+
+@pytest.mark.timeout(90)
+def test_a_profile_fits_only_its_own_requests(tmp_path):
+    """Profiling a real server over HTTP: the iterations it keeps are those its requests caused (a
+    request sent before it is not among them), and the fitted costs are positive where the engine
+    must spend time."""
+    from unbroken.serve.profile import fit_profiles, profile, profiling_workload, write_profile_adapters
+
+    torch.set_num_threads(1)
+    write_profile_adapters(tmp_path)
+    write_adapter(tmp_path, "a0", model=serve_model(), rank=4, seed=0)
+    with BackgroundApp(build_app(Engine(ServeConfig(), tmp_path)), free_port()) as url:
+        assert post(url, {"model": "a0", "prompt": "earlier", "max_tokens": 20})[0] == 200
+        p = profile(url, phase_s=0.5)
+    want = profiling_workload(0.5)
+    assert sum(rec[0] for rec in p.iterations) == sum(a.gen_len for a in want)  # one row per token made
+    assert len(p.admissions) == len(p.http_gaps) == len(want)
+    costs = fit_profiles(p)
+    assert costs.base + costs.token > 0 and len(costs.slowdown) == 20 and min(costs.slowdown) > 0

@@ -67,6 +67,7 @@ def test_config_over_memory_is_a_config_error():
 
 def test_an_engine_fault_fails_its_batch_and_the_engine_goes_on(adapter_dir):
     import threading
+    import time
 
     e = Engine(ServeConfig(), adapter_dir)
     model, done = e.model, []
@@ -91,3 +92,44 @@ def test_an_engine_fault_fails_its_batch_and_the_engine_goes_on(adapter_dir):
         t.join(10)
     assert done[0].error.status == 500 and "boom" in str(done[0].error)
     assert done[1].error is None and len(done[1].out) == 2 and e.cache.resident() == ["a0"]
+
+
+def test_the_engine_logs_what_the_twin_is_fitted_to(adapter_dir):
+    """Every iteration: rows, padded length, largest rank, loads, wall and CPU seconds (CPU <= wall,
+    both > 0); every admission: the hand-off delay and, for an idle engine, its wake-up."""
+    e = Engine(ServeConfig(max_batch=4, slots=2), adapter_dir)
+    e.submit(Request("a0", encode("hello"), 3))
+    e.run_until_idle()
+    e.submit(Request("a1", encode("abc"), 2))
+    e.submit(Request("a2", encode("zz"), 2))
+    e.run_until_idle()
+    want = [(1, 5, 4, 1), (1, 6, 4, 0), (1, 7, 4, 0), (2, 3, 16, 2), (2, 4, 16, 0)]  # rows, length, rank, loads
+    assert [rec[:4] for rec in e.iteration_log] == want
+    assert all(0 < rec[5] <= rec[4] * 1.05 + 1e-4 for rec in e.iteration_log)
+    assert [rec[6] == 0 for rec in e.iteration_log] == [True, False, False, True, False]  # after idleness
+    assert len(e.admission_log) == 3 and all(d >= 0 and w is not None and w >= 0 for d, w in e.admission_log)
+    assert e.logs()["iterations_total"] == 5 and e.logs()["admissions_total"] == 3
+
+
+def test_a_log_and_its_count_are_read_together(adapter_dir):
+    """GET /v1/iterations slices by the counts: read while the engine runs, a count never runs ahead
+    of its log (it did when the count was the engine's iteration counter)."""
+    import threading
+    import time
+
+    e = Engine(ServeConfig(max_batch=4, slots=2), adapter_dir)
+    stop = threading.Event()
+    t = threading.Thread(target=e.serve, args=(stop,), daemon=True)
+    t.start()
+    try:
+        reqs = [e.submit(Request(f"a{i % 3}", encode("abc"), 12)) for i in range(8)]
+        deadline = time.monotonic() + 30
+        while any(len(r.out) < r.max_tokens for r in reqs):
+            assert time.monotonic() < deadline, "the engine did not finish 8 short requests within 30 s"
+            snap = e.logs()
+            assert snap["iterations_total"] == len(snap["iterations"])
+            assert snap["admissions_total"] == len(snap["admissions"])
+    finally:
+        stop.set()
+        t.join(10)
+    assert not t.is_alive()

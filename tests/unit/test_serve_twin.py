@@ -100,18 +100,64 @@ def test_forest_learns_the_twin():
     assert err < 0.25, err
 
 
+def _profile_log(rng, n=300, preempt=0.0):
+    """Iteration records with known CPU costs, every fourth the first after idleness; `preempt`: the
+    chance that a later iteration loses 20 ms of wall time to another process (CPU unchanged)."""
+    log = []
+    for i in range(n):
+        b, length = int(rng.integers(1, 9)), int(rng.integers(2, 64))
+        r, k = int(rng.choice([0, 4, 16])), int(rng.integers(0, 3))
+        cpu = (COSTS.iteration(b, length, r) + k * COSTS.load) * (1 + 0.01 * rng.standard_normal())
+        fresh = i % 4 == 0
+        lost = 0.02 if not fresh and rng.random() < preempt else 0.0
+        log.append((b, length, r, k, cpu + lost, cpu, 0.0 if fresh else 0.05))
+    return log
+
+
 def test_profile_fit_recovers_known_costs():
     from unbroken.serve.profile import fit
 
-    rng = np.random.default_rng(0)
-    log = []
-    for _ in range(300):
-        b, length, r, n = int(rng.integers(1, 9)), int(rng.integers(2, 64)), int(rng.choice([0, 4, 16])), int(rng.integers(0, 3))
-        t = COSTS.iteration(b, length, r) + n * COSTS.load
-        log.append((b, length, r, n, t * (1 + 0.01 * rng.standard_normal())))
-    got = fit(log, [0.003, 0.004, 0.005])
+    admissions = [(0.001, 0.002), (0.002, None), (0.003, 0.004)]
+    got = fit(_profile_log(np.random.default_rng(0)), [0.003, 0.004, 0.005], admissions)
     assert abs(got.token - COSTS.token) / COSTS.token < 0.05 and abs(got.base - COSTS.base) / COSTS.base < 0.1
     assert abs(got.load - COSTS.load) / COSTS.load < 0.2 and got.http == 0.004
+    assert got.dispatch == 0.002 and got.wake == 0.003
+    assert 0.95 < min(got.slowdown) <= max(got.slowdown) < 1.05  # nothing else ran: wall = CPU
+
+
+def test_profile_fit_keeps_the_cost_shape_and_the_spread_under_preemption():
+    """A third of the iterations preempted: the CPU shape is still recovered (a fit of wall times
+    would fold the preemptions into the per-iteration base), and the slowdown quantiles carry them,
+    so the twin's mean iteration matches the profiled mean wall time while its median stays typical."""
+    from unbroken.serve.profile import fit
+
+    log = _profile_log(np.random.default_rng(1), n=600, preempt=1 / 3)
+    got = fit(log, [0.004])
+    assert abs(got.token - COSTS.token) / COSTS.token < 0.05 and abs(got.base - COSTS.base) / COSTS.base < 0.1
+    wall = np.array([rec[4] for rec in log])
+    pred = np.array([got.iteration(b, length, r) + k * got.load for b, length, r, k, *_ in log])
+    factors = np.array(got.slowdown)
+    mean_factor = 0.75 * np.mean(factors) + 0.25 * np.mean(got.slowdown_fresh)  # a quarter are fresh
+    assert abs(mean_factor * pred.mean() - wall.mean()) / wall.mean() < 0.1
+    assert np.median(factors) < 1.1 and factors.max() > 1.5
+    assert max(got.slowdown_fresh) < 1.05  # the first iterations after idleness were never preempted
+
+
+def test_twin_adds_the_hand_off_and_wake_up_to_a_lone_request():
+    s = AdapterSet.zipf(2, 1.0, seed=0)
+    one = [Arrival(0.0, s.names[0], 4, 3)]
+    cfg = ServeConfig(max_batch=4, slots=2)
+    base, b = simulate(cfg, s, one, COSTS, slo_s=1.0)
+    late = Costs(**{**COSTS.as_dict(), "dispatch": 0.003, "wake": 0.002})
+    later, c = simulate(cfg, s, one, late, slo_s=1.0)
+    assert abs((later.p50_s - base.p50_s) - 0.005) < 1e-9
+    slow = Costs(**{**COSTS.as_dict(), "slowdown": (2.0,), "slowdown_fresh": (3.0,)})
+    slower, _ = simulate(cfg, s, one, slow, slo_s=1.0)
+    r = s.ranks[0]
+    first, rest = COSTS.iteration(1, 4, r) + COSTS.load, COSTS.iteration(1, 5, r) + COSTS.iteration(1, 6, r)
+    assert abs((base.p50_s - COSTS.http) - (first + rest)) < 1e-9
+    assert abs((slower.p50_s - COSTS.http) - (3 * first + 2 * rest)) < 1e-9
+    assert b["requests"][0][1] == COSTS.http / 2 and c["requests"][0][1] == COSTS.http / 2 + 0.005
 
 
 def test_greedy_spreads_load_over_the_servers_it_needs():
@@ -119,3 +165,16 @@ def test_greedy_spreads_load_over_the_servers_it_needs():
     p = greedy(_Capacity(), ServeConfig(), s, 5.0, 4, lengths=(10.0, 8.0))
     shares = [sum(s.popularity[s.names.index(n)] for n in h) for h in p]
     assert len(p) == 2 and max(shares) - min(shares) < 0.2  # not one full server and one nearly idle
+
+
+def test_a_profile_keeps_only_what_was_logged_since_its_first_look():
+    from unbroken.serve.profile import log_since
+
+    before = {"iterations": [[1], [2]], "iterations_total": 2}
+    after = {"iterations": [[1], [2], [3], [4]], "iterations_total": 4}
+    assert log_since(before, after, "iterations") == [[3], [4]]
+    assert log_since(after, after, "iterations") == []
+    rolled = {"iterations": [[4], [5]], "iterations_total": 5}  # the server keeps its 2 most recent
+    assert log_since(after, rolled, "iterations") == [[5]]
+    with pytest.raises(AssertionError, match="look more often"):
+        log_since(before, rolled, "iterations")

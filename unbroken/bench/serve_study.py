@@ -7,7 +7,6 @@ through the router and measures servers used, SLO attainment and throughput.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -27,7 +26,8 @@ from unbroken.serve.fleet import Fleet
 from unbroken.serve.outcome import Outcome, summarize
 from unbroken.serve.perfmodel import PerfModel, mean_lengths, twin_dataset
 from unbroken.serve.placement import greedy, random_placement, round_robin, servers_used
-from unbroken.serve.profile import fit_costs, write_profile_adapters
+from unbroken.serve.profile import (fit_costs, fit_profiles, log_since, observed_slowdown, profile, server_log,
+                                    write_profile_adapters)
 from unbroken.serve.router import Router, build_router_app
 from unbroken.serve.twin import simulate
 from unbroken.serve.workload import AdapterSet, from_trace, generate
@@ -45,6 +45,7 @@ SKEWS = {"flat": 0.6, "skewed": 1.2}  # Zipf alpha of adapter popularity
 # held out: never used to fit the twin (profiling uses synthetic batches only)
 VALIDATION = [("conv", 8, 1.2, 2.0), ("poisson", 16, 0.6, 3.0), ("bursty", 12, 1.0, 2.5), ("code", 24, 0.8, 3.5)]
 METHODS = ("greedy", "round_robin", "random")
+CHECK_PROFILE_PHASE_S = 2.0  # seconds per profiling rate around each held-out configuration (~6 s)
 
 
 def _arrivals(kind: str, adapters: AdapterSet, rate: float, duration: float, seed: int):
@@ -81,23 +82,61 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if b else float(a != b)
 
 
-def validate_twin(url: str, costs, duration: float, console: Console) -> dict:
+def validate_twin(url: str, duration: float, console: Console) -> dict:
+    """Each held-out configuration between two short profiles (the profiling workload, never the
+    configuration's requests), its twin fitted to both pooled: the shared box's speed drifts from
+    minute to minute, and profiles that bracket a run see the box it ran on."""
     rows = []
+    before = _profile(url)
     for i, (kind, n, alpha, rate) in enumerate(VALIDATION):
         adapters = AdapterSet.zipf(n, alpha, seed=100 + i)
         arrivals = _arrivals(kind, adapters, rate, duration, seed=200 + i)
+        mark = server_log(url)
         real, real_wall = _real(url, arrivals)
         _drain([url])
+        run_log = log_since(mark, server_log(url), "iterations")
+        after = _profile(url)
+        costs = fit_profiles(before, after)
         twin, stats = simulate(CFG, adapters, arrivals, costs, slo_s=SLO_S, timeout_s=TIMEOUT_S)
+        # a diagnostic, never the headline: the same twin given the slowdown the server logged during
+        # this run, which separates the twin's own error from the box's drift around the run
+        seen = observed_slowdown(costs, run_log)
+        twin_seen, _ = simulate(CFG, adapters, arrivals, seen, slo_s=SLO_S, timeout_s=TIMEOUT_S)
         rows.append({"workload": kind, "adapters": n, "alpha": alpha, "rate": rate, "duration_s": duration,
-                     "real": real.as_dict(),
+                     "costs": costs.as_dict(), "real": real.as_dict(),
                      "twin": twin.as_dict(), "error_throughput": _rel(twin.throughput_tok_s, real.throughput_tok_s),
-                     "error_p50": _rel(twin.p50_s, real.p50_s), "speedup": real_wall / stats["wall_s"]})
+                     "error_p50": _rel(twin.p50_s, real.p50_s), "speedup": real_wall / stats["wall_s"],
+                     "cpu_actual_over_predicted": _cpu_ratio(costs, run_log),
+                     "slowdown_seen": seen.slowdown, "slowdown_fresh_seen": seen.slowdown_fresh,
+                     "twin_given_slowdown_seen": twin_seen.as_dict(),
+                     "error_p50_given_slowdown_seen": _rel(twin_seen.p50_s, real.p50_s)})
         console.print(f"  twin check {kind:8s} n={n:2d} rate={rate}: throughput real {real.throughput_tok_s:6.1f} "
-                      f"twin {twin.throughput_tok_s:6.1f} tok/s, p50 real {real.p50_s:.3f} twin {twin.p50_s:.3f} s")
+                      f"twin {twin.throughput_tok_s:6.1f} tok/s, p50 real {real.p50_s:.3f} twin {twin.p50_s:.3f} s "
+                      f"(profiles: {_brief(costs)}; run's slowdown median {statistics.median(seen.slowdown):.2f}, "
+                      f"p50 twin given it {twin_seen.p50_s:.3f} s)")
+        before = after
     return {"configs": rows, "twin_error_throughput": statistics.mean(r["error_throughput"] for r in rows),
             "twin_error_p50": statistics.mean(r["error_p50"] for r in rows),
+            "twin_error_p50_given_slowdown_seen": statistics.mean(r["error_p50_given_slowdown_seen"] for r in rows),
             "twin_speedup": statistics.median(r["speedup"] for r in rows)}
+
+
+def _profile(url: str):
+    p = profile(url, phase_s=CHECK_PROFILE_PHASE_S)
+    _drain([url])
+    return p
+
+
+def _cpu_ratio(costs, log: list) -> float:
+    """The engine's CPU seconds in a run over what the profiled costs predict for its iterations."""
+    pred = sum(costs.iteration(b, length, r) + n * costs.load for b, length, r, n, *_ in log)
+    return sum(rec[5] for rec in log) / pred if pred else float("nan")
+
+
+def _brief(costs) -> str:
+    """A profile in one line: CPU per iteration (base, per token), HTTP, the median slowdown."""
+    return (f"base {costs.base * 1e3:.2f} ms, token {costs.token * 1e6:.1f} us, http {costs.http * 1e3:.2f} ms, "
+            f"slowdown median {statistics.median(costs.slowdown):.2f}")
 
 
 def capacity(costs, duration: float) -> float:
@@ -203,14 +242,12 @@ def run_study(duration: float, train_runs: int, out_dir: Path) -> None:
                 write_adapter(adir, name, model=serve_model(), rank=rank, seed=sum(map(ord, name)) * 31 + rank)
         write_profile_adapters(adir)
         with Fleet(adir, [free_port() for _ in range(FLEET)], CFG, log_dir=Path(tmp)) as urls:
-            console.print("profiling one server and fitting the twin's costs")
-            costs = fit_costs(urls[0])
-            _drain(urls)
-            console.print(f"  costs: {json.dumps({k: round(v, 6) for k, v in costs.as_dict().items()})}")
-            twin_check = validate_twin(urls[0], costs, duration, console)
+            console.print("twin vs one real server, each held-out configuration after a short profile")
+            twin_check = validate_twin(urls[0], duration, console)
             console.print("profiling again (the box's speed drifts): the forest learns from the twin as of now")
             fleet_costs = fit_costs(urls[1])
             _drain(urls)
+            console.print(f"  profile: {_brief(fleet_costs)}")
             cap, loads = capacity(fleet_costs, duration), LOADS
             console.print(f"one server's capacity (twin): {cap:.2f} req/s; fleet loads {loads}")
             console.print(f"training the random forest on {train_runs} twin runs")
@@ -221,6 +258,7 @@ def run_study(duration: float, train_runs: int, out_dir: Path) -> None:
     saving = {k: 1 - row["greedy"]["servers"] / row["round_robin"]["servers"] for k, row in scenarios.items()}
     result = {
         "twin_error_throughput": twin_check["twin_error_throughput"], "twin_error_p50": twin_check["twin_error_p50"],
+        "twin_error_p50_given_slowdown_seen": twin_check["twin_error_p50_given_slowdown_seen"],
         "twin_speedup": twin_check["twin_speedup"], "rf_error": rf["rf_error"], "rf": rf,
         "servers": {m: {k: row[m]["servers"] for k, row in scenarios.items()} for m in METHODS},
         "slo_attainment": {m: {k: row[m]["slo"] for k, row in scenarios.items()} for m in METHODS},
@@ -229,7 +267,7 @@ def run_study(duration: float, train_runs: int, out_dir: Path) -> None:
         "server_saving_vs_round_robin": statistics.median(saving.values()), "saving_per_scenario": saving,
         "greedy_slo_at_least_round_robin": {k: row["greedy"]["slo"] >= row["round_robin"]["slo"]
                                             for k, row in scenarios.items()},
-        "twin_check": twin_check, "costs": costs.as_dict(), "scenarios": scenarios,
+        "twin_check": twin_check, "scenarios": scenarios,
         "server_capacity_req_s": cap,
         "fleet_costs": fleet_costs.as_dict(),
         "setup": {"fleet": FLEET, "adapters": N_ADAPTERS, "loads_req_s": loads, "skews_zipf_alpha": SKEWS,

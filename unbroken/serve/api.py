@@ -79,8 +79,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def iterations(request: web.Request) -> web.Response:
-    """The recent iterations [rows, padded length, largest rank, adapter loads, seconds] (profiling)."""
-    return web.json_response({"iterations": list(request.app[ENGINE].iteration_log)})
+    """The recent iterations [rows, padded length, largest rank, adapter loads, seconds, CPU seconds,
+    seconds since the engine was last idle] and admissions [arrival to queued, idle engine's wake-up
+    or null], the most recent last, with the counts of both since the start (a caller slices out what
+    happened since its last look)."""
+    return web.json_response(request.app[ENGINE].logs())
 
 
 async def health(request: web.Request) -> web.Response:

@@ -35,6 +35,7 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
     out: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # when each generated token was produced
+    queued: float | None = None  # appended to the engine's queue (after the HTTP thread's hand-off)
     start: float | None = None  # admitted into the running batch
     slot: int = 0
     error: RequestError | None = None  # set when the request failed after it was queued
@@ -74,9 +75,15 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self.iterations = 0
-        # the recent iterations as (rows, padded length, largest rank, adapter loads, seconds): what
-        # the twin's costs are fitted to (GET /v1/iterations)
-        self.iteration_log: deque[tuple[int, int, int, int, float]] = deque(maxlen=8192)
+        self._logged = {"iterations": 0, "admissions": 0}  # ever logged: readers slice by these
+        self._log_lock = threading.Lock()  # a log and its count change together
+        self._busy_since = 0.0  # when the engine last went from idle to running
+        # the recent iterations as (rows, padded length, largest rank, adapter loads, seconds, the
+        # engine thread's CPU seconds, seconds since the engine was last idle) and admissions as
+        # (arrival -> queued, idle engine's wake-up or None): what the twin's costs are fitted to
+        # (GET /v1/iterations)
+        self.iteration_log: deque[tuple[int, int, int, int, float, float, float]] = deque(maxlen=8192)
+        self.admission_log: deque[tuple[float, float | None]] = deque(maxlen=8192)
 
     # -- requests --------------------------------------------------------------------------
     def check_adapter(self, name: str) -> int:
@@ -99,6 +106,7 @@ class Engine:
                 self.metrics.rejected += 1
                 raise RequestError(f"server over its memory limit: {len(self.waiting)} requests queued "
                                    f"(max_waiting {self.cfg.max_waiting}); retry later or add servers", 429)
+            req.queued = time.perf_counter()
             self.waiting.append(req)
         self._wake.set()
         return req
@@ -106,10 +114,16 @@ class Engine:
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> bool:
         """One iteration: admit what fits, decode one token for every running request. False if idle."""
-        t0, loads0 = time.perf_counter(), self.cache.loads
-        self._admit()
+        t0, cpu0, loads0, idle = time.perf_counter(), time.thread_time(), self.cache.loads, not self.running
+        admitted = self._admit()
         if not self.running:
             return False
+        if idle:
+            self._busy_since = t0
+        with self._log_lock:  # an idle engine's wake-up: from the request's queueing to this iteration's start
+            self.admission_log.extend((r.queued - r.arrival, max(0.0, t0 - r.queued) if idle else None)
+                                      for r in admitted)
+            self._logged["admissions"] += len(admitted)
         batch = self.running
         lens = torch.tensor([len(r.tokens) for r in batch])
         idx = torch.zeros(len(batch), int(lens.max()), dtype=torch.long)
@@ -121,18 +135,29 @@ class Engine:
         nxt = logits[torch.arange(len(batch)), lens - 1].argmax(-1).tolist()
         now = time.perf_counter()
         self.iterations += 1
-        keep = []
+        keep, done = [], []
         for r, t in zip(batch, nxt):
             r.tokens.append(t)
             r.out.append(t)
             r.times.append(now)
-            if len(r.out) < r.max_tokens:
-                keep.append(r)
-            else:
-                self._finish(r)
+            (keep if len(r.out) < r.max_tokens else done).append(r)
+        # the step (admission, loads, forward), logged before the engine looks idle or any of its
+        # requests is handed back: whoever saw either and then reads the log finds this iteration
+        rec = (len(batch), int(lens.max()), self.table.rank, self.cache.loads - loads0,
+               time.perf_counter() - t0, time.thread_time() - cpu0, t0 - self._busy_since)
+        with self._log_lock:
+            self.iteration_log.append(rec)
+            self._logged["iterations"] += 1
         self.running = keep
-        self.iteration_log.append((len(batch), int(lens.max()), self.table.rank, self.cache.loads - loads0, now - t0))
+        for r in done:
+            self._finish(r)
         return True
+
+    def logs(self) -> dict:
+        """Both logs and how many records of each were ever logged, read together (GET /v1/iterations)."""
+        with self._log_lock:
+            return {"iterations": list(self.iteration_log), "admissions": list(self.admission_log),
+                    "iterations_total": self._logged["iterations"], "admissions_total": self._logged["admissions"]}
 
     def serve(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -158,11 +183,12 @@ class Engine:
             self.step()
 
     # -- internals -------------------------------------------------------------------------
-    def _admit(self) -> None:
+    def _admit(self) -> list[Request]:
+        """Move what fits from the queue into the running batch; returns the requests admitted."""
         with self._lock:
             if not self.waiting or len(self.running) >= self.cfg.max_batch:
-                return
-            still = deque()
+                return []
+            still, admitted = deque(), []
             while self.waiting:
                 r = self.waiting.popleft()
                 slot = 0 if r.adapter is None else None
@@ -178,7 +204,9 @@ class Engine:
                     continue
                 r.slot, r.start = slot, time.perf_counter()
                 self.running.append(r)
+                admitted.append(r)
             self.waiting = still
+            return admitted
 
     def _finish(self, r: Request) -> None:
         if r.slot:

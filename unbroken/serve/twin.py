@@ -3,6 +3,7 @@ skip-ahead admission, the same LRU adapter cache, continuous batching, one token
 per iteration) with per-iteration and per-load costs fitted from a profiling run (`profile.py`)."""
 from __future__ import annotations
 
+import random
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -17,9 +18,16 @@ from unbroken.serve.workload import AdapterSet, Arrival
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds: an iteration of B rows padded to L tokens whose largest adapter rank is r costs
-    base + row*B + token*B*L + lora*B*L*r; loading an adapter into a slot costs `load`;
-    `http` is a request's round trip outside the engine (client, HTTP, event loop)."""
+    """Seconds: an iteration of B rows padded to L tokens whose largest adapter rank is r takes
+    base + row*B + token*B*L + lora*B*L*r of the engine's CPU, loading an adapter into a slot `load`;
+    the wall time of an iteration is that times a factor drawn from `slowdown` (wall / CPU per
+    iteration as profiled: the core's share left by other processes, waits for the GIL), so a twin
+    run sees the profiled spread of iteration times and not only their mean. The first iteration
+    after the engine was idle draws from `slowdown_fresh` instead: the OS runs a process that
+    slept at once, one that keeps running gets its share of a busy box.
+    `http` is a request's round trip outside the engine (client, HTTP, event loop), `dispatch` the
+    hand-off from the HTTP thread to the engine's queue, `wake` how long an idle engine takes to
+    start on a queued request."""
 
     base: float
     row: float
@@ -27,8 +35,17 @@ class Costs:
     lora: float
     load: float
     http: float
+    dispatch: float = 0.0
+    wake: float = 0.0
+    slowdown: tuple[float, ...] = (1.0,)  # equal-probability quantiles
+    slowdown_fresh: tuple[float, ...] = (1.0,)
+
+    def __post_init__(self) -> None:
+        for f in (self.slowdown, self.slowdown_fresh):
+            assert f and min(f) > 0, f"slowdown factors must be > 0, got {f}"
 
     def iteration(self, b: int, length: int, rank: int) -> float:
+        """CPU seconds of one iteration (times a slowdown factor for its wall time)."""
         return self.base + self.row * b + self.token * b * length + self.lora * b * length * rank
 
     def as_dict(self) -> dict:
@@ -49,29 +66,34 @@ class _Req:
 
 
 def simulate(cfg: ServeConfig, adapters: AdapterSet, arrivals: list[Arrival], costs: Costs,
-             *, slo_s: float, timeout_s: float = 20.0) -> tuple[Outcome, dict]:
+             *, slo_s: float, timeout_s: float = 20.0, seed: int = 0) -> tuple[Outcome, dict]:
     """Predict one server's outcome for these arrivals; a request not finished `timeout_s` after it
-    was sent fails, as in the real replay (and counts as starved). Returns (outcome, stats)."""
+    was sent fails, as in the real replay (and counts as starved). `seed` draws the iterations'
+    slowdown factors. Returns (outcome, stats); stats["requests"] holds each request's (arrival at
+    the engine, admission, finish) in the arrivals' order."""
     wall = time.perf_counter()
     rank = dict(zip(adapters.names, adapters.ranks))
     loads: list[float] = []
     cache = AdapterCache(cfg.slots, lambda name, slot: loads.append(costs.load))
-    reqs = [_Req(a.t + costs.http / 2, a.adapter, rank[a.adapter], a.prompt_len, a.gen_len, a.gen_len) for a in arrivals]
+    ahead = costs.http / 2 + costs.dispatch
+    reqs = [_Req(a.t + ahead, a.adapter, rank[a.adapter], a.prompt_len, a.gen_len, a.gen_len) for a in arrivals]
     horizon = arrivals[-1].t + timeout_s if arrivals else 0.0
     pending, waiting, running = deque(reqs), deque(), []
     now, iterations = 0.0, 0
+    draw = random.Random(seed).choice
     while (pending or waiting or running) and now < horizon:
         while pending and pending[0].arrival <= now:
             waiting.append(pending.popleft())
         if not running and not waiting:
-            now = pending[0].arrival
+            now = pending[0].arrival + costs.wake
             continue
+        fresh = not running
         waiting = _admit(cfg, cache, waiting, running, now)
-        now += sum(loads)
-        loads.clear()
-        if not running:  # every slot pinned cannot happen with nothing running; only loads could be due
+        if not running:  # every slot pinned cannot happen with nothing running
             continue
-        now += costs.iteration(len(running), max(r.length for r in running), max(r.rank for r in running))
+        cpu = sum(loads) + costs.iteration(len(running), max(r.length for r in running), max(r.rank for r in running))
+        loads.clear()
+        now += cpu * draw(costs.slowdown_fresh if fresh else costs.slowdown)
         iterations += 1
         keep = []
         for r in running:
@@ -89,7 +111,7 @@ def simulate(cfg: ServeConfig, adapters: AdapterSet, arrivals: list[Arrival], co
     model = serve_model()
     stats = {"iterations": iterations, "adapter_loads": cache.loads, "evictions": cache.evictions,
              "memory_mb": memory_bytes(model, cfg.max_batch, cfg.slots, cfg.max_rank) / 2**20,
-             "wall_s": time.perf_counter() - wall}
+             "wall_s": time.perf_counter() - wall, "requests": [(r.arrival, r.start, r.finish) for r in reqs]}
     return out, stats
 
 
