@@ -9,10 +9,13 @@ effect at the next collective on every rank. A congestion flag change and a plan
 events (`link_congestion`, `collective_plan`), written by rank 0 before the plan is used.
 
 mode "static" always runs the static ring (rank order, even chunks, its pieces set by the size
-alone) and learns nothing: the baseline. All-reduces under
-`learn_bytes` (the same decision on every rank: the size is the same) skip the exchange: their
-flows are too small to measure a link (flows.FlowConfig.min_bytes) and the sync would cost
-more than it could win.
+alone) and learns nothing: the baseline. All-reduces under `learn_bytes` (gradient buckets) are
+learned from together: their tables are kept until `learn_bytes` have been all-reduced (the same
+count on every rank: the sizes are the same), then exchanged at once and folded in as one
+observation, each pair's bytes and transfer times summed (flows.merge): one small bucket's flows
+are too short to measure a link (flows.FlowConfig.min_bytes), and a sync per bucket would cost
+more than it could win. Plans are kept per size (a step's buckets differ in size; each keeps its
+plan until the links change).
 """
 from __future__ import annotations
 
@@ -49,9 +52,12 @@ class AdaptiveAllreduce:
         self.tp = Transport(pg, rank=rank, world=world, timeout_s=timeout_s, on_transfer=self._record,
                             interrupted=interrupted)
         self.table = flows.FlowTable(flow_cfg)
-        self.plan: Pattern | None = Pattern.static_ring(world) if mode == "static" else None
+        self.plan: Pattern | None = Pattern.static_ring(world) if mode == "static" else None  # the last one used
+        self._plans: dict[int, Pattern] = {}  # per all-reduce size: its current plan
         self.seq = 0
-        self._decided: tuple | None = None  # what the last plan was chosen for
+        self._decided: dict[int, tuple] = {}  # per size: the links' picture its plan was chosen for
+        self._kept: list[list] = []  # the tables of the collectives not yet exchanged (each under learn_bytes)
+        self._kept_bytes = 0
         self.history: deque[dict] = deque(maxlen=1024)  # the last collectives: seq, plan, seconds, estimates
         self._slots = self._empty_slots()  # per peer, phase: bytes, posted, ended (receives), posted (sends)
         self._slow: set[flows.Link] = set()  # the links the current plan was made around (hysteresis)
@@ -60,25 +66,26 @@ class AdaptiveAllreduce:
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
         nbytes = t.numel() * t.element_size()
-        if self.plan is None:
-            self.plan, _ = planner.choose(None, planner.Rates.uniform(self.world), nbytes, min_gain=self.min_gain)
-        elif self.mode == "static":
-            self.plan = Pattern.static_ring(self.world, planner.pieces_for(nbytes))
-        elif self._pending is None:
-            self.decide(nbytes)  # a new size may want other pieces (a no-op while size and links hold)
         sync_s = None
-        if self._pending is not None:  # the last collective's flow exchange: fold it in, re-plan
+        if self.mode == "static":
+            self.plan = Pattern.static_ring(self.world, planner.pieces_for(nbytes))
+        elif self._pending is not None:  # the last flow exchange: fold it in, re-plan
             t1 = time.perf_counter()
             self._replan(self._finish_gather(what), nbytes)
             sync_s = time.perf_counter() - t1  # learning's cost here: the wait for it and the planner
+        else:
+            self.decide(nbytes)  # a new size gets its plan (a no-op while size and links hold)
         self.seq += 1
         plan, t0 = self.plan, time.perf_counter()
         self._slots = self._empty_slots()
         allreduce(self.tp, t, plan, self.seq, what)
         self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": time.perf_counter() - t0,
                              "sync_s": sync_s, "estimates": self._estimates})
-        if self.mode == "adaptive" and self.world > 1 and nbytes >= self.learn_bytes:
-            self._start_gather(what)
+        if self.mode == "adaptive" and self.world > 1:
+            self._kept.append(self._slots)
+            self._kept_bytes += nbytes
+            if self._kept_bytes >= self.learn_bytes:
+                self._start_gather(what)
 
     def close(self) -> None:
         """The group is retired: its transport's waiter threads may end (a flow exchange still in
@@ -103,10 +110,11 @@ class AdaptiveAllreduce:
         s[0] += nbytes
 
     def _start_gather(self, what: str) -> None:
-        """Issue the all-gather of every rank's slots (world, world, PHASES, 4) and return: it travels
+        """Issue the all-gather of every rank's kept tables (world, kept, world, PHASES, 4) and return: it travels
         while the caller computes, and the next call waits for it (every rank issues it at the same
         point of the group's op sequence, so other collectives on the group keep their order)."""
-        mine = torch.tensor(self._slots, dtype=torch.float64)
+        mine = torch.tensor(self._kept, dtype=torch.float64)  # (collectives, world, PHASES, 4)
+        self._kept, self._kept_bytes = [], 0
         out = torch.empty((self.world, *mine.shape), dtype=torch.float64)
         try:
             work = self.pg.allgather([[out[r] for r in range(self.world)]], [mine])
@@ -129,9 +137,14 @@ class AdaptiveAllreduce:
         raise CollectiveError(f"rank {self.rank}/{self.world}: {self.tp.broken}") from e
 
     def flows_of(self, slots: torch.Tensor) -> list[flows.Flow]:
-        """The collective's flows from every rank's slots (rank j's row: what j received and sent)."""
-        recvs, sends = [], []
+        """The flows of the exchanged collectives from every rank's tables (world, kept, world, PHASES,
+        4; rank j's row: what j received and sent): one collective's as they were, several merged."""
         rows = slots.tolist()  # one conversion: indexing a tensor element by element costs microseconds each
+        per = [self._flows_of_one([rows[j][k] for j in range(self.world)]) for k in range(len(rows[0]))]
+        return per[0] if len(per) == 1 else flows.merge(per)
+
+    def _flows_of_one(self, rows: list) -> list[flows.Flow]:
+        recvs, sends = [], []
         for j in range(self.world):
             for i in range(self.world):
                 for ph, (nb, posted, ended, sent) in enumerate(rows[j][i]):
@@ -187,16 +200,18 @@ class AdaptiveAllreduce:
         self._slow = set(slow)
         rates = self.rates()
         ref = max(rates.up + rates.down)
-        key = (nbytes, tuple(round(x / ref * 20) for x in rates.up + rates.down))
-        if key == self._decided:
+        key = tuple(round(x / ref * 20) for x in rates.up + rates.down)
+        if self._decided.get(nbytes) == key:
+            self.plan = self._plans[nbytes]
             return
-        self._decided = key
-        plan, predicted = planner.choose(self.plan, rates, nbytes, min_gain=self.min_gain)
-        if plan != self.plan:
-            if self.emit:
-                self.emit("collective_plan", seq=self.seq + 1, plan=plan.to_json(), previous=self.plan.to_json(),
-                          predicted_s=predicted, congested=[f"{k}:{r}" for k, r in sorted(self._slow)])
-            self.plan = plan
+        self._decided[nbytes] = key
+        current = self._plans.get(nbytes)
+        plan, predicted = planner.choose(current, rates, nbytes, min_gain=self.min_gain)
+        previous = current or self.plan
+        if self.emit and previous is not None and plan != previous:
+            self.emit("collective_plan", seq=self.seq + 1, plan=plan.to_json(), previous=previous.to_json(),
+                      predicted_s=predicted, congested=[f"{k}:{r}" for k, r in sorted(self._slow)], bytes=nbytes)
+        self._plans[nbytes] = self.plan = plan
 
 
 def for_comm(comm, mode: str, *, emit: Emit | None = None,
