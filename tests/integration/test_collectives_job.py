@@ -19,9 +19,19 @@ def test_a_killed_rank_recovers_to_the_failure_free_weights_with_adaptive_collec
 
 
 def test_static_and_adaptive_collectives_train_to_the_same_bits(tmp_path):
-    """Both use the same reduction order (comm/patterns.py), whatever pattern the adaptive one picks."""
+    """Both use the same reduction order (comm/patterns.py), whatever pattern the adaptive one picks
+    and however the gradient is cut: static all-reduces it whole after backward (--overlap off),
+    adaptive in small buckets issued during backward (comm/bucketed.py)."""
+    import json
+
+    from unbroken.parallel.overlap import FORMAT
+
+    plan = tmp_path / "buckets.json"
+    plan.write_text(json.dumps({"format": FORMAT, "plan": {"bucket_kb": 16}}))
     args = [*SMALL, "--strategy", "ddp"]
-    static = run_job(tmp_path / "static", *args, "--collectives", "static")
-    adaptive = run_job(tmp_path / "adaptive", *args, "--collectives", "adaptive")
+    static = run_job(tmp_path / "static", *args, "--collectives", "static", "--overlap", "off")
+    adaptive = run_job(tmp_path / "adaptive", *args, "--collectives", "adaptive", "--overlap", str(plan))
     assert static["weights_sha256"] == adaptive["weights_sha256"]
     assert not [e for e in events(tmp_path / "static") if e["kind"] == "collective_plan"]  # static never re-plans
+    timeline = [e for e in events(tmp_path / "adaptive") if e["kind"] == "overlap_timeline"]
+    assert timeline and len(timeline[0]["fields"]["buckets"]) > 3  # several buckets, issued while backward ran
