@@ -68,7 +68,9 @@ def test_one_slow_link_scenario_runs_in_namespaces(tmp_path):
                                          (["--world-size", "3", "--scenarios", "two_slow"], "--world-size >= 4"),
                                          (["--payloads", "0"], "--payloads"),
                                          (["--only", "bogus"], "unknown --only bogus"),
-                                         (["--only", "e2e", "--steps", "2"], "--steps >= 4")])
+                                         (["--only", "e2e", "--steps", "2"], "--steps >= 4"),
+                                         (["--bucket-kb", "64"], "--bucket-kb is for --only e2e"),
+                                         (["--only", "e2e", "--bucket-kb", "0"], "--bucket-kb must be >= 1")])
 def test_bad_options_are_one_line_errors(args, needle):
     from typer.testing import CliRunner
 
