@@ -6,7 +6,6 @@ import torch
 import torch.nn as nn
 
 from tests.unit.commgroups import groups, on_ranks
-from unbroken.comm import flows
 from unbroken.comm.adaptive import AdaptiveAllreduce
 from unbroken.comm.bucketed import BucketedAllreduce
 from unbroken.comm.group import CollectiveError
@@ -25,7 +24,7 @@ def _model(seed: int) -> nn.Module:
 @pytest.mark.parametrize("world", [3, 4])
 def test_buckets_reduced_during_backward_equal_the_reference_and_plans_agree(world):
     """Several buckets per step, issued from the gradient hooks while backward runs; a plan change
-    between steps; the flow exchange every few buckets (learn_bytes small): every step's reduced
+    between steps; a flow exchange after buckets over learn_bytes (set small): every step's reduced
     gradient equals the naive reduction of the local gradients bit for bit, on every rank."""
 
     def body(tp, r):
@@ -65,7 +64,7 @@ def test_buckets_reduced_during_backward_equal_the_reference_and_plans_agree(wor
 
     runs = on_ranks(world, body, timeout_s=60)
     for got, want, plans, exchanged in runs:
-        assert exchanged >= 2  # flows of several buckets were exchanged and folded in
+        assert exchanged >= 2  # flows were exchanged and folded in between buckets
         assert plans == runs[0][2]  # the same plan at the same collective on every rank
         for a, b in zip(got, want):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32))
@@ -88,12 +87,3 @@ def test_after_a_failure_every_queued_bucket_fails_at_once():
         ours.close()
     assert ours._thread is None
 
-
-def test_merged_small_collectives_read_as_one_observation_per_link():
-    one = [flows.Flow(0, 1, 300_000, 10.0, 10.01), flows.Flow(1, 0, 300_000, 10.0, 10.04)]
-    two = [flows.Flow(0, 1, 300_000, 20.0, 20.01), flows.Flow(1, 0, 300_000, 20.0, 20.04)]
-    merged = flows.merge([one, two, one])
-    assert merged == [flows.Flow(0, 1, 900_000, 0.0, pytest.approx(0.03)),
-                      flows.Flow(1, 0, 900_000, 0.0, pytest.approx(0.12))]
-    rates = flows.peak_rates(merged, flows.FlowConfig(min_bytes=800_000))
-    assert rates[("up", 0)] == pytest.approx(3e7) and rates[("up", 1)] == pytest.approx(7.5e6)

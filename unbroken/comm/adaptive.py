@@ -9,13 +9,13 @@ effect at the next collective on every rank. A congestion flag change and a plan
 events (`link_congestion`, `collective_plan`), written by rank 0 before the plan is used.
 
 mode "static" always runs the static ring (rank order, even chunks, its pieces set by the size
-alone) and learns nothing: the baseline. All-reduces under `learn_bytes` (gradient buckets) are
-learned from together: their tables are kept until `learn_bytes` have been all-reduced (the same
-count on every rank: the sizes are the same), then exchanged at once and folded in as one
-observation, each pair's bytes and transfer times summed (flows.merge): one small bucket's flows
-are too short to measure a link (flows.FlowConfig.min_bytes), and a sync per bucket would cost
-more than it could win. Plans are kept per size (a step's buckets differ in size; each keeps its
-plan until the links change).
+alone) and learns nothing: the baseline. All-reduces under `learn_bytes` (the same decision on
+every rank: the size is the same) skip the exchange: their flows are too small to measure a link
+(flows.FlowConfig.min_bytes) and the sync would cost more than it could win. Summing several small
+ones (a step's gradient buckets) into one observation was tried and dropped: between buckets the
+token bucket refills, so the slow link read well above its rate and cleared, fast links jittered
+below the threshold, and plans flapped (20 changes in 12 steps of 2 MB buckets, a trial). Plans
+are kept per size (a step's buckets differ in size; each keeps its plan until the links change).
 """
 from __future__ import annotations
 
@@ -56,8 +56,6 @@ class AdaptiveAllreduce:
         self._plans: dict[int, Pattern] = {}  # per all-reduce size: its current plan
         self.seq = 0
         self._decided: dict[int, tuple] = {}  # per size: the links' picture its plan was chosen for
-        self._kept: list[list] = []  # the tables of the collectives not yet exchanged (each under learn_bytes)
-        self._kept_bytes = 0
         self.history: deque[dict] = deque(maxlen=1024)  # the last collectives: seq, plan, seconds, estimates
         self._slots = self._empty_slots()  # per peer, phase: bytes, posted, ended (receives), posted (sends)
         self._slow: set[flows.Link] = set()  # the links the current plan was made around (hysteresis)
@@ -81,11 +79,8 @@ class AdaptiveAllreduce:
         allreduce(self.tp, t, plan, self.seq, what)
         self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": time.perf_counter() - t0,
                              "sync_s": sync_s, "estimates": self._estimates})
-        if self.mode == "adaptive" and self.world > 1:
-            self._kept.append(self._slots)
-            self._kept_bytes += nbytes
-            if self._kept_bytes >= self.learn_bytes:
-                self._start_gather(what)
+        if self.mode == "adaptive" and self.world > 1 and nbytes >= self.learn_bytes:
+            self._start_gather(what)
 
     def close(self) -> None:
         """The group is retired: its transport's waiter threads may end (a flow exchange still in
@@ -110,11 +105,10 @@ class AdaptiveAllreduce:
         s[0] += nbytes
 
     def _start_gather(self, what: str) -> None:
-        """Issue the all-gather of every rank's kept tables (world, kept, world, PHASES, 4) and return: it travels
+        """Issue the all-gather of every rank's slots (world, world, PHASES, 4) and return: it travels
         while the caller computes, and the next call waits for it (every rank issues it at the same
         point of the group's op sequence, so other collectives on the group keep their order)."""
-        mine = torch.tensor(self._kept, dtype=torch.float64)  # (collectives, world, PHASES, 4)
-        self._kept, self._kept_bytes = [], 0
+        mine = torch.tensor(self._slots, dtype=torch.float64)
         out = torch.empty((self.world, *mine.shape), dtype=torch.float64)
         try:
             work = self.pg.allgather([[out[r] for r in range(self.world)]], [mine])
@@ -137,14 +131,9 @@ class AdaptiveAllreduce:
         raise CollectiveError(f"rank {self.rank}/{self.world}: {self.tp.broken}") from e
 
     def flows_of(self, slots: torch.Tensor) -> list[flows.Flow]:
-        """The flows of the exchanged collectives from every rank's tables (world, kept, world, PHASES,
-        4; rank j's row: what j received and sent): one collective's as they were, several merged."""
-        rows = slots.tolist()  # one conversion: indexing a tensor element by element costs microseconds each
-        per = [self._flows_of_one([rows[j][k] for j in range(self.world)]) for k in range(len(rows[0]))]
-        return per[0] if len(per) == 1 else flows.merge(per)
-
-    def _flows_of_one(self, rows: list) -> list[flows.Flow]:
+        """The collective's flows from every rank's slots (rank j's row: what j received and sent)."""
         recvs, sends = [], []
+        rows = slots.tolist()  # one conversion: indexing a tensor element by element costs microseconds each
         for j in range(self.world):
             for i in range(self.world):
                 for ph, (nb, posted, ended, sent) in enumerate(rows[j][i]):

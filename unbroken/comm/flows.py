@@ -154,17 +154,3 @@ def join(recvs: Iterable[tuple[int, int, int, int, float, float]],
     Times are wall clocks of the ranks' hosts; a receive whose send is unknown starts at its own post."""
     posted = {(s, d, t): p for s, d, t, p in sends}
     return [Flow(s, d, n, max(p, posted.get((s, d, t), p)), e) for s, d, t, n, p, e in recvs]
-
-
-def merge(collectives: Iterable[Iterable[Flow]]) -> list[Flow]:
-    """Several small collectives' flows as one observation: per (src, dst), the bytes and the transfer
-    times summed, every merged flow in flight at once from 0 (as a pipelined pattern's flows are).
-    One bucket's flows are too short to read a link from (under FlowConfig.min_bytes, a token
-    bucket's burst); their sum is not, and the gaps between the collectives count for nothing."""
-    acc: dict[tuple[int, int], list[float]] = {}
-    for flows in collectives:
-        for f in flows:
-            a = acc.setdefault((f.src, f.dst), [0, 0.0])
-            a[0] += f.nbytes
-            a[1] += max(0.0, f.end - f.start)
-    return [Flow(s, d, int(n), 0.0, secs) for (s, d), (n, secs) in sorted(acc.items())]
