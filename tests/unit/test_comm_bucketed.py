@@ -87,3 +87,17 @@ def test_after_a_failure_every_queued_bucket_fails_at_once():
         ours.close()
     assert ours._thread is None
 
+
+
+def test_a_newer_generation_ends_the_wait_at_once():
+    import threading
+
+    from unbroken.comm.group import GenerationChanged, Pending
+
+    newer = threading.Event()
+    ours = BucketedAllreduce(AdaptiveAllreduce(None, rank=0, world=2, timeout_s=30), interrupted=newer.is_set)
+    p = Pending("bucket 0")  # never started: only the generation can end the wait
+    threading.Timer(0.05, newer.set).start()
+    with pytest.raises(GenerationChanged, match="newer generation"):
+        ours.finish(p)
+    ours.close()

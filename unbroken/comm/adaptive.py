@@ -14,7 +14,7 @@ every rank: the size is the same) skip the exchange: their flows are too small t
 (flows.FlowConfig.min_bytes) and the sync would cost more than it could win. Summing several small
 ones (a step's gradient buckets) into one observation was tried and dropped: between buckets the
 token bucket refills, so the slow link read well above its rate and cleared, fast links jittered
-below the threshold, and plans flapped (20 changes in 12 steps of 2 MB buckets, a trial). Plans
+below the threshold, and plans flapped from step to step (a trial with 2 MB buckets). Plans
 are kept per size (a step's buckets differ in size; each keeps its plan until the links change).
 """
 from __future__ import annotations

@@ -21,14 +21,15 @@ import torch.distributed as dist
 
 from unbroken.comm import adaptive
 from unbroken.comm.adaptive import AdaptiveAllreduce, Emit
-from unbroken.comm.group import CollectiveError, Pending
+from unbroken.comm.group import CollectiveError, GenerationChanged, Pending
 
 
 class BucketedAllreduce:
-    """`ours` run on a thread of its own; `comm` (optional) is credited the time spent waiting."""
+    """`ours` run on a thread of its own; `comm` (optional) is credited the time spent waiting;
+    `interrupted()` True: a newer generation exists, stop waiting at once."""
 
-    def __init__(self, ours: AdaptiveAllreduce, comm=None) -> None:
-        self.ours, self.comm = ours, comm
+    def __init__(self, ours: AdaptiveAllreduce, comm=None, interrupted: Callable[[], bool] | None = None) -> None:
+        self.ours, self.comm, self._interrupted = ours, comm, interrupted
         self.timeout_s = ours.tp.timeout_s
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -57,10 +58,15 @@ class BucketedAllreduce:
         the ones queued before it (each of those bounded alike), GenerationChanged as the transport
         raised it."""
         start = time.monotonic()
+        deadline = start + self.timeout_s * (1 + self._queue.qsize()) + 1.0
+        pace = 0.005 if self._interrupted else 1.0  # how often to look for a newer generation
         try:
-            if not p.done.wait(self.timeout_s * (1 + self._queue.qsize()) + 1.0):
-                raise CollectiveError(f"{p.what} (rank {self.ours.rank}/{self.ours.world}) did not end within "
-                                      f"{self.timeout_s:.1f}s of the all-reduces before it")
+            while not p.done.wait(pace):
+                if self._interrupted is not None and self._interrupted():
+                    raise GenerationChanged(f"{p.what}: a newer generation was published while waiting")
+                if time.monotonic() > deadline:
+                    raise CollectiveError(f"{p.what} (rank {self.ours.rank}/{self.ours.world}) did not end within "
+                                          f"{self.timeout_s:.1f}s of the all-reduces before it")
         finally:
             if self.comm is not None:
                 self.comm.waited_s += time.monotonic() - start
@@ -94,4 +100,4 @@ def for_comm(comm, mode: str, *, emit: Emit | None = None,
              interrupted: Callable[[], bool] | None = None) -> BucketedAllreduce | None:
     """The gradient all-reduce of a generation's `Comm` for --collectives `mode` (None for gloo's own)."""
     ours = adaptive.for_comm(comm, mode, emit=emit, interrupted=interrupted)
-    return None if ours is None else BucketedAllreduce(ours, comm)
+    return None if ours is None else BucketedAllreduce(ours, comm, interrupted)
