@@ -196,7 +196,8 @@ class AdaptiveAllreduce:
         self._decided[nbytes] = key
         current = self._plans.get(nbytes)
         plan, predicted = planner.choose(current, rates, nbytes, min_gain=self.min_gain)
-        previous = current or self.plan
+        # a size's first plan is an event only when made around slow links (not a mere size change)
+        previous = current if current is not None else (self.plan if self._slow else None)
         if self.emit and previous is not None and plan != previous:
             self.emit("collective_plan", seq=self.seq + 1, plan=plan.to_json(), previous=previous.to_json(),
                       predicted_s=predicted, congested=[f"{k}:{r}" for k, r in sorted(self._slow)], bytes=nbytes)
