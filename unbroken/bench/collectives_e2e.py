@@ -7,13 +7,12 @@ all-reduce, unbroken's default, with its default bucket overlap), `static` (our 
 `adaptive` (the congestion-aware all-reduce), each with the job's gradient buckets issued during
 backward (ours from a communication thread, comm/bucketed.py). `bucket_kb` (default: the job's,
 25 MB, one bucket for the demo's 12.8 MB gradient: nothing to overlap for any method) sets the
-bucket size of every method alike, through an overlap plan file (`--overlap FILE`).
+bucket size of every method alike (a config file's `bucket_kb`, with `--overlap on`).
 step_s: rank 0's mean steady step time (after bench.common.SKIP_STEPS), the median over rounds;
 `speedup_vs_gloo` = step_s(gloo) / step_s(adaptive). Written as the `e2e` section of collectives.json.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -28,7 +27,6 @@ _PORT = 29851
 def measure(*, world: int = 4, fast: float = 1000.0, slow: float = 250.0, steps: int = 20, rounds: int = 2,
             bucket_kb: int | None = None, log=print) -> dict:
     from unbroken.bench.multinode import run_once
-    from unbroken.parallel.overlap import FORMAT
     from unbroken.plan.netns import Netns, Wiring
 
     cfg = RunConfig(world_size=world, steps=steps, strategy="ddp", checkpoint_every=0)
@@ -38,9 +36,9 @@ def measure(*, world: int = 4, fast: float = 1000.0, slow: float = 250.0, steps:
             Netns(Wiring.one_slow("e2e", world, fast, slow, slow_rank=1)) as net:
         extra: tuple[str, ...] = ()
         if bucket_kb is not None:  # every method's buckets alike
-            plan = Path(tmp) / "buckets.json"
-            plan.write_text(json.dumps({"format": FORMAT, "plan": {"bucket_kb": bucket_kb}}))
-            extra = ("--overlap", str(plan))
+            conf = Path(tmp) / "buckets.toml"
+            conf.write_text(f"bucket_kb = {int(bucket_kb)}\n")
+            extra = ("--config", str(conf), "--overlap", "on")
         for r in range(rounds):
             for m in METHODS:
                 log(f"collectives e2e: --collectives {m}, round {r + 1}/{rounds}")
