@@ -68,7 +68,9 @@ def test_one_slow_link_scenario_runs_in_namespaces(tmp_path):
                                          (["--world-size", "3", "--scenarios", "two_slow"], "--world-size >= 4"),
                                          (["--payloads", "0"], "--payloads"),
                                          (["--only", "bogus"], "unknown --only bogus"),
-                                         (["--only", "e2e", "--steps", "2"], "--steps >= 4")])
+                                         (["--only", "e2e", "--steps", "2"], "--steps >= 4"),
+                                         (["--bucket-kb", "64"], "--bucket-kb is for --only e2e"),
+                                         (["--only", "e2e", "--bucket-kb", "0"], "--bucket-kb must be >= 1")])
 def test_bad_options_are_one_line_errors(args, needle):
     from typer.testing import CliRunner
 
@@ -106,3 +108,22 @@ def test_a_full_rewrite_keeps_the_e2e_section(tmp_path):
     assert cb.kept_sections(path) == {}
     path.write_text(json.dumps({"e2e": {"speedup_vs_gloo": 1.3}, "rows": []}))
     assert cb.kept_sections(path) == {"e2e": {"speedup_vs_gloo": 1.3}}
+
+
+def test_the_model_bound_is_what_the_planner_predicts_and_rows_get_their_efficiency():
+    from unbroken.comm import planner
+    from unbroken.comm.patterns import Pattern
+
+    nbytes, plan = 64 * MB, {"kind": "pipelined", "order": [0, 1, 2, 3], "split": [1, 0, 1, 1], "pieces": 32,
+                             "aggregators": []}
+    runs = {"one_slow": {"records": [_rec("static", 4.0, nbytes=nbytes), _rec("gloo", 3.6, nbytes=nbytes),
+                                     _rec("adaptive", 2.5, nbytes=nbytes, plan=plan)], "changes": []}}
+    res = cb.result(runs, world=4, fast=1000, slow=250, rounds=1, period=1)
+    links = planner.Rates(up=(125e6, 31.25e6, 125e6, 125e6), down=(125e6, 31.25e6, 125e6, 125e6))
+    ring = planner.predict(Pattern.static_ring(4, planner.pieces_for(nbytes)), nbytes, links)
+    assert res["model_speedup_vs_static_congested"] == pytest.approx(ring / planner.choose(None, links, nbytes)[1])
+    assert 1.3 < res["model_speedup_vs_static_congested"] < 1.5  # the slow rank's bytes: at most 2(N-1)/N
+    by = {r["method"]: r for r in res["rows"]}
+    assert by["static"]["efficiency"] == pytest.approx(ring / 4.0)
+    assert by["adaptive"]["model_s"] == pytest.approx(planner.predict(Pattern.from_json(plan), nbytes, links))
+    assert "model_s" not in by["gloo"]

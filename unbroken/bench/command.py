@@ -263,6 +263,8 @@ def collectives(out: Path = _OUT, world: int = typer.Option(4, "--world-size", h
                 only: Optional[List[str]] = typer.Option(None, "--only", help="just this section, merged into "
                                                          "collectives.json: e2e (the demo job, one slow link)"),
                 steps: int = typer.Option(20, "--steps", help="e2e: steps per run (the first 2 are not timed)"),
+                bucket_kb: Optional[int] = typer.Option(None, "--bucket-kb", help="e2e: gradient bucket size (KiB) "
+                                                        "of every method; default the job's (25600)"),
                 quick: bool = _QUICK) -> None:
     """gloo's all-reduce vs our static ring vs the congestion-aware one, on shaped links in namespaces (needs root);
     `--only e2e`: the demo job's step time with one slow link under each."""
@@ -270,8 +272,11 @@ def collectives(out: Path = _OUT, world: int = typer.Option(4, "--world-size", h
     from unbroken.plan.netns import available
 
     if only:
-        _collectives_e2e(out, only, world=world, fast=fast, slow=slow, steps=steps, rounds=rounds, quick=quick)
+        _collectives_e2e(out, only, world=world, fast=fast, slow=slow, steps=steps, rounds=rounds, quick=quick,
+                         bucket_kb=bucket_kb)
         return
+    if bucket_kb is not None:
+        fail("--bucket-kb is for --only e2e (the training job's buckets); drop it or add --only e2e")
 
     sizes = _int_list(payloads, "--payloads")
     names = tuple(s for s in scenarios.split(",") if s) or cb.SCENARIOS
@@ -296,7 +301,7 @@ def collectives(out: Path = _OUT, world: int = typer.Option(4, "--world-size", h
 
 
 def _collectives_e2e(out: Path, only: list[str], *, world: int, fast: float, slow: float, steps: int, rounds: int,
-                     quick: bool) -> None:
+                     quick: bool, bucket_kb: int | None = None) -> None:
     """The `e2e` section of collectives.json (bench/collectives_e2e.py), every other key kept."""
     from unbroken.bench import collectives_e2e as e2e
     from unbroken.bench.node_loss import write_sections
@@ -307,10 +312,12 @@ def _collectives_e2e(out: Path, only: list[str], *, world: int, fast: float, slo
     if not 2 <= world <= 64 or rounds < 1 or steps < 4 or not 0 < slow < fast:
         fail(f"need 2 <= --world-size <= 64, --rounds >= 1, --steps >= 4 and 0 < --slow-mbit < --fast-mbit; "
              f"got {world}, {rounds}, {steps}, {slow}, {fast}")
+    if bucket_kb is not None and bucket_kb < 1:
+        fail(f"--bucket-kb must be >= 1 (KiB), got {bucket_kb}; e.g. --bucket-kb 2048")
     if why := available():
         fail(f"bench collectives --only e2e builds network namespaces: {why}")
     res = e2e.measure(world=world, fast=fast, slow=slow, steps=8 if quick else steps, rounds=1 if quick else rounds,
-                      log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
+                      bucket_kb=bucket_kb, log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
     res["quick"] = quick
     Console().print("e2e: " + json.dumps({k: v for k, v in res.items() if k != "runs"}))
     write_sections({"e2e": res}, Path(out) / "collectives.json")

@@ -9,10 +9,13 @@ effect at the next collective on every rank. A congestion flag change and a plan
 events (`link_congestion`, `collective_plan`), written by rank 0 before the plan is used.
 
 mode "static" always runs the static ring (rank order, even chunks, its pieces set by the size
-alone) and learns nothing: the baseline. All-reduces under
-`learn_bytes` (the same decision on every rank: the size is the same) skip the exchange: their
-flows are too small to measure a link (flows.FlowConfig.min_bytes) and the sync would cost
-more than it could win.
+alone) and learns nothing: the baseline. All-reduces under `learn_bytes` (the same decision on
+every rank: the size is the same) skip the exchange: their flows are too small to measure a link
+(flows.FlowConfig.min_bytes) and the sync would cost more than it could win. Summing several small
+ones (a step's gradient buckets) into one observation was tried and dropped: between buckets the
+token bucket refills, so the slow link read well above its rate and cleared, fast links jittered
+below the threshold, and plans flapped from step to step (a trial with 2 MB buckets). Plans
+are kept per size (a step's buckets differ in size; each keeps its plan until the links change).
 """
 from __future__ import annotations
 
@@ -49,9 +52,10 @@ class AdaptiveAllreduce:
         self.tp = Transport(pg, rank=rank, world=world, timeout_s=timeout_s, on_transfer=self._record,
                             interrupted=interrupted)
         self.table = flows.FlowTable(flow_cfg)
-        self.plan: Pattern | None = Pattern.static_ring(world) if mode == "static" else None
+        self.plan: Pattern | None = Pattern.static_ring(world) if mode == "static" else None  # the last one used
+        self._plans: dict[int, Pattern] = {}  # per all-reduce size: its current plan
         self.seq = 0
-        self._decided: tuple | None = None  # what the last plan was chosen for
+        self._decided: dict[int, tuple] = {}  # per size: the links' picture its plan was chosen for
         self.history: deque[dict] = deque(maxlen=1024)  # the last collectives: seq, plan, seconds, estimates
         self._slots = self._empty_slots()  # per peer, phase: bytes, posted, ended (receives), posted (sends)
         self._slow: set[flows.Link] = set()  # the links the current plan was made around (hysteresis)
@@ -60,17 +64,15 @@ class AdaptiveAllreduce:
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
         nbytes = t.numel() * t.element_size()
-        if self.plan is None:
-            self.plan, _ = planner.choose(None, planner.Rates.uniform(self.world), nbytes, min_gain=self.min_gain)
-        elif self.mode == "static":
-            self.plan = Pattern.static_ring(self.world, planner.pieces_for(nbytes))
-        elif self._pending is None:
-            self.decide(nbytes)  # a new size may want other pieces (a no-op while size and links hold)
         sync_s = None
-        if self._pending is not None:  # the last collective's flow exchange: fold it in, re-plan
+        if self.mode == "static":
+            self.plan = Pattern.static_ring(self.world, planner.pieces_for(nbytes))
+        elif self._pending is not None:  # the last flow exchange: fold it in, re-plan
             t1 = time.perf_counter()
             self._replan(self._finish_gather(what), nbytes)
             sync_s = time.perf_counter() - t1  # learning's cost here: the wait for it and the planner
+        else:
+            self.decide(nbytes)  # a new size gets its plan (a no-op while size and links hold)
         self.seq += 1
         plan, t0 = self.plan, time.perf_counter()
         self._slots = self._empty_slots()
@@ -187,16 +189,19 @@ class AdaptiveAllreduce:
         self._slow = set(slow)
         rates = self.rates()
         ref = max(rates.up + rates.down)
-        key = (nbytes, tuple(round(x / ref * 20) for x in rates.up + rates.down))
-        if key == self._decided:
+        key = tuple(round(x / ref * 20) for x in rates.up + rates.down)
+        if self._decided.get(nbytes) == key:
+            self.plan = self._plans[nbytes]
             return
-        self._decided = key
-        plan, predicted = planner.choose(self.plan, rates, nbytes, min_gain=self.min_gain)
-        if plan != self.plan:
-            if self.emit:
-                self.emit("collective_plan", seq=self.seq + 1, plan=plan.to_json(), previous=self.plan.to_json(),
-                          predicted_s=predicted, congested=[f"{k}:{r}" for k, r in sorted(self._slow)])
-            self.plan = plan
+        self._decided[nbytes] = key
+        current = self._plans.get(nbytes)
+        plan, predicted = planner.choose(current, rates, nbytes, min_gain=self.min_gain)
+        # a size's first plan is an event only when made around slow links (not a mere size change)
+        previous = current if current is not None else (self.plan if self._slow else None)
+        if self.emit and previous is not None and plan != previous:
+            self.emit("collective_plan", seq=self.seq + 1, plan=plan.to_json(), previous=previous.to_json(),
+                      predicted_s=predicted, congested=[f"{k}:{r}" for k, r in sorted(self._slow)], bytes=nbytes)
+        self._plans[nbytes] = self.plan = plan
 
 
 def for_comm(comm, mode: str, *, emit: Emit | None = None,

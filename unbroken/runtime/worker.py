@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from unbroken.comm import adaptive
+from unbroken.comm import bucketed
 from unbroken.comm.group import CollectiveError, Comm, GenerationChanged
 from unbroken.fsutil import atomic_write_bytes, atomic_write_with
 from unbroken.memory import live_tensor_bytes, peak_rss_bytes
@@ -88,7 +88,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         self.local_grads: torch.Tensor | None = None  # allocated with the state (_build_state)
         self.comm: Comm | None = None
         self.group: Comm | None = None
-        self.ours: adaptive.AdaptiveAllreduce | None = None  # --collectives static|adaptive
+        self.ours: bucketed.BucketedAllreduce | None = None  # --collectives static|adaptive
         self.gen: membership.Generation | None = None
         self._pg_stores: list = []  # one store connection per generation's groups, kept alive
         self._nan_pending = False
@@ -297,7 +297,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         self.comm = Comm(membership.group_store(pg_store, gen.gen), rank=self.rank, world=self.world_size,
                          gen=gen.gen, timeout_s=cfg.collective_timeout_s, interrupted=stale, **kinds)
         try:
-            self.ours = adaptive.for_comm(self.comm, cfg.collectives, emit=self.ctx.events.emit, interrupted=stale)
+            self.ours = bucketed.for_comm(self.comm, cfg.collectives, emit=self.ctx.events.emit, interrupted=stale)
         except ValueError as e:
             self._refuse(str(e))
         k = self.owned.k
@@ -363,7 +363,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
             # a pending decode votes on the world group first: then no bucket may be issued before it;
             # zero2 reduce-scatters the whole gradient at once (below)
             overlapped = (self.overlap.plan.during_backward and self.st.deferred is None
-                          and not self.owned.sharded_grads and self.ours is None)
+                          and not self.owned.sharded_grads)
             self._compute_local_gradient(t, closure, overlap=overlapped)
         if self.st.deferred is not None:
             finish_deferred_decode(self._recovery_inputs())
@@ -449,7 +449,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         flat.grads[flat.vote] = self._nonfinite_vote(t)
         self._fill_tail(flat.grads, value)
         if overlap:
-            self.buckets.begin(self.comm, flat.grads, self.local_grads, value, poison=self._nan_pending,
+            self.buckets.begin(self.ours or self.comm, flat.grads, self.local_grads, value, poison=self._nan_pending,
                                what=f"gradient all-reduce step {t}")
             last.backward()
         else:
