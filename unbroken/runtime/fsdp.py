@@ -135,18 +135,21 @@ class FsdpUnits:
         if self._dirty:
             self.model.reset_iter_state()  # the last attempt failed mid-flight
         self._dirty = True
-        shard, lay = self.owned.param_shard, self.layout
-        with torch.no_grad():
-            for m in self.model.modules():
-                for p in m._parameters.values():
-                    if p is not None:
-                        p.grad = None
-            for i, s in enumerate(lay.slots):
-                local = self._param(i).to_local()
-                k = local.numel()
-                if k:
-                    local.view(-1).copy_(shard[s.offset:s.offset + k])
+        for m in self.model.modules():
+            for p in m._parameters.values():
+                if p is not None:
+                    p.grad = None
+        self._load_shard()
         self._capture = None
+
+    def _load_shard(self) -> None:
+        """FSDP2's local shards := the committed owned shard (the commit of the last update)."""
+        shard = self.owned.param_shard
+        with torch.no_grad():
+            for i, s in enumerate(self.layout.slots):
+                local = self._param(i).to_local()
+                if local.numel():
+                    local.view(-1).copy_(shard[s.offset:s.offset + local.numel()])
 
     def capture(self, grads: torch.Tensor) -> None:
         """The step's last backward: its local gradient goes into this rank's region of `grads`."""
@@ -168,7 +171,10 @@ class FsdpUnits:
         return [True] * len(self.plist)
 
     def gather_all(self) -> dict[str, torch.Tensor]:
-        """The model's state dict with every sharded tensor in full (collective: every rank calls it)."""
+        """The model's state dict with every sharded tensor in full (collective: every rank calls it),
+        after the last update (FSDP2's copy is otherwise refreshed only before a forward)."""
+        self._wrap()
+        self._load_shard()
         out = {}
         for name, t in self.model.state_dict().items():
             out[name] = self._full(t) if hasattr(t, "to_local") else t
