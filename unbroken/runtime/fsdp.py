@@ -38,16 +38,16 @@ from unbroken.parallel.units import unit_modules
 _names = itertools.count()
 
 
-def _mesh(rank: int, world: int) -> DeviceMesh:
-    """A 1-D CPU mesh over a process group with no backend: FSDP2 reads rank and size from it;
-    every byte goes through the custom collectives below."""
+def _mesh(rank: int, world: int, device_type: str) -> DeviceMesh:
+    """A 1-D mesh over a process group with no backend: FSDP2 reads rank and size from it; every
+    byte goes through the custom collectives below (on CUDA: not yet run on a GPU)."""
     from torch.distributed import distributed_c10d as c10d
 
     name = f"unbroken-fsdp-mesh-{next(_names)}"
     pg = dist.ProcessGroup(dist.HashStore(), rank, world)
     pg._set_group_name(name)
     c10d._register_process_group(name, pg)
-    mesh = DeviceMesh("cpu", torch.arange(world, dtype=torch.int), _init_backend=False, _rank=rank)
+    mesh = DeviceMesh(device_type, torch.arange(world, dtype=torch.int), _init_backend=False, _rank=rank)
     mesh._dim_group_names = [name]
     mesh._pg_registry[name] = pg
     return mesh
@@ -105,7 +105,7 @@ class FsdpUnits:
         model, owned = self.model, self.owned
         if isinstance(model, FSDPModule):
             return
-        mesh = _mesh(owned.rank, owned.world)
+        mesh = _mesh(owned.rank, owned.world, owned.flat.device.type)
         mods = [m for _, m in unit_modules(model, self.plist)] + [model]
         for m in mods:
             fully_shard(m, mesh=mesh, reshard_after_forward=True)
