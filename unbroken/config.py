@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STRATEGIES = ("zero1", "zero2", "zero3", "ddp")
-SHARDED = ("zero1", "zero2", "zero3")  # each rank owns one shard of the parameters and optimizer state
+STRATEGIES = ("zero1", "zero2", "zero3", "ddp", "fsdp")
+SHARDED = ("zero1", "zero2", "zero3", "fsdp")  # each rank owns one shard of the parameters and optimizer state
 NONFINITE_POLICIES = ("stop", "skip")
 BACKENDS = ("auto", "gloo", "nccl")  # auto: nccl when CUDA is available, else gloo (runtime/devices.py)
 COLLECTIVES = ("gloo", "static", "adaptive")  # the gradient all-reduce: gloo's own, our static ring, congestion-aware

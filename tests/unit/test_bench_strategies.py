@@ -42,3 +42,15 @@ def test_zero3_runs_next_to_fsdp2_with_reshard_after_forward_and_is_built():
     one = {"native": [_run([1.0], 1000, 100, 1)], "unbroken": [_run([1.0], 1000, 100, 1)]}
     res = sb.result({"zero3": one}, steps=4, rounds=1, world=4)
     assert "zero3" not in res["not_built"] and res["peer"]["zero3"].endswith("reshard_after_forward=True) + AdamW")
+
+
+def test_fsdp_is_built_and_runs_next_to_fsdp2_with_reshard_after_forward():
+    from unbroken.bench import native_job
+    from unbroken.bench.baseline_job import FSDP
+
+    assert "fsdp" in sb.STRATEGIES
+    peer = native_job.peer_for("fsdp")
+    assert not peer["fallback"] and FSDP[peer["optimizer"]] is True
+    one = {"native": [_run([1.0], 1000, 100, 1)], "unbroken": [_run([1.0], 1000, 100, 1)]}
+    res = sb.result({"fsdp": one}, steps=4, rounds=1, world=4)
+    assert res["not_built"] == {} and res["ratio_vs_native"]["fsdp"] == pytest.approx(1.0)

@@ -122,7 +122,7 @@ def overhead(steps: int = typer.Option(40, "--steps", help="steps per run"),
 def strategies(steps: int = typer.Option(30, "--steps", help="steps per run"),
                rounds: int = typer.Option(3, "--rounds", help="interleaved rounds of native, unbroken"),
                world: int = typer.Option(4, "--world-size", help="ranks"),
-               names: str = typer.Option("", "--strategies", help="comma-separated; default: ddp,zero1,zero2,zero3"),
+               names: str = typer.Option("", "--strategies", help="comma-separated; default: ddp,zero1,zero2,zero3,fsdp"),
                out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="for strategies.json")) -> None:
     """Each unbroken strategy next to its PyTorch peer: tokens/s ratio with 95% CI, memory, bytes per step."""
     from unbroken.bench import strategies as sb

@@ -8,6 +8,8 @@ checkpoints, no restarts) and reading rank 0's per-step records back:
     zero1  torch DDP + ZeroRedundancyOptimizer(optimizer_class=torch.optim.AdamW)
     zero2  FSDP2 fully_shard(reshard_after_forward=False) + torch.optim.AdamW
     zero3  FSDP2 fully_shard(reshard_after_forward=True) + torch.optim.AdamW
+    fsdp   FSDP2 fully_shard(reshard_after_forward=True) + torch.optim.AdamW (zero3's peer: unbroken's
+           fsdp is this very wrapping, under unbroken's protection)
 
 A strategy without a known peer is compared with the ddp peer, and the result says so.
 """
@@ -30,6 +32,7 @@ PEERS: dict[str, dict] = {
     "zero3": {"optimizer": "fsdp2-reshard", "peer": "FSDP2 fully_shard(reshard_after_forward=True) + AdamW",
               "short": "FSDP2 (ZeRO-3)"},
 }
+PEERS["fsdp"] = PEERS["zero3"]
 FALLBACK = "ddp"
 
 

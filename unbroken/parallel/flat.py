@@ -35,7 +35,7 @@ def plan_chunks(n: int, world: int, chunk_elems: int, multiple: int) -> tuple[in
 
 class FlatModel:
     def __init__(self, named: list[tuple[str, nn.Parameter]], *, world: int, chunk_elems: int, multiple: int,
-                 grad_slots: int = 1, ranks: int = 1, buffer_words: int = 0) -> None:
+                 grad_slots: int = 1, ranks: int = 1, buffer_words: int = 0, min_shard: int = 0) -> None:
         self.plist = [p for _, p in named]
         self.names = [name for name, _ in named]
         if not self.plist:
@@ -49,7 +49,9 @@ class FlatModel:
                              "holds them all; move the model to one device first")
         self.device = self.plist[0].device  # the buffers live where the model does: nothing moves it
         self.n = sum(p.numel() for p in self.plist)
-        self.chunks_per_rank, self.chunk_elems = plan_chunks(self.n, world, chunk_elems, multiple)
+        # min_shard: a shard layout of its own needs more room per rank (fsdp: FSDP2's padded slots)
+        self.chunks_per_rank, self.chunk_elems = plan_chunks(max(self.n, min_shard * world), world, chunk_elems,
+                                                             multiple)
         self.shard = self.chunks_per_rank * self.chunk_elems
         self.n_pad = self.shard * world
         self.params = torch.zeros(self.n_pad, device=self.device)
@@ -67,6 +69,7 @@ class FlatModel:
         self.aux = slice(self.n_pad, self.n_pad + AUX_SLOTS - 1)
         self.vote = self.n_pad + AUX_SLOTS - 1
         self.grads = self._ring[0]
+        self.pad_from = self.n  # collect_grads zeroes [pad_from, n_pad) (fsdp: nothing, its slots are its own)
         off = 0
         with torch.no_grad():
             for p in self.plist:
@@ -106,7 +109,7 @@ class FlatModel:
                 self.grads[off:off + k].copy_(p.grad.reshape(-1))
                 p.grad = None  # the flat buffer holds it now
             off += k
-        self.grads[self.n:self.n_pad].zero_()
+        self.grads[self.pad_from:self.n_pad].zero_()
         self.grads[self.loss] = loss
 
     def first_nonfinite(self, grads: torch.Tensor) -> str | None:

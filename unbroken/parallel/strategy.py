@@ -13,8 +13,10 @@ the chunks that do not have it yet (`update` skips them; parity is then rebuilt 
 `zero3`: zero2 with the parameters sharded too: the rank's parameter shard (`param_shard`) is a
 tensor of its own, not a slice of a full parameter buffer, so there is no all-gather at commit
 (parallel/units.py gathers each unit of the model just in time); shards, chunks and parity are
-zero2's. `ddp`: every rank owns everything (replicated); no parity is needed because any
-survivor is a copy.
+zero2's. `fsdp`: zero3 with FSDP2's shard layout (parallel/fsdp_layout.py: each parameter split on
+dim 0, the rank's padded slots concatenated), so that `fully_shard` computes with exactly the bytes
+this state owns (runtime/fsdp.py). `ddp`: every rank owns everything (replicated); no parity is
+needed because any survivor is a copy.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from unbroken.comm.group import Comm
 from unbroken.config import SHARDED
 from unbroken.parallel.buffers import ModelBuffers
 from unbroken.parallel.flat import FlatModel
+from unbroken.parallel.fsdp_layout import FsdpLayout
 from unbroken.parallel.optim import ChunkOptimizer
 from unbroken.parallel.groups import ParityGroups
 from unbroken.protect.chunks import ChunkedState
@@ -49,22 +52,30 @@ class OwnedState:
         self.k = group_size if (sharded and group_size >= 2) else 1
         # parity every K steps; the gradient ring keeps the K averaged gradients a replay needs
         # (zero2 keeps none: parity every step)
-        if strategy in ("zero2", "zero3"):
+        if self.sharded_grads:
             protect_every, grad_slots = 1, 1
         self.protect_every = protect_every if self.k >= 2 else 1
+        # fsdp: FSDP2's slots in place of the flat order (None: the flat order's contiguous shards)
+        self.fsdp = (FsdpLayout([p.shape for _, p in named], [name for name, _ in named], world)
+                     if strategy == "fsdp" else None)
         self.flat = FlatModel(named, world=world if sharded else 1, chunk_elems=chunk_elems,
                               multiple=max(1, self.k - 1),
                               grad_slots=max(self.protect_every, grad_slots or 1) if self.k >= 2 else 1,
-                              ranks=world, buffer_words=buffers.words)
+                              ranks=world, buffer_words=buffers.words, min_shard=self.fsdp.size if self.fsdp else 0)
         self.lo, self.hi = self.flat.shard_range(rank if sharded else 0)
         n = self.hi - self.lo
-        # zero3: the shard is the only copy of these parameters this rank keeps (flat.params, the
-        # full buffer, lives only until the initial sync: drop_full)
-        self.param_shard = (self.flat.params[self.lo:self.hi].clone() if strategy == "zero3"
+        # zero3, fsdp: the shard is the only copy of these parameters this rank keeps (flat.params,
+        # the full buffer, lives only until the initial sync: drop_full)
+        self.param_shard = (self.flat.params[self.lo:self.hi].clone() if self.sharded_params
                             else self.flat.params[self.lo:self.hi])
         dev = self.flat.device  # all of a rank's state lives where its model does
         self.opt_state = {name: torch.zeros(n, device=dev) for name in optim.state_names}
-        self._runs = _group_runs(self.flat.plist, group_of, self.lo, self.hi)
+        if self.fsdp is not None:
+            self.flat.pad_from = self.flat.n_pad  # its gradient slots are written whole (runtime/fsdp.py)
+            self.fsdp.shard_from_full(self.flat.params, self.param_shard, rank)
+            self._runs = self.fsdp.runs(rank, group_of)
+        else:
+            self._runs = _group_runs(self.flat.plist, group_of, self.lo, self.hi)
         self.reset_state()
         trailer = self.k if self.k >= 2 else 0
         self.state = ChunkedState([self.param_shard, *self.opt_state.values()],
@@ -101,19 +112,22 @@ class OwnedState:
 
     @property
     def sharded_grads(self) -> bool:
-        """zero2, zero3: each rank holds only its own shard of the averaged gradient."""
-        return self.strategy in ("zero2", "zero3")
+        """zero2, zero3, fsdp: each rank holds only its own shard of the averaged gradient."""
+        return self.strategy in ("zero2", "zero3", "fsdp")
 
     @property
     def sharded_params(self) -> bool:
-        """zero3: each rank holds only its own shard of the parameters (outside forward/backward)."""
-        return self.strategy == "zero3"
+        """zero3, fsdp: each rank holds only its own shard of the parameters (outside forward/backward)."""
+        return self.strategy in ("zero3", "fsdp")
 
     def drop_full(self) -> None:
         """zero3, after the initial sync (or at once, for a shadow): the shard from the full
         buffer, which is then freed."""
         if self.sharded_params and self.flat.params is not None:
-            self.param_shard.copy_(self.flat.params[self.lo:self.hi])
+            if self.fsdp is not None:
+                self.fsdp.shard_from_full(self.flat.params, self.param_shard, self.rank)
+            else:
+                self.param_shard.copy_(self.flat.params[self.lo:self.hi])
             self.flat.params = None
 
     @property

@@ -245,9 +245,10 @@ class UnitParams:
         return self._seen
 
     def gather_all(self) -> None:
-        """Every unit in full (the final weights file); `end_step` frees them again."""
+        """Every unit in full (the final weights file: the model's state dict); `end_step` frees them again."""
         for u in self.all_units():
             self._ensure(u)
+        return None
 
     def close(self) -> None:
         """Remove the hooks; the parameters become plain tensors again (zeros: their values live

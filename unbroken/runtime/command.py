@@ -77,7 +77,8 @@ def run(
     batch_size: Optional[int] = typer.Option(None, "--batch-size"),
     lr: Optional[float] = typer.Option(None, "--lr"),
     strategy: Optional[str] = typer.Option(None, "--strategy", help="zero1 (sharded optimizer, default), zero2 (+ gradients reduce-scattered), zero3 (+ parameters "
-                                                                     "sharded, gathered per block), ddp, or auto "
+                                                                     "sharded, gathered per block), ddp, fsdp (torch's FSDP2 "
+                                                                     "fully_shard, protected as zero3), or auto "
                                                                      "(the planner's pick on this host)"),
     parity_group: Optional[int] = typer.Option(None, "--parity-group"),
     chunk_kb: Optional[int] = typer.Option(None, "--chunk-kb", help="transaction/parity chunk size"),

@@ -181,7 +181,21 @@ def state_dict_from_checkpoint(run_dir: str | os.PathLike, step: int | None = No
     path, layout, ckdir, world, run_id, key, steps = _checkpoints(run_dir)
     step = _pick_step(ckdir, step, world, run_id, key, steps)
     flat, words = _read_shards(ckdir, step, world, run_id, key, layout["shard"])
+    if layout.get("fsdp"):
+        flat = _fsdp_flat(layout, flat, world)
     return assemble(layout, flat, words, path)
+
+
+def _fsdp_flat(layout: dict, shards: torch.Tensor, world: int) -> torch.Tensor:
+    """fsdp's shards (FSDP2's padded dim-0 slots, parallel/fsdp_layout.py) back in flat order."""
+    from unbroken.parallel.fsdp_layout import FsdpLayout
+
+    lay = FsdpLayout([torch.Size(shape) for _, shape in layout["params"]], [n for n, _ in layout["params"]], world)
+    shard, parts = layout["shard"], []
+    for i, s in enumerate(lay.slots):
+        gathered = torch.cat([shards[r * shard + s.offset:r * shard + s.offset + s.size] for r in range(world)])
+        parts.append(lay.full_from_slots(gathered, i))
+    return torch.cat(parts)
 
 
 def _buffers(layout: dict, words: torch.Tensor, where: Path) -> dict[str, torch.Tensor]:

@@ -129,7 +129,7 @@ def _never_here(s: FaultSpec, world_size: int, tier1: bool, checkpoint_every: in
                else f"drop chunk={s.chunk}, or use phase=optimizer or midchunk")
         return f"phase {s.phase} has no chunks (only {', '.join(CHUNK_PHASES)} do); {fix}"
     if not tier1 and (s.phase == "parity" or s.kind == "bitflip"):
-        return ("this run keeps no tier-1 parity to update or corrupt; use --strategy zero1, zero2 or zero3 with "
+        return ("this run keeps no tier-1 parity to update or corrupt; use --strategy zero1, zero2, zero3 or fsdp with "
                 "--parity-group 2 or more, or another phase/kind")
     if s.phase == "checkpoint" and checkpoint_every is not None:
         if checkpoint_every <= 0:

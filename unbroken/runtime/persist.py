@@ -34,7 +34,7 @@ class Persistence:
         buffers = dict(self.model.named_buffers())
         layout = {"version": 1, "params": [(n, tuple(p.shape)) for n, p in self.named], "n": flat.n,
                   "shard": flat.shard if self.owned.sharded else flat.n_pad, "sharded": self.owned.sharded,
-                  "world_size": self.world_size,
+                  "world_size": self.world_size, "fsdp": self.owned.fsdp is not None,  # FSDP2's slots per shard
                   "buffers": [(n, str(b.dtype).removeprefix("torch."), tuple(b.shape)) for n, b in buffers.items()],
                   "state_dict_keys": list(self.model.state_dict().keys()),
                   "aliases": adopt.aliases_of(self.model),  # tied weights: key -> the name that holds the tensor

@@ -159,14 +159,14 @@ def _rebuild(tr: RecoveryInputs, new_member: bool) -> None:
 
 def _zero3_update_cut_short(tr: RecoveryInputs, status: list[dict], survivors: list[dict], new_ranks: list[int],
                             target: int, src: int) -> str:
-    """zero3, step target+1 cut short inside its update. No rank keeps a full copy of the
+    """zero3 (and fsdp), step target+1 cut short inside its update. No rank keeps a full copy of the
     parameters (nor its local gradient), so the redone step starts from the state of `target`
     everywhere: while no parity window has absorbed the step anywhere, the parity and every
     survivor's snapshot still hold that state (the survivors roll back to it, the lost shard
     is decoded at it) and the step is redone as after a kill before the update; once a window
     has, the lost shard's values of `target` exist nowhere: tier 2."""
     if any(s["snap_ver"] != target or set(s["parity_ver"]) != {target} for s in survivors):
-        return _restore_tier2(tr, reason=f"zero3: step {target + 1} was cut short inside its update after parity "
+        return _restore_tier2(tr, reason=f"{tr.owned.strategy}: step {target + 1} was cut short inside its update after parity "
                                          f"absorbed part of it: no copy of the parameters of step {target} is left")
     if tr.st.has_state:
         tr.owned.roll_back_to_snapshot()

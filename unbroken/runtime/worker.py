@@ -177,9 +177,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         self.overlap.adopt_agreed(self.ctx.store)  # a member joining later: the plan its peers tuned
         self.buckets = GradBuckets(self.owned.flat, bucket_elems=self.overlap.plan.bucket_elems)
         self.local_grads = zero3.kept_buffer(self.owned)
-        # zero2's reduce-scatter output (the other strategies all-reduce in place: nothing to allocate)
-        self._shard_grad = (torch.empty(self.owned.hi - self.owned.lo, device=self.owned.flat.device)
-                            if self.owned.sharded_grads else None)
+        self._shard_grad = zero3.shard_grad_buffer(self.owned)
         if self.ctx.role == "worker" or self.st.has_state is not None:
             self.ctx.phase["rank"] = rank
             self.ctx.events.rank = rank
@@ -586,12 +584,11 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         self.ctx.events.emit("worker_done", steps=self.st.step_count, weights_sha256=digest,
                              peak_rss_bytes=peak, tensor_bytes=held,
                              protection_bytes=self.owned.protection_bytes(checkpoint_writer=self.ckpt is not None))
-        if self.units is not None:
-            self.units.gather_all()
+        full = self.units.gather_all() if self.units is not None else None  # fsdp: the state dict in full
         if self.rank == 0:
             # streamed into the temp file: no clone, no in-memory copy of the serialized weights
             # (the trained parameters are views of one flat buffer, saved once)
-            state = self.model.state_dict()
+            state = full if full is not None else self.model.state_dict()
             atomic_write_with(self.ctx.run_dir / "weights.pt", lambda f: torch.save(state, f))
             atomic_write_bytes(self.ctx.run_dir / "weights.sha256", f"{digest}  parameters\n".encode())
         if self.units is not None:

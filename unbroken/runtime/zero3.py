@@ -1,6 +1,6 @@
-"""zero3's part of the Trainer: the unit gathers around each step and the collective reads of
-the full parameters at the end (their hash, the final weights file), none of which may hold a
-full copy of the parameters while training."""
+"""zero3's (and fsdp's) part of the Trainer: the unit gathers around each step and the collective
+reads of the full parameters at the end (their hash, the final weights file), none of which may
+hold a full copy of the parameters while training. fsdp's own are in runtime/fsdp.py."""
 from __future__ import annotations
 
 import hashlib
@@ -12,10 +12,15 @@ from unbroken.parallel.strategy import OwnedState
 from unbroken.parallel.units import UnitParams
 
 
-def build_units(model, owned: OwnedState, comm) -> UnitParams | None:
-    """zero3: the model's units bound to this rank's shard (None for the other strategies)."""
+def build_units(model, owned: OwnedState, comm):
+    """zero3: the model's units bound to this rank's shard; fsdp: its FSDP2 wrapping (None for
+    the other strategies)."""
     if not owned.sharded_params:
         return None
+    if owned.fsdp is not None:
+        from unbroken.runtime.fsdp import FsdpUnits  # torch's FSDP2 only where it is used
+
+        return FsdpUnits(model, owned, comm)
     return UnitParams(model, owned.flat.plist, lambda: owned.param_shard, rank=owned.rank, world=owned.world,
                       shard=owned.flat.shard, comm=comm)
 
@@ -23,6 +28,10 @@ def build_units(model, owned: OwnedState, comm) -> UnitParams | None:
 def sharded_sha256(comm: Comm, owned: OwnedState) -> str:
     """sha256 of the flat parameters [0, n) (what the other strategies hash), streamed shard by
     shard: each owner broadcasts its shard into one shard-sized buffer. Collective."""
+    if owned.fsdp is not None:
+        from unbroken.runtime.fsdp import sha256
+
+        return sha256(comm, owned)
     flat, h = owned.flat, hashlib.sha256()
     buf = torch.empty_like(owned.param_shard)
     for r in range(owned.world):
@@ -56,6 +65,14 @@ def keep_local(owned: OwnedState, grads: torch.Tensor, kept: torch.Tensor, step:
     return step
 
 
+def shard_grad_buffer(owned: OwnedState) -> torch.Tensor | None:
+    """zero2's reduce-scatter output (ddp and zero1 all-reduce in place, fsdp's FSDP2 reduce-scatters
+    into its own buffers: nothing to allocate)."""
+    if not owned.sharded_grads or owned.fsdp is not None:
+        return None
+    return torch.empty(owned.hi - owned.lo, device=owned.flat.device)
+
+
 def sum_gradient_shard(comm: Comm, owned: OwnedState, grads: torch.Tensor, out: torch.Tensor, *,
                        what: str) -> torch.Tensor:
     """This rank's shard of the local gradients summed over the ranks (zero2's reduce-scatter).
@@ -64,6 +81,8 @@ def sum_gradient_shard(comm: Comm, owned: OwnedState, grads: torch.Tensor, out: 
     so the bits are zero2's without that model-sized copy; zero3 keeps no local gradient for a
     redo, so nothing needs the slot's other regions. Returns `out` or the slot's shard view."""
     flat = owned.flat
+    if owned.fsdp is not None:  # FSDP2's reduce-scatter summed it into the slot during backward
+        return grads[owned.lo:owned.hi]
     if owned.sharded_params and owned.world > 1 and comm.on_gloo(grads):
         comm.allreduce(grads[:flat.n_pad], what=what.replace("reduce-scatter", "all-reduce (as gloo's reduce-scatter)"))
         return grads[owned.lo:owned.hi]
