@@ -20,6 +20,8 @@ zero2/zero3 (the gradient is reduce-scattered whole), nor on a step a redo left 
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from unbroken.parallel.buckets import GradBuckets
@@ -48,11 +50,13 @@ class EagerUpdate:
         self.divided = False  # this step's buckets were averaged as they landed
         self.last_clean = True  # the last settled step was neither clipped nor skipped
         self.last_kept, self.steps_kept = 0, 0  # chunks kept at the last step; steps with any kept
+        self.busy_s = 0.0  # this step's time spent in `landed` (averaging and updating eagerly)
 
     def arm(self, step: int, groups: tuple, *, enabled: bool, point=None) -> None:
         """Before step `step`'s buckets are waited for: guess its scalars (with `groups`, the param
         groups' hyperparameters) where eager can be used (see the module docstring)."""
         assert not self.applied, "EagerUpdate.arm() with chunks of an unsettled step applied"
+        self.busy_s = 0.0
         guess = eager_guess(self.owned, step, groups, enabled=enabled, last_clean=self.last_clean)
         self.guess, self.divided, self._point = guess, guess is not None, point
         if guess is not None:
@@ -70,6 +74,7 @@ class EagerUpdate:
         """Bucket b's all-reduce is complete: average it, apply every chunk it makes ready."""
         if self.guess is None:
             return
+        t0 = time.perf_counter()
         lo, hi = self._ranges[b]
         self.owned.flat.grads[lo:min(hi, self._n_avg)].div_(self.world)
         st, undo = self.owned.state, self._undo
@@ -79,6 +84,7 @@ class EagerUpdate:
                 u[sl].copy_(w[sl])
             self.applied.append(c)  # before it changes: a fault inside it still undoes it
             self.owned.apply_chunk(c, self.guess, self._point)
+        self.busy_s += time.perf_counter() - t0
 
     def settle(self, real: StepScalars | None) -> int:
         """The step's real scalars (None: the step did not complete). Keeps the eager chunks if they

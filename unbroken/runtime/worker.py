@@ -414,7 +414,8 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         self.model_buffers.commit(flat.grads[flat.buffers])  # rank 0's, as DDP's broadcast gives them
         t4 = time.perf_counter()
         # where the step's time went: compute, gradient all-reduce, update (+parity), all-gather
-        self._phase_s = {"compute": t1 - t0, "allreduce": t2 - t1, "update": t3 - t2, "allgather": t4 - t3}
+        self._phase_s = {"compute": t1 - t0, "allreduce": t2 - t1, "update": t3 - t2, "allgather": t4 - t3,
+                         "eager": self.eager.busy_s}  # the part of `allreduce` spent updating eagerly
         self._parity_step = parity or rebuilt
         self._finish_step(t, float(flat.grads[flat.loss]))
 
