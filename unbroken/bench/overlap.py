@@ -14,8 +14,9 @@ by round in one run (the same model, batches and optimizer; the ddp strategy, no
 step_s: mean steady step time of rank 0 (steps after SKIP_STEPS), the mean of each run's mean.
 Exposed communication: the time a step waits for gradient all-reduces after backward (and for
 the parameter all-gather), from unbroken's per-phase `step` events, less the update work done
-between bucket waits (`eager_s`, parallel/eager.py; `eager_steps` counts the timed steps that had
-any: none where every step is clipped, since eager runs on the guess of an unclipped step;
+between bucket waits (`eager_s`, parallel/eager.py; `eager_steps` counts the timed steps that did
+such work, kept or undone after a wrong guess: eager runs on the guess of an unclipped step, made
+only after an unclipped step;
 `--grad-clip` sets every method's clipping, recorded as `grad_clip`); for torch DDP it is
 estimated as its step minus none's compute and its own update (DDP logs no phase of its own for
 the all-reduce). hidden = 1 - exposed / exposed(none). cut_vs_none, cut_vs_ddp: 1 - step_s(tuned)
