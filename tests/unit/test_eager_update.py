@@ -106,6 +106,13 @@ def test_a_step_cut_short_leaves_chunks_versions_and_log_as_before(strategy):
     assert eager.settle(None) == 0
     assert all(torch.equal(a, b) for a, b in zip(before, _bits(owned)))
     assert (owned.txn.chunk_ver == 0).all() and owned.txn.history == log
+    # a redo whose earlier attempt had logged the step's scalars: the undo puts that entry back
+    logged = StepScalars(step=1, clip_coef=0.25, groups=tuple(owned.optim.hyper_now()))
+    owned.txn.record(logged)
+    eager.arm(1, logged.groups, enabled=True, point=_no_point)
+    eager.landed(0)
+    eager.settle(None)
+    assert owned.txn.history[1] == logged and (owned.txn.chunk_ver == 0).all()
     buckets.close()
 
 

@@ -21,6 +21,7 @@ zero2/zero3 (the gradient is reduce-scattered whole), nor on a step a redo left 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,23 +29,25 @@ from unbroken.parallel.buckets import GradBuckets
 from unbroken.protect.chunks import ChunkedState
 from unbroken.protect.txn import StepScalars
 
+if TYPE_CHECKING:
+    from unbroken.parallel.strategy import OwnedState
+
 
 class EagerUpdate:
-    def __init__(self, owned, buckets: GradBuckets, world: int) -> None:
+    def __init__(self, owned: "OwnedState", buckets: GradBuckets, world: int) -> None:
         self.owned, self.world = owned, world
-        flat, e = owned.flat, owned.state.chunk_elems
-        n = owned.hi - owned.lo
+        e = owned.state.chunk_elems
         # the chunk is ready once the bucket holding its first element has landed: buckets are issued
         # from the top of the flat gradient down, so that one is the last of those covering it
         self._ready: dict[int, list[int]] = {}
         for c in range(owned.state.n_chunks):
             first = owned.lo + c * e
-            if c * e >= n:
-                break
             b = next(i for i, (lo, hi) in enumerate(buckets.ranges) if lo <= first < hi)
             self._ready.setdefault(b, []).append(c)
-        self._ranges, self._n_avg = buckets.ranges, flat.n_avg
+        self._ranges, self._n_avg = buckets.ranges, owned.flat.n_avg
         self._undo: ChunkedState | None = None  # allocated on first use
+        self._point = None  # fault-injection hook passed on to apply_chunk
+        self._logged: StepScalars | None = None  # the step log's entry for the step before the guess
         self.guess: StepScalars | None = None
         self.applied: list[int] = []
         self.divided = False  # this step's buckets were averaged as they landed
@@ -63,6 +66,7 @@ class EagerUpdate:
             if self._undo is None:
                 st = self.owned.state
                 self._undo = ChunkedState([torch.empty_like(t) for t in st.tensors], st.chunk_elems)
+            self._logged = self.owned.txn.history.get(step)  # (a redo may have logged it already)
             self.owned.txn.record(guess)  # in the log before any chunk moves
 
     def average(self, grads: torch.Tensor) -> None:
@@ -106,8 +110,11 @@ class EagerUpdate:
                 w[sl].copy_(u[sl])
             txn.chunk_ver[c] = guess.step - 1
         self.applied = []
-        if txn.history.get(guess.step) == guess:
-            del txn.history[guess.step]
+        if txn.history.get(guess.step) == guess:  # the log as it was before the guess
+            if self._logged is None:
+                del txn.history[guess.step]
+            else:
+                txn.history[guess.step] = self._logged
         return 0
 
 
