@@ -30,6 +30,20 @@ def test_overlap_off_gives_the_same_weights_as_on(tmp_path, strategy):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_the_eager_update_applies_chunks_as_buckets_land_and_keeps_the_bits(tmp_path, strategy):
+    cfg = tmp_path / "eager.toml"
+    cfg.write_text("bucket_kb = 16\ngrad_clip = 0\n")  # no clipping: every step's guess holds
+    five = [a if a != "3" or i != SMALL.index("--steps") + 1 else "5" for i, a in enumerate(SMALL)]
+    on = run_job(tmp_path / "on", *five, "--strategy", strategy, "--config", str(cfg))
+    off = run_job(tmp_path / "off", *five, "--strategy", strategy, "--config", str(cfg), "--overlap", "off")
+    events = [json.loads(line) for line in (tmp_path / "on" / "events.jsonl").read_text().splitlines()]
+    timeline = next(e["fields"] for e in events if e["kind"] == "overlap_timeline")
+    assert 0 < timeline["eager_chunks"] <= timeline["chunks"]
+    assert on["overlap"]["eager_update"] and on["weights_sha256"] == off["weights_sha256"]
+
+
+@pytest.mark.slow
 def test_tuned_run_equals_the_run_given_its_plan_and_the_cache_skips_the_search(tmp_path):
     plan = tmp_path / "plan.json"
     tuned = run_job(tmp_path / "tuned", *SMALL, "--strategy", "ddp", "--overlap", str(plan))

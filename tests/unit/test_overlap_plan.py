@@ -29,6 +29,12 @@ def test_plan_rejects_a_bucket_size_below_one_and_unknown_partitions():
     for kb in (0, -4, 1.5, True):
         with pytest.raises(PlanError, match="bucket_kb must be an integer >= 1"):
             OverlapPlan(bucket_kb=kb)
+    with pytest.raises(PlanError, match="first_bucket_kb must be an integer >= 1"):
+        OverlapPlan(first_bucket_kb=0)
+    # the first bucket is never larger than the others; an old plan file (no first bucket) gets 1 MiB
+    assert OverlapPlan(bucket_kb=64).bucket_sizes == (64 * 256, 64 * 256)
+    assert OverlapPlan(bucket_kb=25600).bucket_sizes == (25600 * 256, 1024 * 256)
+    assert OverlapPlan.from_dict({"bucket_kb": 4096}, source="file").first_bucket_kb == 1024
     with pytest.raises(PlanError, match="partition must be one of"):
         Partition(name="half")
     with pytest.raises(PlanError, match="takes no core lists"):
@@ -172,7 +178,9 @@ def test_ranks_search_together_when_any_lacks_the_plan_or_they_differ(tmp_path):
     cfg = RunConfig(world_size=2, parity_group=2, overlap=str(tmp_path / "plan.json"))
     key = tuning_key(cfg, _named(), nnodes=1)
     (tmp_path / "plan.json").write_text(json.dumps(plan_file_text(OverlapPlan(bucket_kb=256), key)))
-    same = {"tune": False, "plan": {"during_backward": True, "bucket_kb": 256, "partition": "shared"}}
+    plan = {k: v for k, v in OverlapPlan(bucket_kb=256).to_dict().items() if k != "source"}
+    assert plan["first_bucket_kb"] == 1024 and plan["eager_update"] is True  # the defaults
+    same = {"tune": False, "plan": plan}
     for other, tunes, why in ((same, False, ""), ({**same, "tune": True}, True, "another rank"),
                               ({**same, "plan": {**same["plan"], "bucket_kb": 512}}, True, "different plans")):
         ctl = OverlapControl(cfg, named=_named(), nnodes=1, local_rank=0, emit=lambda *a, **k: None)

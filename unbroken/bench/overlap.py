@@ -13,7 +13,11 @@ by round in one run (the same model, batches and optimizer; the ddp strategy, no
 
 step_s: mean steady step time of rank 0 (steps after SKIP_STEPS), the mean of each run's mean.
 Exposed communication: the time a step waits for gradient all-reduces after backward (and for
-the parameter all-gather), from unbroken's per-phase `step` events; for torch DDP it is
+the parameter all-gather), from unbroken's per-phase `step` events, less the update work done
+between bucket waits (`eager_s`, parallel/eager.py; `eager_steps` counts the timed steps that did
+such work, kept or undone after a wrong guess: eager runs on the guess of an unclipped step, made
+only after an unclipped step;
+`--grad-clip` sets every method's clipping, recorded as `grad_clip`); for torch DDP it is
 estimated as its step minus none's compute and its own update (DDP logs no phase of its own for
 the all-reduce). hidden = 1 - exposed / exposed(none). cut_vs_none, cut_vs_ddp: 1 - step_s(tuned)
 / step_s(other), per config, and at the top the smaller of the two communication-heavy configs'.
@@ -39,10 +43,12 @@ _PORT = 29711
 WORLD, NODES = 4, 2
 
 
-def bench_config(*, steps: int, quick: bool) -> RunConfig:
+def bench_config(*, steps: int, quick: bool, grad_clip: float | None = None) -> RunConfig:
+    """grad_clip None: the job's default (1.0); 0 turns clipping off (every method alike)."""
     model = ModelConfig(n_layer=2, n_embd=64) if quick else ModelConfig()
-    return RunConfig(world_size=WORLD, steps=steps, strategy="ddp", checkpoint_every=0, model=model,
-                     batch_size=4 if quick else 8)
+    cfg = RunConfig(world_size=WORLD, steps=steps, strategy="ddp", checkpoint_every=0, model=model,
+                    batch_size=4 if quick else 8)
+    return cfg if grad_clip is None else cfg.replace(grad_clip=grad_clip)
 
 
 def _unbroken_flags(cfg: RunConfig, overlap: str) -> tuple[str, ...]:
@@ -58,8 +64,11 @@ def _unbroken_record(run_dir: Path) -> dict:
     timeline = next((e.fields for e in events if e.kind == "overlap_timeline"), None)
     mean = lambda k: statistics.fmean(float(s.get(k, 0.0)) for s in steps)  # noqa: E731
     step_of = next((s for s in steps if timeline and s["step"] == timeline["step"]), None)
+    # eager_s: update work done inside the all-reduce wait (parallel/eager.py): not communication
     return {"step_s": mean("step_s"), "compute_s": mean("compute_s"), "update_s": mean("update_s"),
-            "exposed_comm_s": mean("allreduce_s") + mean("allgather_s"), "plan": plan,
+            "eager_s": mean("eager_s"), "eager_steps": sum(float(s.get("eager_s", 0.0)) > 0 for s in steps),
+            "timed_steps": len(steps),
+            "exposed_comm_s": mean("allreduce_s") - mean("eager_s") + mean("allgather_s"), "plan": plan,
             "timeline": {**timeline, "phases": step_of} if timeline and step_of else None}
 
 
@@ -85,13 +94,17 @@ def run_shaped(method: str, net, cfg: RunConfig, root: Path, plan: Path, port: i
 
     system = "torchrun-ddp" if method == "ddp" else "unbroken-ddp"
     flags = () if method == "ddp" else _unbroken_flags(cfg, MODE.get(method, str(plan)))
+    if method != "ddp":  # the job's own config file: what its flags do not carry (torch DDP reads cfg whole)
+        (root / "job.toml").write_text(f"grad_clip = {float(cfg.grad_clip)!r}\n")
+        flags = (*flags, "--config", str(root / "job.toml"))
     run_once(system, net, NODES, cfg, root, port, flags)
     return _ddp_record(root / "node0") if method == "ddp" else _unbroken_record(root / "node0")
 
 
-def measure(*, steps: int, rounds: int, configs: tuple[str, ...], quick: bool, log=print) -> dict:
+def measure(*, steps: int, rounds: int, configs: tuple[str, ...], quick: bool, grad_clip: float | None = None,
+            log=print) -> dict:
     """Every method of every config, interleaved per round; returns the result (see `result`)."""
-    cfg = bench_config(steps=steps, quick=quick)
+    cfg = bench_config(steps=steps, quick=quick, grad_clip=grad_clip)
     runs: dict[str, dict[str, list[dict]]] = {c: {m: [] for m in METHODS} for c in configs}
     n = 0  # runs so far: each shaped run gets a port of its own (no TIME_WAIT from the last one)
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,12 +160,16 @@ def result(runs: dict, *, steps: int, rounds: int, cfg: RunConfig) -> dict:
             "tuned_plan": by_method["tuned"][-1]["plan"], "default_plan": by_method["default"][-1]["plan"],
             "timelines": {m: by_method[m][-1]["timeline"] for m in ("none", "default", "tuned")},
             "samples": {m: [round(r["step_s"], 5) for r in rs] for m, rs in by_method.items()},
+            # timed steps whose update was (partly) applied as buckets landed, over all rounds
+            "eager_steps": {m: [sum(r.get("eager_steps", 0) for r in rs), sum(r.get("timed_steps", 0) for r in rs)]
+                            for m, rs in by_method.items() if m != "ddp"},
         }
     heavy = [c for c in COMM_HEAVY if c in per]
     cut_none = min((per[c]["cut_vs_none"] for c in heavy), default=None)
     cut_ddp = min((per[c]["cut_vs_ddp"] for c in heavy), default=None)
     compute_ok = None if "loopback" not in per else per["loopback"]["step_s"]["tuned"] <= per["loopback"]["step_s"]["ddp"]
     return {"configs": per, "cut_vs_none": cut_none, "cut_vs_ddp": cut_ddp, "steps": steps, "rounds": rounds,
+            "grad_clip": cfg.grad_clip,
             "world_size": cfg.world_size, "model": cfg.model.__dict__, "batch_size": cfg.batch_size,
             "goals": {"cut_vs_none": GOAL_CUT_VS_NONE, "cut_vs_ddp": GOAL_CUT_VS_DDP,
                       "met_cut_vs_none": None if cut_none is None else cut_none >= GOAL_CUT_VS_NONE,
@@ -178,7 +195,7 @@ def table(res: dict) -> Table:
 
 def plot_timeline(res: dict, path: Path) -> None:
     """One step per unbroken method of the most communication-heavy config measured: compute,
-    each bucket's all-reduce (issued .. seen done), the exposed wait, the update."""
+    each bucket's all-reduce (issued .. seen done), the exposed wait, the update (eager and after)."""
     from unbroken.figures import plt, save_png
 
     config = next((c for c in reversed(CONFIGS) if c in res["configs"]), None)
@@ -187,12 +204,16 @@ def plot_timeline(res: dict, path: Path) -> None:
     try:
         for row, (m, tl) in enumerate(lines.items()):
             ph = tl["phases"]
-            compute, wait, update = ph["compute_s"], ph["allreduce_s"], ph["update_s"]
+            eager = ph.get("eager_s", 0.0)  # update work between bucket waits, drawn after them in one piece
+            compute, wait, update = ph["compute_s"], ph["allreduce_s"] - eager, ph["update_s"]
             start = compute - tl["backward_s"]  # when the buckets' clock started (backward, or after it)
             y = row * 2
             ax.broken_barh([(0, compute)], (y + 1, 0.8), color="C0", label="forward + backward" if row == 0 else None)
             ax.broken_barh([(compute, wait)], (y + 1, 0.8), color="C3", label="exposed wait" if row == 0 else None)
-            ax.broken_barh([(compute + wait, update)], (y + 1, 0.8), color="C2", label="update" if row == 0 else None)
+            ax.broken_barh([(compute + wait, eager)], (y + 1, 0.8), color="C2", alpha=0.5,
+                           label="update as buckets land" if row == 0 else None)
+            ax.broken_barh([(compute + wait + eager, update)], (y + 1, 0.8), color="C2",
+                           label="update" if row == 0 else None)
             spans = [(start + a, (b if b is not None else tl["end_s"]) - a) for a, b in tl["buckets"]]
             ax.broken_barh(spans, (y + 0.1, 0.8), color="C1", alpha=0.6, edgecolor="k", linewidth=0.3,
                            label="bucket all-reduce" if row == 0 else None)

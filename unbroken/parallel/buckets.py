@@ -2,7 +2,8 @@
 
 Parameters are grouped, in reverse registration order (roughly the order backward produces
 their gradients), into buckets of about `bucket_elems` contiguous elements of the flat
-gradient; the first bucket also covers the padding and the slots past the parameters. A
+gradient (the first one, whose gradients are ready first, of about `first_elems`: small, so
+communication starts early in backward); the first bucket also covers the padding and the slots past the parameters. A
 post-accumulate-grad hook copies each gradient into its slice (and into the kept local
 copy) and drops the parameter's own `.grad` at once, so the step never holds two full
 gradients besides the kept copy; once a bucket is complete *and every bucket before it has been issued*, its
@@ -43,9 +44,9 @@ class _Round:
 
 
 class GradBuckets:
-    def __init__(self, flat: FlatModel, bucket_elems: int) -> None:
-        if bucket_elems < 1:
-            raise ValueError(f"bucket size must be >= 1 element, got {bucket_elems}")
+    def __init__(self, flat: FlatModel, bucket_elems: int, first_elems: int | None = None) -> None:
+        if bucket_elems < 1 or (first_elems is not None and first_elems < 1):
+            raise ValueError(f"bucket sizes must be >= 1 element, got {bucket_elems} and first {first_elems}")
         self.flat = flat
         offs, off = [], 0
         for p in flat.plist:
@@ -59,7 +60,7 @@ class GradBuckets:
         for i in reversed(range(len(offs))):
             members.append(i)
             lo = offs[i][0]
-            if hi - lo >= bucket_elems or i == 0:
+            if hi - lo >= (bucket_elems if self.ranges or first_elems is None else first_elems) or i == 0:
                 for j in members:
                     self.bucket_of[j] = len(self.ranges)
                 self.ranges.append((lo, hi))
@@ -90,9 +91,10 @@ class GradBuckets:
         grads[self.flat.loss] = loss
         self._round = _Round(comm, grads, local, self.n_buckets, self.sizes, poison, what)
 
-    def finish(self) -> None:
+    def finish(self, on_landed=None) -> None:
         """After backward: zero what no gradient reached (unused parameters), issue the rest and
-        wait for every bucket. Raises CollectiveError."""
+        wait for every bucket, in order, calling on_landed(b) as bucket b completes (the eager
+        update, parallel/eager.py). Raises CollectiveError."""
         r, self._round = self._round, None
         assert r is not None, "GradBuckets.finish() without begin()"
         for i, done in enumerate(r.seen):
@@ -103,9 +105,11 @@ class GradBuckets:
                 r.missing[self.bucket_of[i]] -= 1
         self._issue_ready(r)
         backward_s = time.perf_counter() - r.t0
-        for p in r.pending:
+        for b, p in enumerate(r.pending):
             r.comm.finish(p)
             r.stamp_done()
+            if on_landed is not None:
+                on_landed(b)
         self.timeline = {"backward_s": backward_s, "end_s": time.perf_counter() - r.t0, "buckets": r.spans}
 
     def issue_all(self, comm: Comm, grads: torch.Tensor, what: str) -> None:

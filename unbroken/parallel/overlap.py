@@ -98,29 +98,47 @@ class Partition:
 @dataclass(frozen=True, kw_only=True)
 class OverlapPlan:
     """during_backward: buckets all-reduced from the gradient hooks (else after backward);
-    bucket_kb: bucket size; partition: the core split; source: where the plan came from."""
+    bucket_kb: bucket size; first_bucket_kb: the first bucket's (the last layers' gradients, ready
+    first: small, so communication starts early in backward, as torch DDP's 1 MiB first bucket;
+    at most bucket_kb); eager_update: each bucket's update applied as its all-reduce lands
+    (parallel/eager.py); partition: the core split; source: where the plan came from."""
 
     during_backward: bool = True
     bucket_kb: int = 25600
+    first_bucket_kb: int = 1024
+    eager_update: bool = True
     partition: Partition = field(default_factory=Partition)
     source: str = "config"
 
     def __post_init__(self) -> None:
-        if isinstance(self.bucket_kb, bool) or not isinstance(self.bucket_kb, int) or self.bucket_kb < 1:
-            raise PlanError(f"overlap bucket_kb must be an integer >= 1 (KiB), got {self.bucket_kb!r}; "
-                            "e.g. \"bucket_kb\": 1024")
+        for name in ("bucket_kb", "first_bucket_kb"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlanError(f"overlap {name} must be an integer >= 1 (KiB), got {v!r}; e.g. \"{name}\": 1024")
 
     @property
     def bucket_elems(self) -> int:
         return max(16, self.bucket_kb * 1024 // 4)
 
+    @property
+    def first_bucket_elems(self) -> int:
+        return min(self.bucket_elems, max(16, self.first_bucket_kb * 1024 // 4))
+
+    @property
+    def bucket_sizes(self) -> tuple[int, int]:
+        """(bucket_elems, first_bucket_elems): GradBuckets' two sizes."""
+        return self.bucket_elems, self.first_bucket_elems
+
     def to_dict(self) -> dict:
         return {"during_backward": self.during_backward, "bucket_kb": self.bucket_kb,
+                "first_bucket_kb": self.first_bucket_kb, "eager_update": self.eager_update,
                 "partition": self.partition.to_json(), "source": self.source}
 
     @staticmethod
     def from_dict(d: dict, source: str) -> "OverlapPlan":
         return OverlapPlan(during_backward=bool(d.get("during_backward", True)), bucket_kb=d.get("bucket_kb"),
+                           first_bucket_kb=d.get("first_bucket_kb", 1024),
+                           eager_update=bool(d.get("eager_update", True)),
                            partition=Partition.from_json(d.get("partition", "shared")), source=source)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from unbroken.fsutil import atomic_write_json
 from unbroken.parallel.buckets import GradBuckets
+from unbroken.parallel.eager import EagerUpdate
 from unbroken.parallel.overlap import (OverlapPlan, Partition, PlanError, ThreadPinner, plan_file_text,
                                        read_plan_file)
 from unbroken.runtime import membership
@@ -122,13 +123,15 @@ class OverlapControl:
         if self.needs_tuning:
             self.tune(tr, t, closure)
             tr.buckets.close()
-            tr.buckets = GradBuckets(tr.owned.flat, self.plan.bucket_elems)
+            tr.buckets = GradBuckets(tr.owned.flat, *self.plan.bucket_sizes)
+            tr.eager = EagerUpdate(tr.owned, tr.buckets, tr.world_size)
         if not self._announced:
             self._announced = True
             self.announce(t)
         if t == TIMELINE_STEP + 1 and tr.rank == 0 and tr.buckets.timeline is not None:
             tl = tr.buckets.timeline
             self.emit("overlap_timeline", step=t - 1, backward_s=round(tl["backward_s"], 5),
+                      eager_chunks=tr.eager.last_kept, chunks=tr.owned.state.n_chunks,
                       end_s=round(tl["end_s"], 5), buckets=[[round(a, 5), None if b is None else round(b, 5)]
                                                            for a, b in tl["buckets"]])
         self.pinner.refresh()
@@ -136,7 +139,7 @@ class OverlapControl:
     def announce(self, step: int) -> None:
         p = self.plan
         self.emit("overlap_plan", step=step, mode=self.cfg.overlap, source=p.source, bucket_kb=p.bucket_kb,
-                  during_backward=p.during_backward, partition=p.partition.to_json(),
+                  first_bucket_kb=p.first_bucket_kb, eager_update=p.eager_update, during_backward=p.during_backward, partition=p.partition.to_json(),
                   compute_cores=sorted(self.pinner.compute) if self.pinner.compute is not None else None,
                   comm_cores=sorted(self.pinner.comm) if self.pinner.comm is not None else None,
                   compute_threads=torch.get_num_threads(), reason=self.why or None)
@@ -173,7 +176,7 @@ class OverlapControl:
         self.pinner.release()  # the previous candidate's (or the start's) cores
         self.pinner = ThreadPinner(cand.partition, self.local_rank)
         self.pinner.refresh()
-        buckets = GradBuckets(tr.owned.flat, cand.bucket_elems)
+        buckets = GradBuckets(tr.owned.flat, *cand.bucket_sizes)
         try:
             times = []
             for i in range(TRIALS + 1):

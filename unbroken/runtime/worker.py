@@ -28,6 +28,7 @@ from unbroken.fsutil import atomic_write_bytes, atomic_write_with
 from unbroken.memory import live_tensor_bytes, peak_rss_bytes
 from unbroken.parallel.buckets import GradBuckets
 from unbroken.parallel.buffers import ModelBuffers
+from unbroken.parallel.eager import EagerUpdate
 from unbroken.parallel.optim import ChunkOptimizer
 from unbroken.parallel.schedule import ScheduleClock
 from unbroken.parallel.strategy import OwnedState
@@ -175,7 +176,8 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         if self.st.has_state is not True:
             self.owned.drop_full()  # a shadow: its shard comes from recovery, never from the initial sync
         self.overlap.adopt_agreed(self.ctx.store)  # a member joining later: the plan its peers tuned
-        self.buckets = GradBuckets(self.owned.flat, bucket_elems=self.overlap.plan.bucket_elems)
+        self.buckets = GradBuckets(self.owned.flat, *self.overlap.plan.bucket_sizes)
+        self.eager = EagerUpdate(self.owned, self.buckets, self.world_size)
         self.local_grads = zero3.kept_buffer(self.owned)
         self._shard_grad = zero3.shard_grad_buffer(self.owned)
         if self.ctx.role == "worker" or self.st.has_state is not None:
@@ -347,6 +349,13 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
                 pass
 
     def _attempt(self, t: int, closure: Callable[[], torch.Tensor]) -> None:
+        try:
+            self._attempt_step(t, closure)
+        except BaseException:
+            self.eager.settle(None)  # a step cut short: its eager chunks back to their bytes before it
+            raise
+
+    def _attempt_step(self, t: int, closure: Callable[[], torch.Tensor]) -> None:
         ctx, flat = self.ctx, self.owned.flat
         t0 = time.perf_counter()
         self.overlap.before_step(self, t, closure)
@@ -370,15 +379,17 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         t1 = time.perf_counter()
         self.st.grads_step = None
         if self.owned.sharded_grads:
-            norm = self._reduce_scatter_gradient(t, grads)
+            norm = zero3.reduce_scatter_gradient(self.comm, self.owned, grads, self._shard_grad, t)
         else:
-            if overlapped:
-                self.buckets.finish()
+            if overlapped:  # eager: each bucket's chunks updated as it lands (parallel/eager.py)
+                self.eager.arm(t, tuple(self.clock.hyper_for(t)), enabled=self.overlap.plan.eager_update,
+                               point=lambda phase, c: self._point(phase, t, c))
+                self.buckets.finish(self.eager.landed)
             elif self.ours is not None:  # one whole-gradient all-reduce, after backward
                 self.ours(grads, what=f"gradient all-reduce step {t}")
             else:
                 self.buckets.issue_all(self.comm, grads, what=f"gradient all-reduce step {t}")
-            flat.grads[:flat.n_avg].div_(self.world_size)
+            self.eager.average(flat.grads)  # what the eager update did not average as it landed
             norm = float(torch.linalg.vector_norm(flat.grads[:flat.n_pad]))
         self._point("reduced", t)
         loss = float(flat.grads[flat.loss])
@@ -390,6 +401,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         ctx.set_phase("optimizer")
         t2 = time.perf_counter()
         parity = self.owned.parity_due(t)
+        self.eager.settle(None if parity else self.st.scalars)  # kept if the guess was right, else undone
         self.owned.update(self.st.scalars, self.group, lambda phase, c: self._point(phase, t, c), parity=parity)
         ctx.set_phase("allgather")
         self._point("allgather", t)
@@ -400,24 +412,10 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         self.model_buffers.commit(flat.grads[flat.buffers])  # rank 0's, as DDP's broadcast gives them
         t4 = time.perf_counter()
         # where the step's time went: compute, gradient all-reduce, update (+parity), all-gather
-        self._phase_s = {"compute": t1 - t0, "allreduce": t2 - t1, "update": t3 - t2, "allgather": t4 - t3}
+        self._phase_s = {"compute": t1 - t0, "allreduce": t2 - t1, "update": t3 - t2, "allgather": t4 - t3,
+                         "eager": self.eager.busy_s}  # the part of `allreduce` spent updating eagerly
         self._parity_step = parity or rebuilt
         self._finish_step(t, float(flat.grads[flat.loss]))
-
-    def _reduce_scatter_gradient(self, t: int, grads: torch.Tensor) -> float:
-        """zero2: sum the local gradients over the ranks into this rank's shard only (the rest of
-        `grads` keeps this rank's local gradient), average it, then one small all-reduce of the
-        tail (loss, votes, fingerprints, buffers) that also sums each shard's squared norm.
-        Returns the averaged gradient's global norm."""
-        owned, flat = self.owned, self.owned.flat
-        shard = zero3.sum_gradient_shard(self.comm, owned, grads, self._shard_grad,
-                                         what=f"gradient reduce-scatter step {t}")
-        shard.div_(self.world_size)
-        grads[owned.lo:owned.hi].copy_(shard)
-        grads[flat.norm_sq] = float(torch.linalg.vector_norm(shard)) ** 2
-        self.comm.allreduce(grads[flat.n_pad:], what=f"gradient tail all-reduce step {t}")
-        grads[flat.n_pad:flat.n_avg].div_(self.world_size)
-        return math.sqrt(float(grads[flat.norm_sq]))
 
     def _compute_local_gradient(self, t: int, closure: Callable[..., torch.Tensor], *, overlap: bool) -> None:
         """Forward and backward of step t into flat.grads, and a copy kept for a redo. With

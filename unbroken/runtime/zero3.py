@@ -1,9 +1,11 @@
-"""zero3's (and fsdp's) part of the Trainer: the unit gathers around each step and the collective
-reads of the full parameters at the end (their hash, the final weights file), none of which may
-hold a full copy of the parameters while training. fsdp's own are in runtime/fsdp.py."""
+"""zero3's (and fsdp's) part of the Trainer, and zero2's gradient reduce-scatter: the unit gathers
+around each step and the collective reads of the full parameters at the end (their hash, the final
+weights file), none of which may hold a full copy of the parameters while training. fsdp's own are
+in runtime/fsdp.py."""
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 
@@ -88,3 +90,18 @@ def sum_gradient_shard(comm: Comm, owned: OwnedState, grads: torch.Tensor, out: 
         return grads[owned.lo:owned.hi]
     comm.reduce_scatter(out, grads[:flat.n_pad], what=what)
     return out
+
+
+def reduce_scatter_gradient(comm: Comm, owned: OwnedState, grads: torch.Tensor, out: torch.Tensor, t: int) -> float:
+    """zero2/zero3: sum the local gradients over the ranks into this rank's shard only (the rest of
+    `grads` keeps this rank's local gradient), average it, then one small all-reduce of the
+    tail (loss, votes, fingerprints, buffers) that also sums each shard's squared norm.
+    Returns the averaged gradient's global norm."""
+    flat, world = owned.flat, owned.world
+    shard = sum_gradient_shard(comm, owned, grads, out, what=f"gradient reduce-scatter step {t}")
+    shard.div_(world)
+    grads[owned.lo:owned.hi].copy_(shard)
+    grads[flat.norm_sq] = float(torch.linalg.vector_norm(shard)) ** 2
+    comm.allreduce(grads[flat.n_pad:], what=f"gradient tail all-reduce step {t}")
+    grads[flat.n_pad:flat.n_avg].div_(world)
+    return math.sqrt(float(grads[flat.norm_sq]))
