@@ -90,3 +90,18 @@ def test_a_shadow_taking_a_rank_uses_the_tuned_plan(tmp_path):
     hand.write_text(json.dumps({"format": "unbroken-overlap/1", "plan": chosen}))
     clean = run_job(tmp_path / "clean", *args, "--overlap", str(hand))
     assert killed["weights_sha256"] == clean["weights_sha256"] and killed["ranks_agree"]
+
+
+def test_a_shadow_taking_a_rank_uses_the_plan_file_its_peers_agreed_on(tmp_path):
+    """A plan given as a file is agreed at step 1 without a search; the shadow that replaces a rank
+    killed at step 3 adopts it from the store (it once waited on an agreement its peers had finished:
+    the job hung)."""
+    hand = tmp_path / "hand.json"  # not the configured 16 KiB: a shadow that fell back would differ
+    hand.write_text(json.dumps({"format": "unbroken-overlap/1", "plan": {"bucket_kb": 32}}))
+    args = [*SMALL[:SMALL.index("--steps")], "--steps", "4", *SMALL[SMALL.index("--steps") + 2:], "--strategy", "ddp",
+            "--config", _small_buckets(tmp_path), "--overlap", str(hand)]
+    given = run_job(tmp_path / "given", *args, "--inject", "sigkill:rank=1,step=3,phase=backward")
+    assert given["overlap"]["source"] == "file" and given["overlap"]["bucket_kb"] == 32
+    assert len(given["recoveries"]) == 1 and given["ranks_agree"]
+    clean = run_job(tmp_path / "clean", *args)
+    assert given["weights_sha256"] == clean["weights_sha256"]

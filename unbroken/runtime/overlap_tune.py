@@ -107,6 +107,8 @@ class OverlapControl:
             self.needs_tuning, self.why = True, "another rank has no valid cached plan"
         elif any(v["plan"] != mine["plan"] for v in everyone):
             self.needs_tuning, self.why = True, "the ranks read different plans"
+        if not self.needs_tuning:  # agreed on a file's or cache's plan: a shadow joining later adopts it
+            membership.put(tr.ctx.store, STORE_KEY, self.plan.to_dict())
         self._agreed = True
 
     def _set(self, plan: OverlapPlan) -> None:
