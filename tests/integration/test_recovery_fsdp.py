@@ -9,31 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import SMALL, events, run_job
+from .sharded_runs import PHASES, kill_at_phase_is_invisible, kinds as _kinds, losses as _losses, run_strategy
 
 pytestmark = pytest.mark.timeout(300)
 
-# zero3's paths (fsdp's state is zero3's, in FSDP2's layout): before the update and inside it while
-# no parity window absorbed it, every rank redoes the step; at allgather every update is done
-# (decoded at step 5); once a window was absorbed, tier 2
-PHASES = [("forward", 0, "tier1"), ("backward", 0, "tier1"), ("allreduce", 0, "tier1"), ("reduced", 0, "tier1"),
-          ("optimizer", 0, "tier1"), ("midchunk", 2, "tier1"), ("parity", 1, "either"), ("allgather", 0, "tier1")]
+# zero3's paths (fsdp's state is zero3's, in FSDP2's layout), sharded_runs.PHASES
 DEFAULT = {"backward"}  # the rest with -m slow
 
 
 def _run(tmp_path, name, *injects, extra=()):
-    args = [*SMALL, "--strategy", "fsdp", "--checkpoint-every", "2", *extra]
-    for spec in injects:
-        args += ["--inject", spec]
-    return run_job(tmp_path / name, *args)
-
-
-def _kinds(run_dir, kind):
-    return [e["fields"] for e in events(Path(run_dir)) if e["kind"] == kind]
-
-
-def _losses(run_dir) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in _kinds(run_dir, "step")}
+    return run_strategy(tmp_path, name, "fsdp", *injects, extra=extra)
 
 
 @pytest.fixture(scope="module")
@@ -73,21 +58,7 @@ def test_fsdp_has_ddps_losses_and_weights_within_float_tolerance(fsdp, reference
 @pytest.mark.parametrize("phase,chunk,path", [
     pytest.param(p, c, path, marks=() if p in DEFAULT else pytest.mark.slow) for p, c, path in PHASES])
 def test_fsdp_sigkill_at_each_phase_is_bitwise_invisible(tmp_path, fsdp, phase, chunk, path):
-    got = _run(tmp_path, "run", f"sigkill:rank=2,step=5,phase={phase},chunk={chunk}")
-    assert got["ok"] and got["ranks_agree"] and got["weights_sha256"] == fsdp["weights_sha256"]
-    restored = {e["step"] for e in _kinds(tmp_path / "run", "tier2_restore")}
-    if path == "either" and restored:
-        assert restored == {4}
-        return
-    [rec] = _kinds(tmp_path / "run", "recovered")
-    assert rec["path"] == "tier1" and rec["replaced"] == [2] and got["steps_lost"] == 0
-    if phase == "allgather":  # every update was done: the lost shard is decoded at step 5
-        assert rec["step"] == 5
-        return
-    if phase == "allreduce" and rec["step"] == 5:  # its reduce-scatter may have completed
-        return
-    # every rank computes the redone step: FSDP2 gathers each unit from every rank
-    assert (rec["step"], rec["steps_redone"], rec["recompute_ranks"]) == (4, 1, [0, 1, 2, 3])
+    kill_at_phase_is_invisible(tmp_path, "fsdp", fsdp["weights_sha256"], phase, chunk, path)
 
 
 @pytest.mark.slow

@@ -3,37 +3,19 @@ losses and bitwise the same final weights as zero2; a kill at any stage of a ste
 weights bitwise equal to the failure-free run; its memory is below zero2's."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
-from .conftest import SMALL, events, run_job
+from .conftest import run_job
+from .sharded_runs import PHASES, kill_at_phase_is_invisible, kinds as _kinds, losses as _losses, run_strategy
 
 pytestmark = pytest.mark.timeout(300)
 
-# before the update, and inside it while no parity window has absorbed it (survivors roll back
-# to their snapshots): the step is redone by every rank (the new member decodes its shard first:
-# its forward gathers from it, and from every other rank); at the all-gather phase every update
-# is done: decoded at step 5; once a window was absorbed (phase parity, window 1: window 0's
-# all-to-all may have completed) no copy of the lost shard's step-4 values is left: tier 2
-PHASES = [("forward", 0, "tier1"), ("backward", 0, "tier1"), ("allreduce", 0, "tier1"), ("reduced", 0, "tier1"),
-          ("optimizer", 0, "tier1"), ("midchunk", 2, "tier1"), ("parity", 1, "either"), ("allgather", 0, "tier1")]
 DEFAULT = {"backward", "allgather", "midchunk"}  # one per path; the rest with -m slow
 
 
 def _run(tmp_path, name, *injects, strategy="zero3", extra=()):
-    args = [*SMALL, "--strategy", strategy, "--checkpoint-every", "2", *extra]
-    for spec in injects:
-        args += ["--inject", spec]
-    return run_job(tmp_path / name, *args)
-
-
-def _kinds(run_dir, kind):
-    return [e["fields"] for e in events(Path(run_dir)) if e["kind"] == kind]
-
-
-def _losses(run_dir) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in _kinds(run_dir, "step")}
+    return run_strategy(tmp_path, name, strategy, *injects, extra=extra)
 
 
 @pytest.fixture(scope="module")
@@ -52,21 +34,7 @@ def test_zero3_equals_zero2_bitwise(zero3, reference):
 @pytest.mark.parametrize("phase,chunk,path", [
     pytest.param(p, c, path, marks=() if p in DEFAULT else pytest.mark.slow) for p, c, path in PHASES])
 def test_zero3_sigkill_at_each_phase_is_bitwise_invisible(tmp_path, zero3, phase, chunk, path):
-    got = _run(tmp_path, "run", f"sigkill:rank=2,step=5,phase={phase},chunk={chunk}")
-    assert got["ok"] and got["ranks_agree"] and got["weights_sha256"] == zero3["weights_sha256"]
-    restored = {e["step"] for e in _kinds(tmp_path / "run", "tier2_restore")}
-    if path == "either" and restored:
-        assert restored == {4}
-        return
-    [rec] = _kinds(tmp_path / "run", "recovered")
-    assert rec["path"] == "tier1" and rec["replaced"] == [2] and got["steps_lost"] == 0
-    if phase == "allgather":  # every update was done, and zero3's commit has no collective: the
-        assert rec["step"] == 5  # survivors committed step 5 (the lost shard is decoded at 5)
-        return
-    if phase == "allreduce" and rec["step"] == 5:  # its reduce-scatter may have completed
-        return
-    # every rank computes the redone step: the new member's forward gathers from all of them
-    assert (rec["step"], rec["steps_redone"], rec["recompute_ranks"]) == (4, 1, [0, 1, 2, 3])
+    kill_at_phase_is_invisible(tmp_path, "zero3", zero3["weights_sha256"], phase, chunk, path)
 
 
 @pytest.mark.slow

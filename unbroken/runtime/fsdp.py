@@ -53,25 +53,23 @@ def _mesh(rank: int, world: int, device_type: str) -> DeviceMesh:
     return mesh
 
 
-class _Gather(AllGather):
+class _OnComm:
+    """An FSDP2 custom collective that runs over the current generation's Comm (plain buffers)."""
+
     def __init__(self, comm: Callable[[], Comm | None]) -> None:
         self.comm = comm
 
     def allocate(self, size, *, dtype, device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
 
+
+class _Gather(_OnComm, AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.comm().allgather_into(output_tensor, input_tensor, what="FSDP2 parameter all-gather")
         return None
 
 
-class _ReduceScatter(ReduceScatter):
-    def __init__(self, comm: Callable[[], Comm | None]) -> None:
-        self.comm = comm
-
-    def allocate(self, size, *, dtype, device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
-
+class _ReduceScatter(_OnComm, ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         assert op in (dist.ReduceOp.SUM, dist.ReduceOp.SUM.value), f"FSDP2 asked for {op}, unbroken sums"
         self.comm().reduce_scatter(output_tensor, input_tensor, what="FSDP2 gradient reduce-scatter")
