@@ -101,6 +101,13 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def __post_init__(self) -> None:
+        self._check_job()
+        self._check_recovery()
+        self._check_runtime()
+        if isinstance(self.model, dict):  # from JSON/TOML
+            object.__setattr__(self, "model", ModelConfig(**_known(ModelConfig, self.model, "model.")))
+
+    def _check_job(self) -> None:
         _need(isinstance(self.world_size, int) and self.world_size >= 1,
               f"world_size must be an integer >= 1, got {self.world_size!r}; e.g. --world-size 4")
         _need(isinstance(self.steps, int) and self.steps >= 1,
@@ -130,6 +137,8 @@ class RunConfig:
         _need((err := check_overlap_mode(self.overlap)) is None, err or "")
         _need(self.checkpoint_every >= 0, f"checkpoint_every must be >= 0 (0 = off), got {self.checkpoint_every!r}")
         _need(self.checkpoint_keep >= 1, f"checkpoint_keep must be >= 1, got {self.checkpoint_keep!r}")
+
+    def _check_recovery(self) -> None:
         _need(self.shadows == "auto" or (isinstance(self.shadows, int) and not isinstance(self.shadows, bool)
                                          and self.shadows >= 0),
               f"shadows must be an integer >= 0 or 'auto', got {self.shadows!r}; e.g. --shadows 1")
@@ -155,6 +164,8 @@ class RunConfig:
               f"straggler_window_steps must be >= 1, got {self.straggler_window_steps!r}")
         _need(self.exclude_after_faults >= 1, f"exclude_after_faults must be >= 1, got {self.exclude_after_faults!r}")
         _need(self.exclude_window_s > 0, f"exclude_window_s must be > 0, got {self.exclude_window_s!r}")
+
+    def _check_runtime(self) -> None:
         _need(self.threads >= 1, f"threads must be >= 1, got {self.threads!r}")
         _need(self.backend in BACKENDS,
               f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}; e.g. --backend gloo")
@@ -165,8 +176,6 @@ class RunConfig:
         _need(self.collectives == "gloo" or self.backend != "nccl",
               f"collectives {self.collectives!r} runs on gloo (CPU tensors), but backend is nccl; "
               "use --backend gloo or --collectives gloo")
-        if isinstance(self.model, dict):  # from JSON/TOML
-            object.__setattr__(self, "model", ModelConfig(**_known(ModelConfig, self.model, "model.")))
 
     @property
     def shadow_pool_max(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import types
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ import torch
 from unbroken.config import ConfigError, ModelConfig, RunConfig
 from unbroken.parallel.overlap import (FORMAT, OverlapPlan, Partition, PlanError, ThreadPinner, available_cores,
                                        plan_file_text, read_plan_file)
-from unbroken.runtime.overlap_tune import OverlapControl, cache_path, checked_overlap, tuning_key
+from unbroken.runtime import membership
+from unbroken.runtime.overlap_tune import STORE_KEY, OverlapControl, cache_path, checked_overlap, tuning_key
 
 linux_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="per-thread affinity is Linux's")
 
@@ -158,12 +160,10 @@ class _Comm:
 class _Trainer:
     def __init__(self, others):
         self.comm = _Comm(others)
+        self.ctx = types.SimpleNamespace(store=_Store())
 
 
 def test_a_joining_member_takes_the_agreed_plan_from_the_store(tmp_path):
-    from unbroken.runtime import membership
-    from unbroken.runtime.overlap_tune import STORE_KEY
-
     store = _Store()
     ctl = OverlapControl(RunConfig(overlap=str(tmp_path / "plan.json")), named=_named(), nnodes=1, local_rank=0,
                          emit=lambda *a, **k: None)
@@ -184,5 +184,9 @@ def test_ranks_search_together_when_any_lacks_the_plan_or_they_differ(tmp_path):
     for other, tunes, why in ((same, False, ""), ({**same, "tune": True}, True, "another rank"),
                               ({**same, "plan": {**same["plan"], "bucket_kb": 512}}, True, "different plans")):
         ctl = OverlapControl(cfg, named=_named(), nnodes=1, local_rank=0, emit=lambda *a, **k: None)
-        ctl._agree(_Trainer([other]))
+        tr = _Trainer([other])
+        ctl._agree(tr)
         assert ctl.needs_tuning == tunes and why in ctl.why
+        # agreed without a search: the plan is in the store for a shadow joining later (adopt_agreed)
+        agreed = membership.get(tr.ctx.store, STORE_KEY)
+        assert (agreed is None) == tunes and (tunes or agreed["bucket_kb"] == 256)

@@ -88,6 +88,7 @@ def test_a_probe_past_its_timeout_is_abandoned_with_one_warning_and_never_blocks
     try:
         _poll(w)
         assert probe.entered.wait(10)
+        assert w._host_sampler.join(10)  # the host read (instant) has ended before the clock jumps
         clock.t = 15.0
         _poll(w)
         assert "warning" not in events.kinds()  # at its timeout, not past it

@@ -132,3 +132,30 @@ def test_a_poke_from_another_thread_wakes_the_wait_and_none_after_close():
     finally:
         wake.close()
     wake.poke()  # closed: a late watch's poke writes nowhere
+
+
+def test_a_key_the_list_lacks_is_learned_after_one_tick_and_forgotten_when_unread():
+    """tick_keys is a second list of what a tick reads: a key missing from it costs one request,
+    once; then the prefetch takes it in, until it has gone unread for REMEMBER_TICKS ticks."""
+    from unbroken.runtime.store_reads import REMEMBER_TICKS
+    store = Batched()
+    store.kv.set("new/reader", b"1")
+    reads = TickReads(store)
+
+    def tick(read_new: bool) -> int:
+        reads.prefetch(["abort"])
+        before = store.requests
+        assert not reads.check(["abort"])
+        if read_new:
+            assert reads.get("new/reader") == b"1"
+        reads.set("written", "x")  # a write and a re-read of it: to the store, never counted as missed
+        assert reads.check(["written"])
+        reads.drop()
+        return store.requests - before - 2
+
+    assert tick(True) == 1 and reads.missed == 1  # first tick: the unlisted read went to the store
+    assert tick(True) == 0 and reads.missed == 1  # learned: answered from the tick's one read
+    for _ in range(REMEMBER_TICKS + 1):
+        tick(False)
+    reads.prefetch(["abort"])
+    assert "new/reader" not in reads._snap  # unread for REMEMBER_TICKS ticks: dropped from the prefetch

@@ -34,7 +34,6 @@ import io  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
-import sys  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -46,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from unbroken.config import RunConfig  # noqa: E402
 from unbroken.fsutil import atomic_write_bytes  # noqa: E402
 from unbroken.memory import live_tensor_bytes, peak_rss_bytes  # noqa: E402
+from unbroken.runtime.hard_exit import exit_without_teardown  # noqa: E402
 from unbroken.models import VOCAB_SIZE, Corpus, batch_for  # noqa: E402
 from unbroken.models.gpt import build_model  # noqa: E402
 from unbroken.runtime.devices import bind_rank_device, group_backend  # noqa: E402
@@ -212,12 +212,9 @@ def main() -> None:
     except BaseException:
         dist.destroy_process_group()
         raise
-    # Every step is logged (each record is one os.write). Tearing gloo down here sometimes
-    # aborted the process ("terminate called without an active exception", SIGABRT) under
-    # ZeroRedundancyOptimizer at 4 ranks, failing a finished run: leave without the teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # Every step is logged (each record is one os.write); tearing gloo down here sometimes aborted
+    # under ZeroRedundancyOptimizer at 4 ranks, failing a finished run
+    exit_without_teardown(0)
 
 
 if __name__ == "__main__":

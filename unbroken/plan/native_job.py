@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import sys
@@ -31,6 +30,7 @@ import torch.distributed as dist
 
 from unbroken.config import ModelConfig
 from unbroken.fsutil import atomic_write_json
+from unbroken.runtime.hard_exit import exit_without_teardown
 from unbroken.models.data import VOCAB_SIZE, Corpus, batch_for
 from unbroken.models.gpt import build_model
 
@@ -208,10 +208,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Skip the process group's teardown and the interpreter's: under FSDP2 on gloo a rank's exit
-    # sometimes aborts in a destructor ("terminate called without an active exception", SIGABRT)
-    # after its work is done and written. The kernel closes the sockets.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_without_teardown(main())  # FSDP2 on gloo sometimes aborts in a destructor after the work is written

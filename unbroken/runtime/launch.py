@@ -6,12 +6,12 @@ SCRIPT is a path to a .py file or a module name (the built-in job is
 """
 from __future__ import annotations
 
-import os
 import runpy
 import sys
 import traceback
 
 from unbroken.runtime import crash
+from unbroken.runtime.hard_exit import exit_without_teardown
 
 
 def _seed_process() -> None:
@@ -63,11 +63,7 @@ def main() -> None:
         traceback.print_exc()
         crash.record(e)
         code = 1
-    # Skip interpreter teardown: gloo groups kept alive on purpose (an old generation may
-    # hold a hung op) abort in their destructors, which would turn a clean exit into SIGABRT.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_without_teardown(code)  # gloo groups kept alive on purpose would abort in their destructors
 
 
 if __name__ == "__main__":

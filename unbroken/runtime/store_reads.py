@@ -6,11 +6,15 @@ assign/ready, ...). `TickReads` wraps the store: `prefetch(keys)` reads the keys
 in one request (`EtcdStore.read_many`) and, until `drop()`, `check`/`get`/`add(key, 0)` of those
 keys are answered from that snapshot; a write goes to the store and forgets the key's snapshot.
 A store without `read_many` (TCPStore: a cheap local round trip per call) is passed through.
-`tick_keys(sup)` names the keys of one tick of a Supervisor.
+`tick_keys(sup)` names the keys of one tick of a Supervisor; a key a tick read that the list
+lacks (a new reader, a list that drifted) is learned: the next ticks' prefetch takes it in, until
+it has gone unread for `REMEMBER_TICKS` ticks, and `missed` counts the reads that went to the store.
 """
 from __future__ import annotations
 
 from unbroken.runtime import failover
+
+REMEMBER_TICKS = 8  # a learned key stays in the prefetch this many ticks after its last read
 
 
 class TickReads:
@@ -18,17 +22,33 @@ class TickReads:
         self.store = store
         self.batched = hasattr(store, "read_many")
         self._snap: dict[str, bytes | None] | None = None
+        self._learned: dict[str, int] = {}  # key read outside the list -> the tick it was last read
+        self._tick = 0
+        self._written: set[str] = set()  # keys this tick wrote: read from the store again, as they should
+        self.missed = 0  # reads inside a tick that its prefetch did not cover (each a request)
 
     def prefetch(self, keys: list[str]) -> None:
         if self.batched:
-            keys = list(dict.fromkeys(keys))
+            self._tick += 1
+            self._learned = {k: t for k, t in self._learned.items() if self._tick - t <= REMEMBER_TICKS}
+            keys = list(dict.fromkeys([*keys, *self._learned]))
             self._snap = dict(zip(keys, self.store.read_many(keys)))
+            self._written = set()
 
     def drop(self) -> None:
         self._snap = None
 
     def _known(self, keys) -> bool:
-        return self._snap is not None and all(k in self._snap for k in keys)
+        """All of `keys` are answered by this tick's snapshot. A key neither prefetched nor written
+        this tick is learned (and counted in `missed`); a learned key read again stays learned."""
+        if self._snap is None:
+            return False
+        unknown = [k for k in keys if k not in self._snap and k not in self._written]
+        self.missed += len(unknown)
+        for k in keys:
+            if k in unknown or k in self._learned:
+                self._learned[k] = self._tick
+        return all(k in self._snap for k in keys)
 
     def check(self, keys: list[str]) -> bool:
         if self._known(keys):
@@ -61,6 +81,7 @@ class TickReads:
     def _forget(self, key: str) -> None:
         if self._snap is not None:
             self._snap.pop(key, None)
+            self._written.add(key)
 
     def __getattr__(self, name: str):  # wait, num_keys, timeouts, ...: the store's own
         return getattr(self.store, name)

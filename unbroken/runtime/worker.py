@@ -378,19 +378,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         self._point("allreduce", t)
         t1 = time.perf_counter()
         self.st.grads_step = None
-        if self.owned.sharded_grads:
-            norm = zero3.reduce_scatter_gradient(self.comm, self.owned, grads, self._shard_grad, t)
-        else:
-            if overlapped:  # eager: each bucket's chunks updated as it lands (parallel/eager.py)
-                self.eager.arm(t, tuple(self.clock.hyper_for(t)), enabled=self.overlap.plan.eager_update,
-                               point=lambda phase, c: self._point(phase, t, c))
-                self.buckets.finish(self.eager.landed)
-            elif self.ours is not None:  # one whole-gradient all-reduce, after backward
-                self.ours(grads, what=f"gradient all-reduce step {t}")
-            else:
-                self.buckets.issue_all(self.comm, grads, what=f"gradient all-reduce step {t}")
-            self.eager.average(flat.grads)  # what the eager update did not average as it landed
-            norm = float(torch.linalg.vector_norm(flat.grads[:flat.n_pad]))
+        norm = self._reduce_gradient(t, grads, overlapped)
         self._point("reduced", t)
         loss = float(flat.grads[flat.loss])
         self._check_inputs(t)
@@ -416,6 +404,22 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
                          "eager": self.eager.busy_s}  # the part of `allreduce` spent updating eagerly
         self._parity_step = parity or rebuilt
         self._finish_step(t, float(flat.grads[flat.loss]))
+
+    def _reduce_gradient(self, t: int, grads: torch.Tensor, overlapped: bool) -> float:
+        """Step t's gradient summed over the ranks (zero2/zero3: only this rank's shard); its norm."""
+        flat = self.owned.flat
+        if self.owned.sharded_grads:
+            return zero3.reduce_scatter_gradient(self.comm, self.owned, grads, self._shard_grad, t)
+        if overlapped:  # eager: each bucket's chunks updated as it lands (parallel/eager.py)
+            self.eager.arm(t, tuple(self.clock.hyper_for(t)), enabled=self.overlap.plan.eager_update,
+                           point=lambda phase, c: self._point(phase, t, c))
+            self.buckets.finish(self.eager.landed)
+        elif self.ours is not None:  # one whole-gradient all-reduce, after backward
+            self.ours(grads, what=f"gradient all-reduce step {t}")
+        else:
+            self.buckets.issue_all(self.comm, grads, what=f"gradient all-reduce step {t}")
+        self.eager.average(flat.grads)  # what the eager update did not average as it landed
+        return float(torch.linalg.vector_norm(flat.grads[:flat.n_pad]))
 
     def _compute_local_gradient(self, t: int, closure: Callable[..., torch.Tensor], *, overlap: bool) -> None:
         """Forward and backward of step t into flat.grads, and a copy kept for a redo. With
