@@ -10,6 +10,7 @@
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -97,13 +98,25 @@ def main():
                 mean = loss.detach().clone()
                 dist.all_reduce(mean)
                 losses.append(float(mean) / world)
-        if rank == 0 and args.weights:
-            torch.save(model.state_dict(), args.weights)
-        dist.barrier()  # gloo's destroy_process_group can hang while a peer is still writing
-        dist.destroy_process_group()
+        if rank == 0:
+            if args.weights:
+                torch.save(model.state_dict(), args.weights)
+            write_losses(args.out, losses)
+        dist.barrier()
+        # Leave without interpreter teardown: torch's gloo teardown can deadlock. Dropping the
+        # last reference to the process group (DDP's Reducer, freed when main returns) runs
+        # ProcessGroupGloo's destructor under the GIL, and it joins a gloo worker thread that
+        # is waiting for the GIL to free a finished work's tensors (seen under pytest: one rank
+        # of four hung there for minutes after writing its results).
+        sys.stdout.flush()
+        os._exit(0)
     if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump({"losses": losses}, f)
+        write_losses(args.out, losses)
+
+
+def write_losses(path, losses):
+    with open(path, "w") as f:
+        json.dump({"losses": losses}, f)
 
 
 if __name__ == "__main__":
