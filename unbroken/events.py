@@ -59,6 +59,7 @@ KINDS: dict[str, str] = {
     "join_refused": "node, attempt, failures, retry_after_s, why (a join attempt with a wrong token; the next is delayed)",
     "rl_pools": "method, rollout, train, staleness, processes (an RL run's pools at its start)",
     "rl_move": "proc, from_pool, to_pool, step, reason, rollout, train, train_gen (the controller moved a process between the RL pools)",
+    "rl_lend": "proc, step, from_pool, to_pool, queued (dynamic: an idle trainer generates a queued group of the step training waits for)",
     "rl_step": "step, reward, samples, tokens, rollout, train, train_gen, max_staleness, wall_s (an RL training step completed)",
     "rl_requeue": "proc, step, prompts, why, rollout, train (a lost rollout worker's in-flight prompts went back to the queue)",
     "rl_redo": "step, proc, why, rollout, train (a lost trainer rank: the step is redone by the survivors in a new training generation)",

@@ -106,3 +106,22 @@ def test_colocated_run_is_on_policy_and_keeps_its_weights(pool, warm, tmp_path):
     assert res["staleness"] == 0 and res["max_staleness_seen"] == 0
     assert all(c["train"] == 4 and c["rollout"] == 4 for c in res["curve"]) and set(res["idle"]) == {"both"}
     assert (tmp_path / "policy.pt").exists()
+
+
+class Never:
+    def decide(self, obs):
+        return None
+
+
+def test_idle_trainers_lend_a_hand_without_changing_what_is_learned(pool, warm, tmp_path):
+    """Dynamic mode, one rollout worker and three trainers, no moves: idle trainers generate queued
+    groups of the step training waits for. On-policy (staleness 0) every group is sampled from the
+    same weights with the same RNG whoever generates it, so the rewards are the static run's."""
+    cfg = RLConfig(**{**CFG.to_dict(), "steps": 3})
+    static = rlrun.run(pool, cfg, "static", policy.state_bytes(warm), tmp_path / "static", rollout=1)
+    lent = rlrun.run(pool, cfg, "dynamic", policy.state_bytes(warm), tmp_path / "dyn", rollout=1, controller=Never())
+    assert [c["reward"] for c in lent["curve"]] == [c["reward"] for c in static["curve"]]
+    assert static["lends"] == 0 and lent["lends"] > 0 and not lent["moves"]
+    ev = [e for e in _events(tmp_path / "dyn") if e["kind"] == "rl_lend"]
+    assert len(ev) == lent["lends"] and all(e["fields"]["from_pool"] == "train" for e in ev)
+    assert all(c["rollout"] == 1 and c["train"] == 3 for c in lent["curve"])

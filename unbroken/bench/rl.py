@@ -3,7 +3,8 @@ static split of the processes into rollout and training pools, the even split, c
 (every process generates, then every process trains: on-policy) and dynamic reallocation, with
 long-tailed and with uniform completion lengths, in one run on one pool of processes. Reports
 samples/s, time to a target reward (the lowest final reward among the methods: all reach it), each
-pool's idle fraction and the length distribution. Writes bench/results/rl.json and rl.png (reward
+pool's idle fraction and the length distribution. Each worker runs in a dedicated CPU slice
+(`rl.slices`, when the machine allows it), as each would own a device. Writes bench/results/rl.json and rl.png (reward
 curves, the dynamic run's pool sizes over time, idle fractions).
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ def run_mode(pool, cfg: RLConfig, init: bytes, work: Path, console: Console, rep
             r = rlrun.run(pool, cfg, method, init, work / cfg.lengths / f"{name}-{rep}", rollout=rollout)
             reps.setdefault(name, []).append(r)
             console.print(f"  {cfg.lengths:8s} {name:12s} #{rep}  {r['samples_per_s']:7.1f} samples/s  reward "
-                          f"{r['reward_initial']:.3f} -> {r['reward_final']:.3f}  moves {len(r['moves'])}")
+                          f"{r['reward_initial']:.3f} -> {r['reward_final']:.3f}  moves {len(r['moves'])}  lends {r['lends']}")
     target = min(smoothed([c["reward"] for c in r["curve"]])[-1] for rs in reps.values() for r in rs)
     ttt = {n: [time_to_target(r["curve"], target) for r in rs] for n, rs in reps.items()}
     sps = {n: statistics.median(r["samples_per_s"] for r in rs) for n, rs in reps.items()}
@@ -59,17 +60,22 @@ def run_mode(pool, cfg: RLConfig, init: bytes, work: Path, console: Console, rep
             "idle": {n: {p: statistics.fmean(r["idle"][p] or 0.0 for r in rs) for p in rs[0]["idle"]}
                      for n, rs in reps.items()},
             "moves": {n: [len(r["moves"]) for r in rs] for n, rs in reps.items()},
+            "lends": {n: [r["lends"] for r in rs] for n, rs in reps.items()},
             "lengths": reps["dynamic"][-1]["lengths"]}
 
 
-def measure(cfg: RLConfig, work: Path, console: Console, repeats: int = 1) -> dict:
+def measure(cfg: RLConfig, work: Path, console: Console, repeats: int = 1, slices: bool = True) -> dict:
     from unbroken.rl.pool import Pool
     from unbroken.rl.run import run as rl_run
+    from unbroken.rl.slices import CpuSlices, fair_share
     from unbroken.rl.warm import warm_state
 
     init = warm_state(cfg, work)
     modes = {}
-    with Pool(cfg.processes) as pool:
+    cpu, why = CpuSlices.open(fair_share(cfg.processes)) if slices else (None, "--shared-cpu")
+    console.print(f"workers in dedicated CPU slices: {cpu.describe()}" if cpu else
+                  f"workers share the CPU ({why}): idle time of one pool goes to the other")
+    with Pool(cfg.processes, slices=cpu) as pool:
         warmup = RLConfig(**{**cfg.to_dict(), "steps": 2})  # first commands pay for imports: not measured
         rl_run(pool, warmup, "static", init, work / "warmup", rollout=cfg.processes // 2)
         for lengths in ("longtail", "uniform"):
@@ -78,7 +84,8 @@ def measure(cfg: RLConfig, work: Path, console: Console, repeats: int = 1) -> di
     lt, un = modes["longtail"], modes["uniform"]
     even = even_name(cfg.processes)
     sps, sps_u = lt["samples_per_s"], un["samples_per_s"]
-    return {"config": cfg.to_dict(), "staleness": {"static": cfg.staleness, "dynamic": cfg.staleness,
+    return {"config": cfg.to_dict(), "cpu_slices": cpu.describe() if cpu else None,
+            "cpu_slices_absent_because": why, "staleness": {"static": cfg.staleness, "dynamic": cfg.staleness,
                                                    "colocated": 0},
             "even_split": even, "best_static": lt["best_static"],
             "speedup_vs_best_static": sps["dynamic"] / sps[lt["best_static"]],
@@ -87,7 +94,7 @@ def measure(cfg: RLConfig, work: Path, console: Console, repeats: int = 1) -> di
             "samples_per_s": sps, "reward_final": lt["reward_final"],
             "time_to_target_s": lt["time_to_target_s"], "target_reward": lt["target_reward"],
             "idle": lt["idle"], "lengths": {"longtail": lt["lengths"], "uniform": un["lengths"]},
-            "samples_per_s_each": lt["samples_per_s_each"], "moves": lt["moves"], "repeats": repeats,
+            "samples_per_s_each": lt["samples_per_s_each"], "moves": lt["moves"], "lends": lt["lends"], "repeats": repeats,
             "uniform": {k: un[k] for k in ("samples_per_s", "samples_per_s_each", "reward_final", "time_to_target_s",
                                            "target_reward", "idle", "best_static", "moves")},
             "dynamic_pool_sizes": lt["runs"]["dynamic"]["pool_sizes"], "dynamic_moves": lt["runs"]["dynamic"]["moves"],
@@ -145,6 +152,8 @@ def rl(quick: bool = typer.Option(False, "--quick", help="smoke run: 1-digit tas
        repeats: int = typer.Option(3, "--repeats", help="runs of every method (interleaved); medians reported"),
        staleness: int = typer.Option(1, "--staleness", help="static and dynamic: 0 or 1 (colocated is always 0)"),
        seed: int = typer.Option(0, "--seed"),
+       slices: bool = typer.Option(True, "--cpu-slices/--shared-cpu", help="each worker in a CPU cgroup of its "
+                                   "own (cores/processes; needs root), so idle time is lost as on a device"),
        out: Path = typer.Option(RESULTS_DIR, "--out", help="directory for rl.json and rl.png")) -> None:
     """Every static split, even split, colocated and dynamic: samples/s, time to target, idle fractions."""
     import torch
@@ -164,7 +173,7 @@ def rl(quick: bool = typer.Option(False, "--quick", help="smoke run: 1-digit tas
         fail(str(e))
     console = Console()
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-rl-") as tmp:
-        res = measure(cfg, Path(tmp), console, 1 if quick else repeats)
+        res = measure(cfg, Path(tmp), console, 1 if quick else repeats, slices=slices)
     res["quick"] = quick
     console.print(table(res))
     console.print(f"dynamic vs best static ({res['best_static']}): {res['speedup_vs_best_static']:.2f}x "

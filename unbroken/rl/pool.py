@@ -1,6 +1,7 @@
 """The RL job's processes: the coordinator's TCPStore (training-group rendezvous) and N worker
-processes, each with a pipe. The pool started them, so the pool reaps them: `close` asks each to
-stop, waits, and SIGKILLs what is left (injected faults are workers SIGKILLing themselves)."""
+processes, each with a pipe, optionally each in a dedicated CPU slice (`rl.slices`). The pool
+started them, so the pool reaps them: `close` asks each to stop, waits, and SIGKILLs what is
+left (injected faults are workers SIGKILLing themselves), then removes the slices."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -12,13 +13,15 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from unbroken.rl import worker
+from unbroken.rl.slices import CpuSlices
 
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 
 
 class Pool:
-    def __init__(self, processes: int) -> None:
+    def __init__(self, processes: int, slices: CpuSlices | None = None) -> None:
+        self.slices = slices
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=60))
         ctx = mp.get_context("spawn")
@@ -30,6 +33,8 @@ class Pool:
                                 name=f"rl-worker-{wid}", daemon=True)
                 p.start()
                 child.close()
+                if slices is not None:
+                    slices.add(f"worker-{wid}", p.pid)
                 self.procs[wid], self.conns[wid] = p, parent
         except BaseException:
             self.close()
@@ -64,6 +69,8 @@ class Pool:
                 p.join(timeout=STOP_TIMEOUT_S)
         for conn in self.conns.values():
             conn.close()
+        if self.slices is not None:
+            self.slices.close()
 
     def __enter__(self) -> "Pool":
         return self

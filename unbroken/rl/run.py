@@ -66,4 +66,5 @@ def summarize(coord: Coordinator, cfg: RLConfig, method: str, split: tuple[int, 
             "reward_final": sum(rewards[-FINAL_WINDOW:]) / len(rewards[-FINAL_WINDOW:]),
             "idle": {p: coord.tl.idle_fraction(p, 0.0, wall) for p in pools},
             "pool_sizes": coord.tl.sizes(wall), "moves": coord.moves, "requeues": coord.requeues,
-            "redos": coord.redos, "lengths": length_stats(coord.lengths), "curve": coord.curve}
+            "redos": coord.redos, "lends": coord.lends, "lengths": length_stats(coord.lengths),
+            "curve": coord.curve}
