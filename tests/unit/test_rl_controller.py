@@ -5,12 +5,21 @@ from unbroken.rl.controller import Controller, Observation
 from unbroken.rl.metrics import Timeline, length_stats, time_to_target
 
 
+def test_lent_time_is_busy_and_counted_apart():
+    tl = Timeline()
+    tl.set_role(0, 0.0, "train")
+    tl.add_busy(0, 0.0, 2.0)
+    tl.add_lent(0, 3.0, 5.0)
+    assert math.isclose(tl.idle_fraction("train", 0, 10), 1 - 4 / 10)
+    assert math.isclose(tl.lent_seconds(0, 10), 2.0) and math.isclose(tl.lent_seconds(4, 10), 1.0)
+
+
 def obs(step, rollout=2, train=2, rw=1.0, tw=1.0):
     return Observation(step, rollout, train, rw, tw, 0.0, 0.0, 0)
 
 
 def test_controller_moves_toward_the_balanced_split_with_cooldown():
-    c = Controller(gain=0.1, cooldown=2)
+    c = Controller(gain=0.1, cooldown=2, lending=False)
     m = c.decide(obs(0, rw=3.0, tw=1.0))  # generation is 3x the training work: 3 rollout processes
     assert m.to_pool == "rollout" and "3 rollout processes" in m.reason
     assert c.decide(obs(1, rw=3.0, tw=1.0)) is None  # cooldown
@@ -20,6 +29,18 @@ def test_controller_moves_toward_the_balanced_split_with_cooldown():
     assert c.decide(obs(8, rollout=1, train=3, rw=0.01, tw=5.0)) is None  # never empties a pool
     assert c.decide(obs(10, rollout=3, train=1, rw=5.0, tw=0.01)) is None
     assert c.decide(obs(12, rollout=3, train=1, rw=1.0, tw=1.0)).to_pool == "train"
+
+
+def test_with_lending_only_a_training_bound_step_moves_a_process():
+    """Trainers lend a hand to generation, so a rollout-heavy step needs no move; a step whose
+    training work exceeds the trainers' share of all work takes a rollout worker."""
+    c = Controller(gain=0.1, cooldown=1)
+    assert c.decide(obs(0, rw=3.0, tw=1.0)) is None  # 2 trainers: 0.5 s each < 4 s / 4 processes
+    m = c.decide(obs(1, rollout=3, train=1, rw=1.0, tw=3.0))  # 1 trainer: 3 s vs (1 + 3) / 4
+    assert m.to_pool == "train" and "2 rollout processes" not in m.reason  # 3 s/1 -> best is 1r3t
+    assert "1 rollout processes predict 1.000" in m.reason
+    assert c.decide(obs(3, rollout=1, train=3, rw=3.0, tw=1.0)) is None  # more trainers than needed: they lend
+    assert c.decide(obs(5, rollout=2, train=2, rw=0.2, tw=3.0)).to_pool == "train"
 
 
 def test_idle_fraction_and_sizes():

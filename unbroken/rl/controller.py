@@ -1,9 +1,15 @@
 """The reallocation policy of the dynamic method. After each training step it looks at the last
 few steps: the busy process-seconds each pool spent per step (the work), and each pool's idle
-fraction. It predicts the step time of a split r rollout / N-r training processes as
-max(rollout work / r, training work / (N - r)) and moves one process toward the split with the
-shortest predicted step when that beats the current one by `gain`; at least one process stays in
-each pool, and at most one move every `cooldown` steps."""
+fraction. It predicts the step time of a split r rollout / N-r training processes and moves one
+process toward the split with the shortest predicted step when that beats the current one by
+`gain`; at least one process stays in each pool, and at most one move every `cooldown` steps.
+
+The prediction: without lending, max(rollout work / r, training work / (N - r)): each pool
+works alone. With lending (the coordinator's dynamic mode: idle trainers generate groups of the
+step that training waits for), max(training work / (N - r), all work / N): the trainers must
+get through the training, and beyond that every process is busy. Among splits that predict
+the same step, the one with the fewest trainers is taken (a trainer can lend a hand to the
+rollout pool; a rollout worker cannot train)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +33,10 @@ class Move:
     reason: str
 
 
-def predicted_step_s(obs: Observation, rollout: int) -> float:
+def predicted_step_s(obs: Observation, rollout: int, lending: bool = False) -> float:
     n = obs.rollout + obs.train
+    if lending:
+        return max(obs.train_work_s / (n - rollout), (obs.rollout_work_s + obs.train_work_s) / n)
     return max(obs.rollout_work_s / rollout, obs.train_work_s / (n - rollout))
 
 
@@ -36,19 +44,24 @@ def predicted_step_s(obs: Observation, rollout: int) -> float:
 class Controller:
     gain: float = 0.10
     cooldown: int = 2
+    lending: bool = True
     _last: int = -10**9
 
     def decide(self, obs: Observation) -> Move | None:
         n = obs.rollout + obs.train
         if obs.step - self._last < self.cooldown or n < 2 or obs.rollout_work_s + obs.train_work_s <= 0:
             return None
-        now = predicted_step_s(obs, obs.rollout)
-        best = min(range(1, n), key=lambda r: predicted_step_s(obs, r))
-        if best == obs.rollout or predicted_step_s(obs, best) > (1 - self.gain) * now:
+
+        def pred(r: int) -> float:
+            return predicted_step_s(obs, r, self.lending)
+
+        now = pred(obs.rollout)
+        best = min(range(1, n), key=lambda r: (pred(r), -r))
+        if best == obs.rollout or pred(best) > (1 - self.gain) * now:
             return None
         self._last = obs.step
         to = "rollout" if best > obs.rollout else "train"
         return Move(to, f"work per step: rollout {obs.rollout_work_s:.3f} s, training {obs.train_work_s:.3f} s; "
-                        f"{best} rollout processes predict {predicted_step_s(obs, best):.3f} s/step vs {now:.3f} "
+                        f"{best} rollout processes predict {pred(best):.3f} s/step vs {now:.3f} "
                         f"(idle: rollout {obs.rollout_idle:.2f}, training {obs.train_idle:.2f}; "
                         f"{obs.queued} groups queued)")
