@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PERIOD_US = 100_000
+PERIOD_US = 10_000  # short: a worker at half a core runs 5 ms of every 10, not 50 ms then 50 ms idle
 V1_ROOT = Path("/sys/fs/cgroup/cpu")
 V2_ROOT = Path("/sys/fs/cgroup")
 
