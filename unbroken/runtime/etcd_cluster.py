@@ -218,14 +218,11 @@ def _alive(pid: int) -> bool:
 
 
 def _reap(pid: int) -> None:
+    """Collect a member this process started once it has exited; another process's members
+    (`unbroken store stop`) are their own parent's to reap."""
     proc = _CHILDREN.get(pid)
     if proc is not None:
-        proc.poll()  # ours: collect it once it has exited
-        return
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
+        proc.poll()
 
 
 def _stop_members(members: list[Member], grace_s: float = 5.0) -> None:

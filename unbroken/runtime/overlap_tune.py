@@ -108,6 +108,8 @@ class OverlapControl:
         elif any(v["plan"] != mine["plan"] for v in everyone):
             self.needs_tuning, self.why = True, "the ranks read different plans"
         if not self.needs_tuning:  # agreed on a file's or cache's plan: a shadow joining later adopts it
+            # every rank writes the same value, not rank 0 alone: the key is there as long as any
+            # rank got this far, whichever rank dies next (a store write is one small message)
             membership.put(tr.ctx.store, STORE_KEY, self.plan.to_dict())
         self._agreed = True
 
