@@ -123,3 +123,33 @@ def test_per_group_pearson():
     pred = np.array([2.0, 4.0, 6.0, 2.0, 1.0, 5.0])
     r = evaluate.per_group_pearson(labels, pred, true)
     assert r["a"] == pytest.approx(1.0) and r["b"] == pytest.approx(-1.0) and math.isnan(r["c"])
+
+
+@given(st.lists(st.integers(0, 20), min_size=1, max_size=200), st.sampled_from(evaluate.SPLITS), st.integers(2, 10))
+def test_inner_k_is_leave_one_gpu_out_under_logo_only(labels, kind, default):
+    groups = np.array([f"g{i}" for i in labels])
+    n_groups = len(set(labels))
+    k = evaluate.inner_k(kind, groups, default)
+    if kind == "logo" and n_groups >= 2:
+        assert k == min(n_groups, evaluate.MAX_INNER_LOGO)
+        folds = models.inner_folds(len(groups), groups, k)
+        held = [set(groups[te].tolist()) for _, te in folds]
+        assert all(h.isdisjoint(set(groups[tr].tolist())) for h, (tr, _) in zip(held, folds))
+        if n_groups <= evaluate.MAX_INNER_LOGO:
+            assert all(len(h) == 1 for h in held)  # one training GPU per inner fold
+    else:
+        assert k == default  # CV, LOLO, or a single training GPU (row folds): unchanged
+    assert evaluate.inner_k(kind, None, default) == default
+
+
+def test_inner_k_rejects_bad_input():
+    with pytest.raises(evaluate.SplitError, match="not one of"):
+        evaluate.inner_k("loo", None)
+    with pytest.raises(ValueError, match=">= 2"):
+        evaluate.inner_k("cv", None, 1)
+
+
+def test_held_out_records_the_inner_folds(v2):
+    t = v2.with_target("itl")
+    preds = evaluate.predict_held_out(t, "itl", "logo", grid=(FAST,))
+    assert preds["inner_folds"] == [3, 3]  # one training GPU per outer split: row folds, as before

@@ -4,8 +4,8 @@ For each data set and target: 5-fold CV, leave-one-GPU-out and leave-one-LLM-out
 next to its baseline (load-scaled TDP for power, calibrated roofline for ITL): MdAPE,
 Pearson r, Kendall τ of the GPU and of the model rankings, per-GPU and per-model MdAPE, and
 the coverage of the 90% conformal interval. The search (target form × hyperparameters) is nested:
-inside every outer training split, inner folds grouped like the split (by GPU under LOGO, by
-model under LOLO) choose it, so a held-out GPU or model never influences its own model. Under
+inside every outer training split, inner folds grouped like the split (leave-one-GPU-out under
+LOGO, 3 folds of models under LOLO) choose it, so a held-out GPU or model never influences its own model. Under
 LOGO and LOLO it also records the diagnostics of `unbroken.predict.diagnostics`. Writes
 bench/results/predict.json and predict.png.
 """
@@ -56,6 +56,7 @@ def _run_one(table: Table, target: str, grid, console: Console) -> dict:
         res["config"] = asdict(chosen)  # the one the outer splits chose most often
         res["configs_chosen"] = [asdict(c) for c in preds["configs"]]
         res["interval_group_calibrated"] = preds["grouped"]
+        res["inner_folds"] = preds["inner_folds"]  # per outer split: LOGO holds one training GPU out per fold
         if kind != "cv":
             res["diagnostics"] = _diagnostics(table, target, kind, preds["xgboost"], chosen)
         res["seconds"] = round(time.monotonic() - t0, 1)

@@ -81,20 +81,41 @@ def per_group_pearson(labels: np.ndarray, pred: np.ndarray, true: np.ndarray) ->
     return {u: round(pearson(pred[labels == u], true[labels == u]), 4) for u in sorted(set(labels.tolist()))}
 
 
+INNER_FOLDS = 3       # inner folds of the nested search under CV and LOLO
+MAX_INNER_LOGO = 8    # under LOGO: one inner fold per training GPU, up to this many
+
+
+def inner_k(kind: str, train_groups: np.ndarray | None, default: int = INNER_FOLDS) -> int:
+    """How many inner folds the nested search uses in one outer split. Under LOGO, one per training
+    GPU (inner leave-one-GPU-out: the outer task in miniature, so the search scores each candidate
+    on the extrapolation it will face; with 3 grouped folds it scored on folds holding out 2-3 GPUs
+    at once and chose worse, see docs/predict.md), at most MAX_INNER_LOGO; else `default`."""
+    if kind not in SPLITS:
+        raise SplitError(f"split {kind!r} is not one of {', '.join(SPLITS)}")
+    if default < 2:
+        raise ValueError(f"inner folds must be >= 2, got {default}")
+    n_groups = 0 if train_groups is None else len(set(train_groups.tolist()))
+    if kind != "logo" or n_groups < 2:  # one training GPU: row folds, as before (no group to hold out)
+        return default
+    return min(n_groups, MAX_INNER_LOGO)
+
+
 def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbConfig, ...] = (DEFAULT,),
-                     coverage: float = 0.9, k: int = 3) -> dict[str, np.ndarray]:
+                     coverage: float = 0.9, k: int | None = None) -> dict[str, np.ndarray]:
     """Out-of-split predictions for every row, in physical units (W per GPU or s): xgboost point,
     interval, baseline; plus the config each split chose (from `grid`, by inner folds of that
-    split's training rows only) and whether every split's interval was calibrated on group folds."""
+    split's training rows only; `k` of them, or `inner_k`'s choice when None) and whether every
+    split's interval was calibrated on group folds."""
     n = len(table)
-    out = {k: np.full(n, np.nan) for k in ("xgboost", "low", "high", "baseline")}
-    chosen, grouped = [], []
+    out = {name: np.full(n, np.nan) for name in ("xgboost", "low", "high", "baseline")}
+    chosen, grouped, ks = [], [], []
     inner_groups = {"cv": None, "logo": table.gpu, "lolo": table.model}[kind]
     scale = table.tdp_w if target == "power" else np.ones(n)
     y = table.target(target)
     for tr, te in splits(table, kind):
-        p = fit(table.X[tr], y[tr], target, groups=None if inner_groups is None else inner_groups[tr],
-                grid=grid, coverage=coverage, k=k,
+        g_tr = None if inner_groups is None else inner_groups[tr]
+        ks.append(k if k is not None else inner_k(kind, g_tr))
+        p = fit(table.X[tr], y[tr], target, groups=g_tr, grid=grid, coverage=coverage, k=ks[-1],
                 categories=table.category()[tr])
         point, lo, hi = p.predict(table.X[te], table.category()[te])
         out["xgboost"][te], out["low"][te], out["high"][te] = point * scale[te], lo * scale[te], hi * scale[te]
@@ -104,6 +125,7 @@ def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbCon
         grouped.append(p.grouped)
     out["configs"] = chosen
     out["grouped"] = all(grouped)
+    out["inner_folds"] = ks
     return out
 
 
