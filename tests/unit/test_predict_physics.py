@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from unbroken.predict import diagnostics, evaluate, features, measurements, models, tables
 from unbroken.predict.dataset import build
@@ -116,3 +117,20 @@ def test_power_fits_a_ratio_config_in_the_direct_form():
     cfg = models.XgbConfig(n_estimators=5, max_depth=2, target_form="roofline_ratio")
     p = models.fit(t.X, t.target("power"), "power", grid=(cfg, models.replace(cfg, target_form="direct")), k=2)
     assert p.config.target_form == "direct" and p.config.max_depth == 2
+
+
+@given(st.one_of(st.sampled_from(features.FRAMEWORKS), st.text(max_size=12)))
+def test_framework_one_hot_is_nominal_and_unknown_is_missing(name):
+    cols = features.framework_one_hot(name)
+    assert list(cols) == [f"framework_is_{f}" for f in features.FRAMEWORKS]
+    assert all(c in features.FEATURES for c in cols)
+    v = np.array(list(cols.values()))
+    if name in features.FRAMEWORKS:
+        assert v.sum() == 1.0 and cols[f"framework_is_{name}"] == 1.0
+    else:
+        assert np.isnan(v).all()  # missing, not "none of the known ones"
+
+
+def test_feature_row_carries_the_one_hot(v2):
+    i = features.FEATURES.index("framework_is_vLLM")
+    assert set(v2.X[:, i].tolist()) == {1.0}  # ML.ENERGY v2 ran vLLM only

@@ -5,7 +5,8 @@ Units: parameters in billions, bandwidth in GB/s, TFLOPS in 1e12 FLOP/s, so
 is the seconds of FP16 compute per decode step at peak, each split over the serving GPUs.
 Beyond WattGPU's set: the seconds to read the KV cache per step, the prefill compute per
 output token, and their sum with the weights as a per-token roofline (`log_roofline_s`),
-which the roofline-ratio target form divides out.
+which the roofline-ratio target form divides out; and the serving framework one-hot
+(`framework_is_<name>`) next to its code, as the nominal category it is.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ FEATURES = (
     "memory_size_gb", "memory_type", "release_year", "bandwidth_latency_s", "compute_latency_s",
     "log2_batch", "n_gpus", "scenario", "framework", "log_seq_tokens", "weights_per_gpu_gb",
     "log_kv_latency_s", "log_prefill_latency_s", "log_roofline_s",
-)
+) + tuple(f"framework_is_{f}" for f in FRAMEWORKS)
 ROOFLINE = FEATURES.index("log_roofline_s")
 
 
@@ -95,6 +96,14 @@ def roofline_s(gpu: GpuSpec, model: ModelSpec, op: OperatingPoint) -> float:
     return prefill_latency_s(gpu, model, op) + float(np.fmax(read, compute_latency_s(gpu, model, op.n_gpus, op.batch)))
 
 
+def framework_one_hot(framework: str) -> dict[str, float]:
+    """One column per known framework, 1.0 for this one: a nominal category, so no tree split can
+    group frameworks by their arbitrary order in FRAMEWORKS (the `framework` code column can).
+    An unknown framework is missing (NaN in every column), not "none of them"."""
+    known = framework in FRAMEWORKS
+    return {f"framework_is_{f}": (float(f == framework) if known else math.nan) for f in FRAMEWORKS}
+
+
 def _known(v: float) -> float:
     return 0.0 if math.isnan(v) else v
 
@@ -124,6 +133,7 @@ def feature_row(gpu: GpuSpec, model: ModelSpec, op: OperatingPoint) -> list[floa
         "log_kv_latency_s": _log(kv_latency_s(gpu, model, op)),
         "log_prefill_latency_s": _log(prefill_latency_s(gpu, model, op)),
         "log_roofline_s": _log(roofline_s(gpu, model, op)),
+        **framework_one_hot(op.framework),
     }
     return [float(values[f]) for f in FEATURES]
 
