@@ -108,3 +108,19 @@ def test_a_malformed_measurement_file_is_one_line(tmp_path):
     f.write_text('{"gpu": "A100"}\n')
     _one_line_exit_2(_run("--gpu", "A100", "--model", "meta-llama/Meta-Llama-3.1-8B", "--measurements", f),
                      "bad.jsonl:1", "unbroken predict profile")
+
+
+def test_bench_seed_reaches_every_search_config(tmp_path, monkeypatch):
+    import typer
+
+    from unbroken.bench import predict as bp
+
+    seen = []
+    monkeypatch.setattr(bp, "_run_one", lambda table, target, grid, console: seen.append(grid) or {})
+    monkeypatch.setattr(bp, "_figure", lambda results, path: None)
+    app = typer.Typer()
+    app.command()(bp.predict)
+    res = CliRunner().invoke(app, ["--only", "ml-energy", "--seed", "7", "--trees", "10", "--out-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert seen and all(c.seed == 7 and c.n_estimators >= 1 for grid in seen for c in grid)
+    assert len(seen[0]) == len(bp.SEARCH_GRID)

@@ -132,12 +132,14 @@ def _figure(results: dict, path: Path) -> None:
 def predict(out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where predict.json and predict.png go"),
             search: bool = typer.Option(True, "--search/--no-search", help="the small hyperparameter search in CV"),
             trees: int = typer.Option(DEFAULT.n_estimators, "--trees", help="XGBoost trees (fewer: a faster, rougher run)"),
-            only: str = typer.Option("", "--only", help="comma-separated evaluation names to run (default: all)")) -> None:
+            only: str = typer.Option("", "--only", help="comma-separated evaluation names to run (default: all)"),
+            seed: int = typer.Option(DEFAULT.seed, "--seed", help="XGBoost's row/column sampling seed (the spread "
+                                     "over seeds is the noise floor of a held-out figure)")) -> None:
     """Held-out MdAPE, r, τ and interval coverage of the power and ITL predictors vs their baselines."""
     console = Console()
-    base_cfg = replace(DEFAULT, n_estimators=trees)
-    grid = tuple(replace(c, n_estimators=max(1, c.n_estimators * trees // DEFAULT.n_estimators)) for c in SEARCH_GRID) \
-        if search else (base_cfg,)
+    base_cfg = replace(DEFAULT, n_estimators=trees, seed=seed)
+    grid = tuple(replace(c, seed=seed, n_estimators=max(1, c.n_estimators * trees // DEFAULT.n_estimators))
+                 for c in SEARCH_GRID) if search else (base_cfg,)
     wanted = {s for s in only.split(",") if s}
     unknown = wanted - {e[0] for e in EVALS}
     if unknown:
