@@ -7,13 +7,15 @@ import threading
 import types
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 
 from unbroken.config import ConfigError, ModelConfig, RunConfig
 from unbroken.parallel.overlap import (FORMAT, OverlapPlan, Partition, PlanError, ThreadPinner, available_cores,
                                        plan_file_text, read_plan_file)
 from unbroken.runtime import membership
-from unbroken.runtime.overlap_tune import STORE_KEY, OverlapControl, cache_path, checked_overlap, tuning_key
+from unbroken.runtime.overlap_tune import STORE_KEY, OverlapControl, cache_path, checked_overlap, choose, tuning_key
 
 linux_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="per-thread affinity is Linux's")
 
@@ -190,3 +192,26 @@ def test_ranks_search_together_when_any_lacks_the_plan_or_they_differ(tmp_path):
         # agreed without a search: the plan is in the store for a shadow joining later (adopt_agreed)
         agreed = membership.get(tr.ctx.store, STORE_KEY)
         assert (agreed is None) == tunes and (tunes or agreed["bucket_kb"] == 256)
+
+
+def _row(kb, step_s, spread_s, partition="shared"):
+    return {"bucket_kb": kb, "partition": partition, "step_s": step_s, "spread_s": spread_s}
+
+
+def test_a_lead_inside_the_trials_spread_keeps_the_default():
+    default = _row(25600, 0.100, 0.004)
+    assert choose([default, _row(256, 0.098, 0.003, "pinned")]) is default  # 2 ms faster, 4 ms spread
+    faster = _row(1024, 0.090, 0.003)
+    assert choose([default, faster, _row(256, 0.098, 0.001)]) is faster  # 10 ms faster: a real lead
+    assert choose([default, _row(1024, 0.095, 0.006)]) is default  # the candidate's own spread counts too
+    assert choose([default]) is default
+
+
+@given(st.lists(st.tuples(st.floats(0.01, 1.0), st.floats(0.0, 0.1)), min_size=1, max_size=8))
+def test_choose_returns_a_row_that_is_the_default_or_beats_it_by_more_than_the_spread(rows):
+    table = [_row(256 * i + 1, s, sp) for i, (s, sp) in enumerate(rows)]
+    got = choose(table)
+    assert got in table
+    if got is not table[0]:
+        assert table[0]["step_s"] - got["step_s"] > max(table[0]["spread_s"], got["spread_s"])
+        assert got["step_s"] == min(r["step_s"] for r in table)
