@@ -204,8 +204,8 @@ class OverlapControl:
 def choose(table: list[dict]) -> dict:
     """The row to keep. table[0] is the default (the job's bucket size, shared cores); another row
     replaces it only when it is faster by more than the spread of either one's trials: a lead
-    inside the noise of a few trials is no lead (a `pinned` plan that won its trial by 2 % lost
-    7 % over a whole run)."""
+    inside the noise of a few trials is no lead (a `pinned` plan that won its trial on loopback
+    lost 7 % over the whole run: docs/benchmarks.md)."""
     default = table[0]
     best = min(table, key=lambda r: r["step_s"])
     margin = max(default.get("spread_s", 0.0), best.get("spread_s", 0.0))
