@@ -144,7 +144,7 @@ class Coordinator:
         members = tuple([m for m in self.members if m in trainers] + [w for w in trainers if w not in self.members])
         if members != self.members:
             self.gen, self.members = self.gen + 1, members
-        samples = [s for g in self.ready[step] for s in g]
+        samples = _in_prompt_order(self.ready[step])
         shares = _split(samples, len(members))
         norm = float(grpo.tokens(samples))
         self.training = {w: None for w in members}
@@ -188,7 +188,7 @@ class Coordinator:
             self._decide(step)
 
     def _record_step(self, step: int) -> None:
-        samples = [s for g in self.ready.pop(step) for s in g]
+        samples = _in_prompt_order(self.ready.pop(step))
         self.lengths += [len(s.tokens) for s in samples]
         rec = {"step": step, "t": self.now(), "reward": sum(s.reward for s in samples) / len(samples),
                "tokens": grpo.tokens(samples), "max_staleness": max(step - s.version for s in samples),
@@ -294,6 +294,12 @@ class Coordinator:
                          reason="the rollout pool lost its last worker", rollout=1,
                          train=len(self._trainers()) - 1, train_gen=self.gen)
         self.tl.set_role(t, self.now(), "rollout")
+
+
+def _in_prompt_order(groups: list[list[grpo.Sample]]) -> list[grpo.Sample]:
+    """A step's samples in the order of its prompts, not of the groups' arrival: the shares, the
+    gradient sums and the recorded mean reward are then the same whoever generated what when."""
+    return [s for g in sorted(groups, key=lambda g: g[0].index) for s in g]
 
 
 def _split(samples: list[grpo.Sample], n: int) -> list[list[grpo.Sample]]:
