@@ -104,7 +104,7 @@ def measure(cfg: SplitConfig, work: Path, *, with_fault: bool = True, repeats: i
     runs = reps[0]  # accuracies, participation and curves: the first repeat (every repeat trains the same)
     target = target_of([r["serialized"]["curve"] for r in reps])
     tt_each = {m: [r[m]["curve"].time_to(target) for r in reps] for m in runs}
-    tt = {m: median([t for t in ts if t is not None]) if None not in ts else None for m, ts in tt_each.items()}
+    tt = {m: None if None in ts else median(ts) for m, ts in tt_each.items()}  # a repeat that missed: no time
     final = {m: r["curve"].final for m, r in runs.items()}
     speedups = _speedups(tt)
     best = max(speedups, key=speedups.get) if speedups else None
