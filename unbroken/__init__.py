@@ -29,10 +29,11 @@ def current_config() -> RunConfig:
 
 
 def device():
-    """The torch.device this rank trains on (CPU under gloo, the LOCAL_RANK GPU under nccl): build the model there."""
+    """The torch.device this rank trains on (the CPU, or its GPU: see runtime/devices.py): build the model there."""
     from unbroken.runtime.devices import rank_device
 
-    return rank_device(current_config().backend)
+    cfg = current_config()
+    return rank_device(cfg.backend, device=cfg.device)
 
 
 def __getattr__(name: str):

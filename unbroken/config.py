@@ -16,6 +16,7 @@ STRATEGIES = ("zero1", "zero2", "zero3", "ddp", "fsdp")
 SHARDED = ("zero1", "zero2", "zero3", "fsdp")  # each rank owns one shard of the parameters and optimizer state
 NONFINITE_POLICIES = ("stop", "skip")
 BACKENDS = ("auto", "gloo", "nccl")  # auto: nccl when CUDA is available, else gloo (runtime/devices.py)
+DEVICES = ("auto", "cpu", "cuda")  # auto: cuda under nccl, else cpu; gloo + cuda: ranks share GPUs (comm/staged.py)
 COLLECTIVES = ("gloo", "static", "adaptive")  # the gradient all-reduce: gloo's own, our static ring, congestion-aware
 BITWISE_REDUCE = ("auto", "exchange")  # XOR/AND: the backend's BXOR/BAND where it has them, or always exchange
 OVERLAP_MODES = ("on", "off", "auto")  # or a plan file FILE.json (unbroken/parallel/overlap.py)
@@ -96,6 +97,7 @@ class RunConfig:
     exclude_window_s: float = 3600.0
     threads: int = 1
     backend: str = "auto"  # the data collectives' backend; control traffic stays on the store and gloo
+    device: str = "auto"  # where ranks train: auto (the backend's), cpu, or cuda (under gloo: GPUs shared, host-staged)
     bitwise_reduce: str = "auto"  # "exchange": XOR/AND by all-to-all/gather + local op even where gloo has BXOR
     collectives: str = "gloo"  # ddp/zero1 gradient all-reduce: gloo's, our static ring or adaptive (comm/adaptive.py)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -169,13 +171,17 @@ class RunConfig:
         _need(self.threads >= 1, f"threads must be >= 1, got {self.threads!r}")
         _need(self.backend in BACKENDS,
               f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}; e.g. --backend gloo")
+        _need(self.device in DEVICES,
+              f"device must be one of {', '.join(DEVICES)}, got {self.device!r}; e.g. --device cuda")
+        _need(not (self.backend == "nccl" and self.device == "cpu"),
+              "backend nccl moves CUDA tensors, but device is cpu; use --device cuda (or auto) or --backend gloo")
         _need(self.bitwise_reduce in BITWISE_REDUCE,
               f"bitwise_reduce must be one of {', '.join(BITWISE_REDUCE)}, got {self.bitwise_reduce!r}")
         _need(self.collectives in COLLECTIVES,
               f"collectives must be one of {', '.join(COLLECTIVES)}, got {self.collectives!r}; e.g. --collectives adaptive")
-        _need(self.collectives == "gloo" or self.backend != "nccl",
-              f"collectives {self.collectives!r} runs on gloo (CPU tensors), but backend is nccl; "
-              "use --backend gloo or --collectives gloo")
+        _need(self.collectives == "gloo" or (self.backend != "nccl" and self.device != "cuda"),
+              f"collectives {self.collectives!r} runs on gloo with CPU tensors, but the job trains on CUDA "
+              f"(backend {self.backend}, device {self.device}); use --collectives gloo or --device cpu")
 
     @property
     def shadow_pool_max(self) -> int:

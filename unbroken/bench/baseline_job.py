@@ -134,7 +134,7 @@ def train(cfg: RunConfig, run_dir: Path, every: int, kills: set[tuple[int, int]]
     rank, world = dist.get_rank(), dist.get_world_size()
     log = Log(run_dir / LOG_NAME, rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     log("process_start", t=T_PROCESS, pid=os.getpid())
-    device = bind_rank_device(cfg.backend)  # the CPU, or under nccl this rank's GPU
+    device = bind_rank_device(cfg.backend, cfg.device)  # the CPU, or this rank's GPU
     model = build_model(cfg.model, VOCAB_SIZE, seed=cfg.seed).to(device)
     if optimizer in FSDP:  # shard before the optimizer sees the parameters (they become DTensors)
         from torch.distributed.fsdp import fully_shard

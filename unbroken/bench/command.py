@@ -14,12 +14,13 @@ from unbroken.bench.interval import interval  # noqa: F401  (the command lives w
 
 _OUT = typer.Option(RESULTS_DIR, "--out", help="directory for NAME.json (and NAME.png)")
 _QUICK = typer.Option(False, "--quick", help="smoke run: fewer steps and repeats")
-_DEVICE = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (nccl, one rank per GPU)")
+_DEVICE = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (nccl with a GPU per rank, else gloo with "
+                                                "the ranks sharing the GPUs, collectives staged through host memory)")
 
 
-def _backend(device: str, ranks: int, fix: str) -> str:
-    """The backend a benchmark's runs of up to `ranks` ranks use on `device`; a device this host lacks,
-    or fewer GPUs than ranks (NCCL: one rank per GPU), is one line naming `fix`, exit 2."""
+def _placement(device: str, ranks: int) -> tuple[str, str]:
+    """(backend, device) of a benchmark's runs of up to `ranks` ranks on `device`: nccl when every rank
+    has a GPU of its own, else gloo with ranks sharing the GPUs. A device this host lacks: one line, exit 2."""
     import torch
 
     if device not in ("cpu", "cuda"):
@@ -27,18 +28,20 @@ def _backend(device: str, ranks: int, fix: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda needs CUDA, but torch.cuda.is_available() is False on this host; "
              "run without --device (the CPU)")
-    if device == "cuda" and ranks > torch.cuda.device_count():
-        fail(f"--device cuda runs one rank per GPU: {ranks} ranks, but {torch.cuda.device_count()} GPU(s) "
-             f"visible; {fix}")
-    return "nccl" if device == "cuda" else "gloo"
+    if device == "cpu":
+        return "gloo", "cpu"
+    return ("nccl" if ranks <= torch.cuda.device_count() else "gloo"), "cuda"
 
 
-def _on_device(res: dict, backend: str) -> dict:
-    """The result with the device its figures were measured on."""
+def _on_device(res: dict, backend: str, device: str) -> dict:
+    """The result with the device its figures were measured on, and how its ranks reached it."""
     import torch
 
-    name = torch.cuda.get_device_name(0) if backend == "nccl" else "cpu"
-    return {**res, "device": name, "backend": backend}
+    if device != "cuda":
+        return {**res, "device": "cpu", "backend": backend}
+    sharing = "one rank per GPU" if backend == "nccl" else "ranks share the GPU(s), collectives staged through host"
+    return {**res, "device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "backend": backend,
+            "placement": sharing}
 
 
 def _finish(name: str, res: dict, table, out: Path) -> None:
@@ -71,10 +74,11 @@ def recovery(quick: bool = _QUICK, out: Path = _OUT, device: str = _DEVICE) -> N
     """torchrun restart-all + Young/Daly checkpoints vs unbroken in place, same job and SIGKILL schedule."""
     from unbroken.config import RunConfig
 
-    backend = _backend(device, RunConfig().world_size, "the recovery benchmark runs the default world size")
+    backend, device = _placement(device, RunConfig().world_size)
     from unbroken.bench import recovery as rc
 
-    res = _on_device(rc.measure(quick=quick, plot_path=Path(out) / "recovery.png", backend=backend), backend)
+    res = _on_device(rc.measure(quick=quick, plot_path=Path(out) / "recovery.png", backend=backend, device=device),
+                     backend, device)
     _finish("recovery", res, rc.table, out)
 
 
@@ -103,7 +107,7 @@ def overhead(steps: int = typer.Option(40, "--steps", help="steps per run"),
              device: str = _DEVICE) -> None:
     """Failure-free cost: unbroken (protection off, and default) vs native PyTorch, tokens/s ratio with 95% CI."""
     sizes, names = _int_list(worlds, "--worlds"), _strategies(strategies)
-    backend = _backend(device, max(sizes), "pass --worlds with at most that many")  # before the slow imports
+    backend, device = _placement(device, max(sizes))  # before the slow imports
     from unbroken.bench import overhead as ov
     from unbroken.bench.plot import plot_overhead
 
@@ -113,7 +117,8 @@ def overhead(steps: int = typer.Option(40, "--steps", help="steps per run"),
         ov.validate(steps=steps, worlds=sizes, strategies=names)
     except ValueError as e:  # a ConfigError, or --steps too short to have steady steps
         raise typer.BadParameter(str(e)) from None
-    res = _on_device(ov.measure(steps=steps, rounds=rounds, worlds=sizes, strategies=names, backend=backend), backend)
+    res = _on_device(ov.measure(steps=steps, rounds=rounds, worlds=sizes, strategies=names, backend=backend,
+                                device=device), backend, device)
     _finish("overhead", res, ov.table, out_dir)
     plot_overhead(res, Path(out_dir) / "overhead.png")
     Console().print(f"wrote {Path(out_dir) / 'overhead.png'}")

@@ -61,13 +61,14 @@ SEED = 0
 
 
 # --- configurations -----------------------------------------------------------------------------
-def variant_config(variant: str, strategy: str, world: int, steps: int, backend: str = "auto") -> RunConfig:
+def variant_config(variant: str, strategy: str, world: int, steps: int, backend: str = "auto",
+                   device: str = "auto") -> RunConfig:
     """The RunConfig of one variant (native uses it for the model, batches, schedule and backend only)."""
     if variant == "default":
-        return RunConfig(strategy=strategy, world_size=world, steps=steps, backend=backend)
+        return RunConfig(strategy=strategy, world_size=world, steps=steps, backend=backend, device=device)
     if variant in ("off", "native"):
         return RunConfig(strategy=strategy, world_size=world, steps=steps, tier1=False, checkpoint_every=0,
-                         backend=backend)
+                         backend=backend, device=device)
     raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
 
 
@@ -231,9 +232,9 @@ def _unbroken_records(run_dir: Path) -> tuple[list[dict], object]:
 
 
 def run_variant(variant: str, strategy: str, world: int, *, steps: int, run_dir: Path, peer: dict,
-                console: Console, backend: str = "auto") -> dict:
+                console: Console, backend: str = "auto", device: str = "auto") -> dict:
     """One run of one variant: {"records": rank 0's steps, "wall_s", "protect_every_chosen"}."""
-    cfg = variant_config(variant, strategy, world, steps, backend)
+    cfg = variant_config(variant, strategy, world, steps, backend, device)
     if variant == "native":
         r = native_job.run_native(cfg, run_dir, optimizer=peer["optimizer"])
         return {"records": r["records"], "wall_s": r["wall_s"], "protect_every_chosen": None}
@@ -246,7 +247,7 @@ def run_variant(variant: str, strategy: str, world: int, *, steps: int, run_dir:
 
 
 def measure_cell(strategy: str, world: int, *, steps: int, rounds: int, root: Path, console: Console,
-                 runs_log: list[dict], backend: str = "auto") -> dict:
+                 runs_log: list[dict], backend: str = "auto", device: str = "auto") -> dict:
     """All rounds of one (strategy, world), interleaved native, off, default, native, ..."""
     peer = native_job.peer_for(strategy)
     runs: dict[str, list] = {v: [] for v in VARIANTS}
@@ -255,7 +256,7 @@ def measure_cell(strategy: str, world: int, *, steps: int, rounds: int, root: Pa
         for v in VARIANTS:
             console.log(f"overhead: {strategy}, {world} ranks, round {rnd + 1}/{rounds}, {v}")
             r = run_variant(v, strategy, world, steps=steps, run_dir=root / f"{strategy}-w{world}-{v}-{rnd}",
-                            peer=peer, console=console, backend=backend)
+                            peer=peer, console=console, backend=backend, device=device)
             runs[v].append(r["records"])
             chosen = chosen if r["protect_every_chosen"] is None else r["protect_every_chosen"]
             times = [x["step_s"] for x in r["records"][SKIP_STEPS:]] or [float("nan")]
@@ -276,7 +277,7 @@ def validate(*, steps: int, worlds: list[int], strategies: list[str]) -> None:
 
 
 def measure(*, steps: int, rounds: int, worlds: list[int], strategies: list[str] | None = None,
-            console: Console | None = None, backend: str = "auto") -> dict:
+            console: Console | None = None, backend: str = "auto", device: str = "auto") -> dict:
     console = console or Console(stderr=True)
     strategies = list(strategies or STRATEGIES)
     validate(steps=steps, worlds=worlds, strategies=strategies)  # before the first run, not after the last
@@ -286,7 +287,8 @@ def measure(*, steps: int, rounds: int, worlds: list[int], strategies: list[str]
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-overhead-") as tmp:
         for s in strategies:
             cells[s] = {str(w): measure_cell(s, w, steps=steps, rounds=rounds, root=Path(tmp), console=console,
-                                             runs_log=runs_log, backend=backend) for w in worlds}
+                                             runs_log=runs_log, backend=backend, device=device)
+                            for w in worlds}
     return overhead_result(cells, steps=steps, rounds=rounds, worlds=worlds, protection=protection, runs=runs_log)
 
 

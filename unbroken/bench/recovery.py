@@ -58,7 +58,7 @@ def measure_save_s(cfg: RunConfig, repeats: int = 3) -> dict:
 
     from unbroken.runtime.devices import rank_device
 
-    device = rank_device(cfg.backend, local_rank=0)  # a save from the GPU includes its copy to the host
+    device = rank_device(cfg.backend, local_rank=0, device=cfg.device)  # a save from the GPU includes its copy to the host
     model = build_model(cfg.model, VOCAB_SIZE, seed=cfg.seed).to(device)
     opt = job.make_optimizer(model, cfg)
     x = torch.zeros(1, 8, dtype=torch.long, device=device)
@@ -123,11 +123,11 @@ def _protected_bytes(run_dir: Path) -> int | None:
 
 
 def measure(*, quick: bool, console: Console | None = None, plot_path: Path | None = None,
-            backend: str = "auto") -> dict:
+            backend: str = "auto", device: str = "auto") -> dict:
     console = console or Console(stderr=True)
     spec = QUICK if quick else FULL
     steps, kills = spec["steps"], spec["kills"]
-    cfg = RunConfig(steps=steps, backend=backend)
+    cfg = RunConfig(steps=steps, backend=backend, device=device)
     save = measure_save_s(cfg)
     console.log(f"recovery: one checkpoint save takes {save['save_s']:.3f}s ({save['bytes'] / 1e6:.1f} MB)")
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-recovery-") as tmp:

@@ -6,8 +6,10 @@ generation. Retiring a group is a fence: when `retire()` returns, every op it is
 ended and no byte can land in a buffer it was given (or AbandonedOpsStuck is raised).
 The group object is never destroyed; `retired` keeps old ones referenced until exit.
 With backend "nccl" a second, NCCL group carries the CUDA tensors' collectives; control
-traffic (CPU tensors: votes, JSON, flags) stays on gloo. XOR/AND reductions use gloo's
-BXOR/BAND where the group has them, else the exchange path of comm/bitwise.py.
+traffic (CPU tensors: votes, JSON, flags) stays on gloo. With backend "gloo", CUDA tensors
+(ranks sharing a GPU) go through gloo staged in host memory (comm/staged.py). XOR/AND
+reductions use gloo's BXOR/BAND where the group has them, else the exchange path of
+comm/bitwise.py.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.comm import bitwise
+from unbroken.comm.staged import StagedGroup
 
 BACKENDS = ("gloo", "nccl")
 GATHER_STAGING_BYTES = 4 << 20  # the most an all-gather stages at once (see Comm.allgather_into)
@@ -99,6 +102,7 @@ class Comm:
         self._retired = False
         self._sockets: dict[int, str] = {}  # fd -> "socket:[inode]" opened by our rendezvous
         self.pg = self._rendezvous(store)
+        self.staged = StagedGroup(self.pg)  # gloo for device tensors when there is no NCCL group
 
     def _rendezvous(self, store: dist.Store) -> dist.ProcessGroupGloo:
         """Connect the full mesh in a helper thread, so that a generation superseded while we
@@ -249,8 +253,11 @@ class Comm:
 
     # --- collectives ---------------------------------------------------------------
     def _pg(self, t: torch.Tensor):
-        """The group a tensor's collective runs on: NCCL for CUDA tensors when there is one."""
-        return self.dev_pg if self.dev_pg is not None and t.is_cuda else self.pg
+        """The group a tensor's collective runs on: for CUDA tensors NCCL when there is one, else
+        gloo staged through host memory; gloo for host tensors."""
+        if not t.is_cuda:
+            return self.pg
+        return self.dev_pg if self.dev_pg is not None else self.staged
 
     def _issue(self, t: torch.Tensor, op: Callable[[dist.ProcessGroup], dist.Work], what: str) -> dist.Work:
         """Issue one op. gloo's send/recv touch the socket at once: on a link already closed
@@ -261,7 +268,7 @@ class Comm:
         pg = self._pg(t)
         try:
             work = op(pg)
-            return work if pg is self.pg else _DeviceAware(work)
+            return _DeviceAware(work) if pg is self.dev_pg else work
         except RuntimeError as e:
             raise CollectiveError(f"{what} failed at issue in generation {self.gen}: "
                                   f"{str(e).splitlines()[0][:200]}") from e
@@ -319,12 +326,12 @@ class Comm:
 
     # --- XOR / AND: the backend's bitwise reduce ops, or the exchange path (comm/bitwise.py) ---
     def on_gloo(self, t: torch.Tensor) -> bool:
-        """`t`'s collectives run on gloo (not on a device group)."""
-        return self._pg(t) is self.pg
+        """`t`'s collectives run on gloo (directly or host-staged), not on a device group."""
+        return self._pg(t) is not self.dev_pg or self.dev_pg is None
 
     def bitwise_path(self, t: torch.Tensor) -> str:
         """How XOR/AND of `t` runs here: "native" (gloo's BXOR/BAND) or "exchange" (NCCL has neither)."""
-        return "native" if self.bitwise_reduce == "auto" and self._pg(t) is self.pg else "exchange"
+        return "native" if self.bitwise_reduce == "auto" and self.on_gloo(t) else "exchange"
 
     def xor_allreduce(self, t: torch.Tensor, what: str = "xor all-reduce") -> None:
         if self.bitwise_path(t) == "native":

@@ -94,6 +94,9 @@ def run(
                                                     "(default) or skip the step"),
     backend: Optional[str] = typer.Option(None, "--backend", help="data collectives: auto (nccl when CUDA is "
                                                                   "available, else gloo), gloo or nccl"),
+    device: Optional[str] = typer.Option(None, "--device", help="where ranks train: auto (the backend's: cuda under "
+                                                                "nccl, else cpu), cpu or cuda (with gloo: ranks "
+                                                                "share the GPUs)"),
     collectives: Optional[str] = typer.Option(None, "--collectives",
                                               help="gradient all-reduce of ddp/zero1: gloo (default), static "
                                                    "(our ring) or adaptive (re-planned around slow links)"),
@@ -141,7 +144,7 @@ def _launch_from_flags(a: dict) -> dict:
         _refuse_job_changes(a)
     overrides = {k: a[k] for k in ("steps", "seed", "batch_size", "lr", "strategy", "parity_group", "chunk_kb",
                                    "checkpoint_every", "retry_budget", "max_recoveries_per_hour", "on_nonfinite",
-                                   "backend", "collectives", "overlap")}
+                                   "backend", "device", "collectives", "overlap")}
     overrides.update(world_size=a["world_size"] if a["world_size"] is not None else _place().world_size,
                      shadows=_int_or_auto("--shadows", a["shadows"], "2"),
                      protect_every=_int_or_auto("--protect-every", a["protect_every"], "8"),
@@ -158,7 +161,7 @@ _JOB_FLAGS = {"script": "a script", "config": "--config", "run_dir": "--run-dir"
               "steps": "--steps", "seed": "--seed", "batch_size": "--batch-size", "lr": "--lr",
               "strategy": "--strategy", "parity_group": "--parity-group", "chunk_kb": "--chunk-kb",
               "checkpoint_every": "--checkpoint-every", "protect_every": "--protect-every", "backend": "--backend",
-              "collectives": "--collectives", "overlap": "--overlap", "n_layer": "--n-layer", "n_embd": "--n-embd"}
+              "device": "--device", "collectives": "--collectives", "overlap": "--overlap", "n_layer": "--n-layer", "n_embd": "--n-embd"}
 
 
 def _refuse_job_changes(given: dict) -> None:

@@ -72,7 +72,7 @@ def flat_sha256(tensors: list[torch.Tensor]) -> str:
     """sha256 of the tensors' float32 bytes, concatenated (Trainer.weights_sha256 of the flat parameters)."""
     digest = hashlib.sha256()
     for t in tensors:
-        digest.update(t.detach().to(torch.float32).contiguous().reshape(-1).view(torch.uint8).numpy())
+        digest.update(t.detach().to("cpu", torch.float32).contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 

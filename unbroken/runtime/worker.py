@@ -123,7 +123,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
                 raise adopt.AdoptionError(f"scheduler_step must be 'step', 'epoch' or an integer >= 1 (steps per "
                                           f"scheduler step), got {scheduler_step!r}")
             self.named, self.group_of = adopt.trained_parameters(model, optimizer)
-            adopt.check_device(self.named, devices.bind_rank_device(self.cfg.backend))
+            adopt.check_device(self.named, devices.bind_rank_device(self.cfg.backend, self.cfg.device))
             self.optim = ChunkOptimizer(optimizer)
             if self.optim.has_state():
                 raise adopt.AdoptionError(
@@ -570,7 +570,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         flat = self.owned.flat
         if self.owned.sharded_params:
             return zero3.sharded_sha256(self.comm, self.owned)
-        return hashlib.sha256(flat.params[:flat.n].numpy()).hexdigest()  # hashed in place: no copy
+        return hashlib.sha256(flat.params[:flat.n].cpu().numpy()).hexdigest()  # on the CPU: hashed in place
 
     def finish(self) -> str:
         """Write the final weights (rank 0, atomically, with checksum); returns their sha256."""
@@ -584,7 +584,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         held, peak = live_tensor_bytes([p.grad for _, p in self.named if p.grad is not None]), peak_rss_bytes()
         digest = self.weights_sha256()
         self.ctx.events.emit("worker_done", steps=self.st.step_count, weights_sha256=digest,
-                             peak_rss_bytes=peak, tensor_bytes=held,
+                             device=str(self.owned.flat.device), peak_rss_bytes=peak, tensor_bytes=held,
                              protection_bytes=self.owned.protection_bytes(checkpoint_writer=self.ckpt is not None))
         full = self.units.gather_all() if self.units is not None else None  # fsdp: the state dict in full
         if self.rank == 0:
