@@ -189,3 +189,33 @@ def test_strategy_auto_picks_zero3_when_only_it_fits_this_hosts_memory(monkeypat
     monkeypatch.setattr(command, "memory_budget_bytes", lambda *a, **k: preds["zero3"].peak_bytes - 1)
     with pytest.raises(ConfigError, match="no strategy fits.*smallest is zero3"):
         command.choose_for_run(cfg)
+
+
+def _with_cpu_block(topo: Topology, block: float) -> Topology:
+    sweeps = {c: [[n, s, block] for n, s in rows] for c, rows in topo.sweeps.items()}
+    return Topology(world=topo.world, latency_s=topo.latency_s, bandwidth_Bps=topo.bandwidth_Bps, sweeps=sweeps)
+
+
+def test_cpu_block_is_zero_with_two_cores_per_rank_and_the_used_share_of_a_rank_below():
+    from unbroken.plan.probe import cpu_block
+
+    assert cpu_block(0.9, 2.0) == cpu_block(3.0, 8.0) == 0.0  # the collective has a core of its own
+    assert cpu_block(0.25, 0.5) == pytest.approx(0.5)  # 4 ranks on 2 cores: a quarter core is half a rank's share
+    assert cpu_block(0.9, 0.5) == 1.0 and cpu_block(0.3, 1.0) == pytest.approx(0.3) and cpu_block(-0.1, 0.5) == 0.0
+
+
+def test_a_collectives_cpu_work_cannot_hide_behind_compute_and_old_topologies_read_as_none():
+    topo = _swept(4, 1e-9)
+    assert topo.cpu_block("all_gather", 4096) == 0.0  # two-column sweeps: measured before cpu_block existed
+    prof = _profile()
+    for s in cost.STRATEGIES:
+        free, bound, half = (cost.predict(s, prof, t) for t in (topo, _with_cpu_block(topo, 1.0),
+                                                                _with_cpu_block(topo, 0.5)))
+        assert free.step_s <= half.step_s <= bound.step_s  # more CPU-bound collectives never predict faster
+        assert bound.comm_s == free.comm_s and bound.compute_s == pytest.approx(free.compute_s)
+    two_buckets = _profile(tensor_elems=(300_000,) * 4, params=1_200_000)  # the first bucket's all-reduce overlaps
+    ddp_free = cost.predict("ddp", two_buckets, topo)
+    ddp_bound = cost.predict("ddp", two_buckets, _with_cpu_block(topo, 1.0))
+    assert ddp_bound.step_s > ddp_free.step_s  # the buckets' all-reduce no longer overlaps backward
+    with pytest.raises(TopologyError, match="cpu_block in \\[0, 1\\]"):
+        _with_cpu_block(topo, 1.5)

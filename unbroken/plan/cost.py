@@ -2,7 +2,9 @@
 
 Step time = the step's compute and collectives laid out on two queues (`plan.pipeline`),
 plus the optimizer (over the shard where it is sharded) and the framework's own work per
-step (the profile's world-1 step minus its forward, backward and optimizer). Collectives:
+step (the profile's world-1 step minus its forward, backward and optimizer). A collective's
+CPU work (the topology's `cpu_block`, where a rank has under 2 cores) also occupies the
+compute queue: overlap cannot hide it. Collectives:
 
     ddp    gradient all-reduce in DDP's buckets (1 MiB first, then 25 MiB), each issued when
            backward has produced its gradients
@@ -32,6 +34,7 @@ from unbroken.plan.topology import Topology
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 FIRST_BUCKET_BYTES, BUCKET_BYTES = 1 << 20, 25 << 20
+CPU_WORK = " (its CPU work)"  # the suffix of a collective's CPU share on the compute queue
 
 
 class PlanError(ValueError):
@@ -65,14 +68,26 @@ def ddp_buckets(tensor_elems: tuple[int, ...]) -> list[int]:
     return buckets
 
 
-def _gradient_allreduce(pipe: Pipeline, prof: ModelProfile, topo: Topology) -> None:
-    """Backward as compute slices, each bucket's all-reduce after the slice that completes it."""
-    done = 0
-    total = 4 * prof.params
+def _collective(pipe: Pipeline, topo: Topology, name: str, collective: str, nbytes: float, after: list[int]) -> int:
+    """A collective on the comm queue and, beside it, the CPU work it takes from this rank's compute
+    (topology's cpu_block: on a host where a rank has under 2 cores, a loopback collective is CPU
+    work that overlap cannot hide). Returns the collective's task."""
+    secs = topo.seconds(collective, nbytes)
+    task = pipe.add(name, "comm", secs, after=after)
+    block = topo.cpu_block(collective, nbytes)
+    if block > 0:
+        pipe.add(f"{name}{CPU_WORK}", "compute", block * secs, after=after)
+    return task
+
+
+def _gradient_allreduce(pipe: Pipeline, prof: ModelProfile, topo: Topology) -> int:
+    """Backward as compute slices, each bucket's all-reduce after the slice that completes it.
+    Returns the last all-reduce's task."""
+    total, last = 4 * prof.params, -1
     for b in ddp_buckets(prof.tensor_elems):
-        done += b
         piece = pipe.add("backward", "compute", prof.backward_s * b / total)
-        pipe.add("all-reduce", "comm", topo.seconds("all_reduce", b), after=[piece])
+        last = _collective(pipe, topo, "all-reduce", "all_reduce", b, [piece])
+    return last
 
 
 def _fsdp(pipe: Pipeline, prof: ModelProfile, topo: Topology, *, regather: bool, scatter_after: bool = False) -> None:
@@ -80,25 +95,25 @@ def _fsdp(pipe: Pipeline, prof: ModelProfile, topo: Topology, *, regather: bool,
     order = [units[-1], *units[:-1]]  # the root's all-gather comes first (it wraps the blocks)
     prev = None
     for u in order:  # forward: each unit gathered (synchronously) before it runs
-        g = pipe.add(f"all-gather {u.name}", "comm", topo.seconds("all_gather", 4 * u.params),
-                     after=[prev] if prev is not None else [])
+        g = _collective(pipe, topo, f"all-gather {u.name}", "all_gather", 4 * u.params,
+                        [prev] if prev is not None else [])
         prev = pipe.add(f"forward {u.name}", "compute", prof.forward_s * u.flop_share, after=[g])
     back = list(reversed(units[:-1]))  # blocks, last first; the root's part is computed last
     gathers: dict[str, int] = {}
     if regather and back:
-        gathers[back[0].name] = pipe.add(f"re-gather {back[0].name}", "comm",
-                                         topo.seconds("all_gather", 4 * back[0].params), after=[prev])
+        gathers[back[0].name] = _collective(pipe, topo, f"re-gather {back[0].name}", "all_gather",
+                                            4 * back[0].params, [prev])
     for i, u in enumerate([*back, units[-1]]):
         if regather and i + 1 < len(back):  # prefetch the next unit's gather before computing this one
             nxt = back[i + 1]
-            gathers[nxt.name] = pipe.add(f"re-gather {nxt.name}", "comm",
-                                         topo.seconds("all_gather", 4 * nxt.params), after=[prev])
+            gathers[nxt.name] = _collective(pipe, topo, f"re-gather {nxt.name}", "all_gather", 4 * nxt.params,
+                                            [prev])
         deps = [prev] + ([gathers[u.name]] if u.name in gathers else [])
         prev = pipe.add(f"backward {u.name}", "compute", prof.backward_s * u.flop_share, after=deps)
         if not scatter_after:
-            pipe.add(f"reduce-scatter {u.name}", "comm", topo.seconds("reduce_scatter", 4 * u.params), after=[prev])
+            _collective(pipe, topo, f"reduce-scatter {u.name}", "reduce_scatter", 4 * u.params, [prev])
     if scatter_after:  # one reduce-scatter of the whole gradient once backward has ended
-        pipe.add("reduce-scatter", "comm", topo.seconds("reduce_scatter", 4 * prof.params), after=[prev])
+        _collective(pipe, topo, "reduce-scatter", "reduce_scatter", 4 * prof.params, [prev])
 
 
 def predict(strategy: str, prof: ModelProfile, topo: Topology, *, protection_bytes: int = 0,
@@ -116,15 +131,16 @@ def predict(strategy: str, prof: ModelProfile, topo: Topology, *, protection_byt
     pipe = Pipeline()
     if strategy in ("ddp", "zero1"):
         pipe.add("forward", "compute", prof.forward_s)
-        _gradient_allreduce(pipe, prof, topo)
+        reduced = _gradient_allreduce(pipe, prof, topo)
         if strategy == "zero1":
-            last = pipe.add("optimizer shard", "compute", opt, after=[len(pipe.tasks) - 1])
+            last = pipe.add("optimizer shard", "compute", opt, after=[reduced])
             for n in prof.tensor_elems:
-                pipe.add("broadcast", "comm", topo.seconds("broadcast", 4 * n), after=[last])
+                _collective(pipe, topo, "broadcast", "broadcast", 4 * n, [last])
     else:
         _fsdp(pipe, prof, topo, regather=strategy == "zero3", scatter_after=schedule == "unbroken")
     span = pipe.makespan()
-    compute = pipe.busy("compute") + overhead + (0.0 if strategy == "zero1" else opt)
+    model_compute = sum(t.seconds for t in pipe.tasks if t.resource == "compute" and not t.name.endswith(CPU_WORK))
+    compute = model_compute + overhead + (0.0 if strategy == "zero1" else opt)
     step = span + overhead + (0.0 if strategy == "zero1" else opt)
     state, peak = memory(strategy, prof, p, schedule=schedule)
     return Prediction(strategy=strategy, step_s=step, compute_s=compute, comm_s=pipe.busy("comm"),

@@ -5,14 +5,19 @@
 Pair (i, j): a 4-byte ping-pong gives the latency alpha, a 1 MiB one the bandwidth beta (one
 way each: half the round trip). Sweeps: all-reduce, reduce-scatter, all-gather and broadcast
 of 1 KiB, 4 KiB, ... up to --max-bytes (the whole tensor), each timed on every rank between
-barriers, small ones as a run of ops issued back to back (as a job issues them); the time of
+barriers, small ones as a run of ops issued back to back (as a job issues them: broadcasts
+async with rotating roots, waited together, as ZeRO-1's parameter sync does); the time of
 a collective is its slowest rank's. A size whose first run takes over
 --op-budget-s ends that collective's sweep (a thin link would otherwise spend minutes there).
+Each sweep row is [bytes, seconds, cpu_block]: cpu_block is the share of the op's time its CPU
+work (this process's CPU time, gloo's threads included) takes from the rank's compute when
+a rank has under 2 cores of the host (`cpu_block()`); the planner cannot hide that part.
 Rank 0 writes the topology JSON (`plan.topology`); every wait has a timeout.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -29,12 +34,30 @@ PING_BYTES, BW_BYTES = 4, 1 << 20
 
 def _timed(fn, pg: dist.ProcessGroup) -> float:
     """Seconds of fn() on the slowest rank (barrier before, max-reduce after)."""
+    return _timed_cpu(fn, pg)[0]
+
+
+def _timed_cpu(fn, pg: dist.ProcessGroup) -> tuple[float, float]:
+    """(seconds of fn() on the slowest rank, the cores fn() kept busy on an average rank: this
+    process's CPU time, gloo's threads included, over its wall time)."""
     dist.barrier(group=pg)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    dt = torch.tensor([wall], dtype=torch.float64)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=pg)
-    return float(dt)
+    used = torch.tensor([cpu / max(wall, 1e-9)], dtype=torch.float64)
+    dist.all_reduce(used, group=pg)
+    return float(dt), float(used) / dist.get_world_size(pg)
+
+
+def cpu_block(cores_used: float, cores_per_rank: float) -> float:
+    """The share of a collective's time its CPU work takes from the rank's compute: 0 when a
+    rank has 2 cores or more (its compute thread and the collective each have one), else the
+    cores the collective used over the rank's share of the host, at most 1."""
+    if cores_per_rank >= 2:
+        return 0.0
+    return min(1.0, max(0.0, cores_used) / min(1.0, cores_per_rank))
 
 
 def _pingpong(pg, rank: int, a: int, b: int, nbytes: int, reps: int) -> float:
@@ -67,7 +90,22 @@ def _collective(name: str, pg, world: int, nbytes: int):
     raise ValueError(f"unknown collective {name!r}")
 
 
-def _back_to_back(op, pg, first: float, reps: int, blocks: int = 3) -> float:
+def _async_broadcasts(pg, world: int, nbytes: int):
+    """`block(n)`: n broadcasts issued async and waited together, the roots in runs over the
+    ranks: how ZeroRedundancyOptimizer syncs its parameters after a step (each owner's
+    parameters, one broadcast per tensor, every handle waited at the end). gloo runs two ops
+    at a time (two worker threads), so back-to-back small broadcasts overlap their latencies."""
+    n_elems = max(world, nbytes // 4 // world * world)
+    bufs = [torch.ones(n_elems) for _ in range(2)]
+
+    def block(n: int) -> None:
+        handles = [dist.broadcast(bufs[i % 2], i * world // n, group=pg, async_op=True) for i in range(n)]
+        for h in handles:
+            h.wait()
+    return block
+
+
+def _back_to_back(op, pg, first: float, reps: int, blocks: int = 5, batch=None) -> tuple[float, float]:
     """Seconds per op of n ops issued back to back (n for ~0.3 s, 5 to 40), the median of
     `blocks` such runs. Not one op between barriers: a job issues its collectives back to back
     (a bucket's all-reduce, ZeRO's per-parameter broadcasts, FSDP's per-layer gathers), the
@@ -77,10 +115,15 @@ def _back_to_back(op, pg, first: float, reps: int, blocks: int = 3) -> float:
     n = min(40, max(reps, int(0.3 / max(first, 1e-4))))
 
     def block() -> None:
+        if batch is not None:  # the job issues these async and waits for them together
+            batch(n)
+            return
         for _ in range(n):
             op()
 
-    return statistics.median(_timed(block, pg) / n for _ in range(blocks))
+    runs = sorted(_timed_cpu(block, pg) for _ in range(blocks))
+    wall, used = runs[len(runs) // 2]  # the median run, and the cores it used
+    return wall / n, used
 
 
 def sweep_sizes(max_bytes: int) -> list[int]:
@@ -91,7 +134,8 @@ def sweep_sizes(max_bytes: int) -> list[int]:
     return sizes
 
 
-def measure(pg, rank: int, world: int, *, max_bytes: int, op_budget_s: float, reps: int = 5) -> dict:
+def measure(pg, rank: int, world: int, *, max_bytes: int, op_budget_s: float, reps: int = 5,
+            cores_per_rank: float = 8.0) -> dict:
     lat = [[0.0] * world for _ in range(world)]
     bw = [[0.0] * world for _ in range(world)]
     for a in range(world):
@@ -107,9 +151,11 @@ def measure(pg, rank: int, world: int, *, max_bytes: int, op_budget_s: float, re
             op = _collective(name, pg, world, nbytes)
             first = _timed(op, pg)  # warms the buffers and pairs; also the budget check
             if first > op_budget_s / 4:
-                rows.append([nbytes, _timed(op, pg)])
+                secs, used = _timed_cpu(op, pg)
             else:
-                rows.append([nbytes, _back_to_back(op, pg, first, reps)])
+                batch = _async_broadcasts(pg, world, nbytes) if name == "broadcast" else None
+                secs, used = _back_to_back(op, pg, first, reps, batch=batch)
+            rows.append([nbytes, secs, round(cpu_block(used, cores_per_rank), 4)])
             if first > op_budget_s:
                 break
     return {"latency_s": lat, "bandwidth_Bps": bw, "sweeps": sweeps}
@@ -125,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--op-budget-s", type=float, default=2.0)
     ap.add_argument("--label", default="")
     ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--ranks-per-host", type=int, default=0, help="ranks sharing this host's cores (default --world)")
     a = ap.parse_args(argv)
     host, port = a.master.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), a.world, is_master=a.rank == 0,
@@ -132,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world,
                             timeout=timedelta(seconds=a.timeout_s))
     try:
-        found = measure(dist.group.WORLD, a.rank, a.world, max_bytes=a.max_bytes, op_budget_s=a.op_budget_s)
+        cores = len(os.sched_getaffinity(0)) / (a.ranks_per_host or a.world)
+        found = measure(dist.group.WORLD, a.rank, a.world, max_bytes=a.max_bytes, op_budget_s=a.op_budget_s,
+                        cores_per_rank=cores)
         if a.rank == 0:
             Topology(world=a.world, label=a.label, **found).save(a.out)
         dist.barrier()

@@ -151,8 +151,11 @@ def _time_rounds(model_cfg: ModelConfig, batch_size: int, steps: int) -> dict[st
 
 
 def measure(model_cfg: ModelConfig, *, batch_size: int, ranks_per_host: int, threads: int = 1,
-            steps: int = 8, timeout_s: float = 300.0) -> ModelProfile:
-    """Time the model on `ranks_per_host` concurrent processes (no communication between them)."""
+            steps: int = 8, timeout_s: float = 300.0, repeats: int = 3) -> ModelProfile:
+    """Time the model on `ranks_per_host` concurrent processes (no communication between them).
+    The per-strategy solo steps are measured `repeats` times, interleaved over the strategies,
+    and their median kept: one run of each swung by 10-25 % from one run to the next on a shared
+    2-core machine, and the planner's step time is that solo step plus the exposed collectives."""
     import tempfile
 
     from unbroken.plan import native_job
@@ -168,8 +171,12 @@ def measure(model_cfg: ModelConfig, *, batch_size: int, ranks_per_host: int, thr
         run_ranks(argv, ranks_per_host, env={"OMP_NUM_THREADS": str(threads)}, timeout_s=timeout_s,
                   what="model profile")
         rounds = [json.loads((Path(tmp) / f"{r}.json").read_text()) for r in range(ranks_per_host)]
-        solo = {s: native_job.run_solo(s, ranks_per_host, tmp, model=model_cfg, batch_size=batch_size,
-                                       timeout_s=timeout_s) for s in native_job.STRATEGIES}
+        runs: dict[str, list[float]] = {s: [] for s in native_job.STRATEGIES}
+        for _ in range(max(1, repeats)):
+            for s in native_job.STRATEGIES:
+                runs[s].append(native_job.run_solo(s, ranks_per_host, tmp, model=model_cfg, batch_size=batch_size,
+                                                   timeout_s=timeout_s))
+        solo = {s: statistics.median(v) for s, v in runs.items()}
     med = {k: statistics.median(x for r in rounds for x in r[k]) for k in ("forward_s", "backward_s", "optimizer_s")}
     first = rounds[0]
     return ModelProfile(model=dataclasses.asdict(model_cfg), batch_size=batch_size, ranks_per_host=ranks_per_host,

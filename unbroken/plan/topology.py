@@ -51,9 +51,11 @@ class Topology:
         _need(isinstance(self.sweeps, dict), "sweeps must map a collective to [[bytes, seconds], ...]")
         for name, rows in self.sweeps.items():
             _need(name in COLLECTIVES, f"sweeps has unknown collective {name!r} (known: {', '.join(COLLECTIVES)})")
-            _need(isinstance(rows, list) and all(isinstance(r, list) and len(r) == 2 and _finite(r[0]) and r[0] > 0
-                                                 and _finite(r[1]) and r[1] >= 0 for r in rows),
-                  f"sweeps.{name} must be [[bytes > 0, seconds >= 0], ...]")
+            _need(isinstance(rows, list) and all(isinstance(r, list) and len(r) in (2, 3) and _finite(r[0])
+                                                 and r[0] > 0 and _finite(r[1]) and r[1] >= 0
+                                                 and (len(r) == 2 or (_finite(r[2]) and 0 <= r[2] <= 1))
+                                                 for r in rows),
+                  f"sweeps.{name} must be [[bytes > 0, seconds >= 0(, cpu_block in [0, 1])], ...]")
             _need([r[0] for r in rows] == sorted({r[0] for r in rows}), f"sweeps.{name}: sizes must increase")
 
     # --- the formulas ----------------------------------------------------------------------
@@ -87,6 +89,14 @@ class Topology:
         if len(rows) < 2:
             return self.formula_seconds(collective, nbytes)
         return _interpolate(rows, nbytes)
+
+    def cpu_block(self, collective: str, nbytes: float) -> float:
+        """The share of the collective's time its CPU work takes from a rank's compute (plan.probe's
+        third sweep column; 0 where the sweep has none: a topology measured before it existed)."""
+        rows = [r for r in self.sweeps.get(collective) or [] if len(r) == 3]
+        if self.world == 1 or nbytes <= 0 or not rows:
+            return 0.0
+        return min(1.0, _interpolate(rows, nbytes, column=2))
 
     # --- files -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -126,14 +136,14 @@ def loopback_formula(world: int, *, alpha_s: float = 50e-6, bandwidth_Bps: float
     return Topology(world=world, latency_s=lat, bandwidth_Bps=bw, sweeps={}, label="formula")
 
 
-def _interpolate(rows: list[list[float]], x: float) -> float:
-    """Piecewise linear through the measured points; below the smallest, its time (latency
-    bound); past the largest, the last segment's line."""
+def _interpolate(rows: list[list[float]], x: float, column: int = 1) -> float:
+    """Piecewise linear through the measured points (bytes, rows' `column`); below the smallest,
+    its value (latency bound); past the largest, the last segment's line."""
     xs = [r[0] for r in rows]
     if x <= xs[0]:
-        return rows[0][1]
+        return rows[0][column]
     i = min(bisect.bisect_left(xs, x), len(rows) - 1)
-    (x0, y0), (x1, y1) = rows[i - 1], rows[i]
+    x0, y0, x1, y1 = rows[i - 1][0], rows[i - 1][column], rows[i][0], rows[i][column]
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
 
 
