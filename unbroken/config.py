@@ -181,7 +181,7 @@ class RunConfig:
               f"collectives must be one of {', '.join(COLLECTIVES)}, got {self.collectives!r}; e.g. --collectives adaptive")
         _need(self.collectives == "gloo" or (self.backend != "nccl" and self.device != "cuda"),
               f"collectives {self.collectives!r} runs on gloo with CPU tensors, but the job trains on CUDA "
-              f"(backend {self.backend}, device {self.device}); use --collectives gloo or --device cpu")
+              f"(backend {self.backend}, device {self.device}); use --collectives gloo, or --backend gloo --device cpu")
 
     @property
     def shadow_pool_max(self) -> int:

@@ -86,7 +86,7 @@ def test_collectives_flag_is_validated():
     assert RunConfig(collectives="adaptive").collectives == "adaptive"
     with pytest.raises(ConfigError, match="collectives must be one of"):
         RunConfig(collectives="fast")
-    with pytest.raises(ConfigError, match="use --backend gloo"):
+    with pytest.raises(ConfigError, match="use --collectives gloo, or --backend gloo --device cpu"):
         RunConfig(collectives="adaptive", backend="nccl")
 
 
