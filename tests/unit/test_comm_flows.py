@@ -111,16 +111,3 @@ def test_a_link_without_flows_is_forgotten_and_its_congestion_cleared():
     assert t.rate(("up", 2)) is not None
     assert t.observe_flows([Flow(0, 1, 1 << 24, 0.0, 0.1)]) == [(("up", 2), False)]
     assert t.rate(("up", 2)) is None and t.rate(("up", 0)) is not None
-
-
-def test_a_link_reads_at_its_slowest_phase_so_a_stream_sharing_it_shows():
-    """A competing stream takes a fair share per flow: three reduce-scatter flows at once keep 3/4 of
-    rank 2's link, the one all-gather flow to rank 3 half of it. The link reads at the half."""
-    cfg, mb = FlowConfig(), 1 << 20
-    rs = [Flow(2, d, 4 * mb, 0.0, 4 / 0.25 * 1e-3, phase=0) for d in (0, 1, 3)]  # 0.25 MB/ms each: 0.75 together
-    ag = [Flow(2, 3, 12 * mb, 1.0, 1.0 + 12 / 0.5 * 1e-3, phase=1)]  # 0.5 MB/ms
-    got = peak_rates(rs + ag, cfg)
-    assert got[("up", 2)] == pytest.approx(0.5 * mb * 1e3)
-    assert peak_rates(rs, cfg)[("up", 2)] == pytest.approx(0.75 * mb * 1e3)  # one phase alone: its peak
-    assert got[("down", 0)] == pytest.approx(0.25 * mb * 1e3)  # other links keep their own phases
-    assert join([(0, 1, 1, mb, 5.0, 9.0)], [])[0].phase == 1  # the exchange's tag is the phase

@@ -3,10 +3,10 @@
 The network model is a switch with one link per rank, each way: ("up", r) carries what rank r
 sends, ("down", r) what it receives (a rack switch; the bench wiring's bridge + veth + tbf).
 A pair's rate is min(up_i, down_j). One collective's transfers give one observation per link:
-in each phase of the collective, the peak of the summed rates of the flows on it that were in
-flight at the same instant (a flow's rate = bytes / (end - start), start = when both ends had
-posted it), and the lowest of those phase peaks (`peak_rates`). The peak, not the mean: a fast
-rank's link is idle while it waits for a slow peer, and that says nothing about the fast link.
+the peak of the summed rates of the flows on it that were in flight at the same instant (a
+flow's rate = bytes / (end - start), start = when both ends had posted it). The peak, not the
+mean: a fast rank's link is idle while it waits for a slow peer, and that says nothing about
+the fast link.
 
 Each link's estimate is the median of its last `FlowConfig.window` observations (one outlier,
 a rank descheduled on a shared host, moves nothing; a real change shows within window//2 + 1
@@ -57,7 +57,6 @@ class Flow(NamedTuple):
     nbytes: int
     start: float
     end: float
-    phase: int = 0  # the collective's phase that moved it (reduce-scatter rows, all-gather results, ...)
 
 
 class LinkEstimate:
@@ -126,26 +125,16 @@ class FlowTable:
 
 
 def peak_rates(flows: Iterable[Flow], cfg: FlowConfig) -> dict[Link, float]:
-    """Per link: the highest sum of the rates of its flows in flight at one instant, taken in each
-    phase of the collective apart, and the lowest of those phase peaks. Why per phase: how many of
-    our flows share a link changes from phase to phase (a ring's reduce-scatter sends to every
-    owner at once, its all-gather to the next rank only), and against a competing TCP stream
-    each flow gets its fair share, so the phase with the fewest flows shows the congestion: one
-    stream from rank 2 to 3 left our three reduce-scatter flows 3/4 of rank 2's link (not
-    flagged) and the all-gather flow to rank 3 half of it (the ring's bottleneck)."""
-    per: dict[tuple[Link, int], list[tuple[float, float, float]]] = {}
+    """Per link: the highest sum of the rates of its flows in flight at one instant."""
+    per: dict[Link, list[tuple[float, float, float]]] = {}
     for f in flows:
         secs = f.end - f.start
         if f.nbytes < cfg.min_bytes or secs < cfg.min_seconds:
             continue
         rate = f.nbytes / secs
-        per.setdefault((("up", f.src), f.phase), []).append((f.start, f.end, rate))
-        per.setdefault((("down", f.dst), f.phase), []).append((f.start, f.end, rate))
-    out: dict[Link, float] = {}
-    for (link, _), spans in per.items():
-        peak = _peak(spans)
-        out[link] = min(out.get(link, peak), peak)
-    return out
+        per.setdefault(("up", f.src), []).append((f.start, f.end, rate))
+        per.setdefault(("down", f.dst), []).append((f.start, f.end, rate))
+    return {link: _peak(spans) for link, spans in per.items()}
 
 
 def _peak(spans: list[tuple[float, float, float]]) -> float:
@@ -164,4 +153,4 @@ def join(recvs: Iterable[tuple[int, int, int, int, float, float]],
     tag, posted): a flow starts when both ends had posted it (skew between ranks is not transfer time).
     Times are wall clocks of the ranks' hosts; a receive whose send is unknown starts at its own post."""
     posted = {(s, d, t): p for s, d, t, p in sends}
-    return [Flow(s, d, n, max(p, posted.get((s, d, t), p)), e, t) for s, d, t, n, p, e in recvs]
+    return [Flow(s, d, n, max(p, posted.get((s, d, t), p)), e) for s, d, t, n, p, e in recvs]
