@@ -179,16 +179,3 @@ def test_the_eager_gate_refuses_settings_that_cannot_work(kw):
 
     with pytest.raises(ValueError, match="EagerGate needs"):
         EagerGate(**kw)
-
-
-def test_a_step_where_eager_was_asked_for_but_could_not_run_is_not_a_plain_sample():
-    from unbroken.parallel.eager import EagerGate
-
-    gate = EagerGate(samples=1, hold_steps=0)
-    assert gate.use()
-    gate.observe(eager=False, seconds=0.5)  # a clipped step: eager asked for, not run
-    assert gate.use() and not gate.plain_s  # still timing eager
-    gate.observe(eager=True, seconds=0.03)
-    assert not gate.use()
-    gate.observe(eager=False, seconds=0.02)
-    assert not gate.use() and gate.decisions == 1

@@ -52,14 +52,9 @@ class EagerGate:
         self.eager_s: list[float] = []  # steps with eager work
         self.plain_s: list[float] = []  # steps without
         self.on, self.hold, self.decisions = True, 0, 0
-        self.asked = True  # what use() last answered
 
     def use(self) -> bool:
         """Eager for the next step? On while eager steps are timed, off while plain ones are, then held."""
-        self.asked = self._answer()
-        return self.asked
-
-    def _answer(self) -> bool:
         if self.hold > 0:
             self.hold -= 1
             return self.on
@@ -73,15 +68,10 @@ class EagerGate:
         return self.on
 
     def observe(self, *, eager: bool, seconds: float) -> None:
-        """One overlapped step's time from backward's end to its update's end, eager or not. A plain
-        step counts only when the gate asked for one: a step where eager was asked for but could not
-        run (the last step clipped, a parity step) is not the same step without eager."""
+        """One overlapped step's time from backward's end to its update's end, eager or not."""
         if self.hold > 0:
             return
-        if eager:
-            self.eager_s.append(seconds)
-        elif not self.asked:
-            self.plain_s.append(seconds)
+        (self.eager_s if eager else self.plain_s).append(seconds)
 
 
 class EagerUpdate:
