@@ -11,7 +11,8 @@ every eager chunk goes back to its bytes before the step from the undo copy take
 it changed, its version back to t-1 and the guessed scalars out of the step log: the state is
 exactly the one the normal path holds at that point. The guess is only made when the last
 step was not clipped (or clipping is off), so a run that clips every step never pays for it,
-and only while `EagerGate` measures that it pays (steps timed with it and without it).
+and only while `EagerGate` measures that it pays (the wait after backward it can fill exceeds
+its undo copies): on a compute-bound job it is switched off.
 
 Transactions (protect/txn.py): a chunk still moves t-1 -> t once per step, through
 `TxnLog.commit_chunk`, and the step's scalars are in the log before the first chunk moves;
@@ -36,42 +37,44 @@ if TYPE_CHECKING:
 
 
 class EagerGate:
-    """Whether the eager update pays on this job, measured while it runs: the time a step spends
-    from backward's end to its update's end (the `allreduce` and `update` phases) with eager on and
-    with it off, `samples` steps each, and eager kept only where its median is lower; the decision
-    is held for `hold_steps` steps, then measured again. Why not a model of it: its gain is the wait
-    for the buckets it fills, its cost the undo copy of every chunk it updates, but on shared cores
-    that wait is not idle (loopback collectives are CPU work), so a step timed both ways is the only
-    sure answer (a py-spy profile of the tiny GPT, 4 ranks on 2 cores: the copies are 5 % of the
-    step). Per rank, and free of the bits: eager or not, a step writes the same bytes."""
+    """Whether the eager update pays on this job, measured while it runs. Its cost is the undo copy
+    of every chunk it updates (the only work the normal path does not do); its gain is at most the
+    wait for the gradient buckets after backward, which it fills. On a compute-bound job the
+    buckets have landed when backward ends: nothing to fill, and the copies cost 5 % of the step
+    (a py-spy profile of the tiny GPT, 4 ranks on 2 cores, loopback). So the gate takes `samples`
+    eager steps' undo time and `samples` plain steps' wait after backward, keeps eager on only
+    where the median wait exceeds `margin` x the median undo time, holds that for `hold_steps`
+    steps and measures again. Per rank, and free of the bits: eager or not, a step writes the same
+    bytes (module docstring)."""
 
-    def __init__(self, *, samples: int = 3, hold_steps: int = 50) -> None:
-        if samples < 1 or hold_steps < 0:
-            raise ValueError(f"EagerGate needs samples >= 1 and hold_steps >= 0; got {samples}, {hold_steps}")
-        self.samples, self.hold_steps = samples, hold_steps
-        self.eager_s: list[float] = []  # steps with eager work
-        self.plain_s: list[float] = []  # steps without
+    def __init__(self, *, samples: int = 3, margin: float = 1.5, hold_steps: int = 50) -> None:
+        if samples < 1 or margin <= 0 or hold_steps < 0:
+            raise ValueError(f"EagerGate needs samples >= 1, margin > 0, hold_steps >= 0; got {samples}, "
+                             f"{margin}, {hold_steps}")
+        self.samples, self.margin, self.hold_steps = samples, margin, hold_steps
+        self.costs: list[float] = []  # undo seconds of eager steps
+        self.waits: list[float] = []  # seconds waited for buckets after backward, on plain steps
         self.on, self.hold, self.decisions = True, 0, 0
 
     def use(self) -> bool:
-        """Eager for the next step? On while eager steps are timed, off while plain ones are, then held."""
+        """Eager for the next step? On while its cost is measured, off while the wait is, then held."""
         if self.hold > 0:
             self.hold -= 1
             return self.on
-        if len(self.eager_s) < self.samples:
+        if len(self.costs) < self.samples:
             return True
-        if len(self.plain_s) < self.samples:
+        if len(self.waits) < self.samples:
             return False
-        self.on = statistics.median(self.eager_s) < statistics.median(self.plain_s)
-        self.eager_s, self.plain_s, self.hold = [], [], self.hold_steps
+        self.on = statistics.median(self.waits) > self.margin * statistics.median(self.costs)
+        self.costs, self.waits, self.hold = [], [], self.hold_steps
         self.decisions += 1
         return self.on
 
-    def observe(self, *, eager: bool, seconds: float) -> None:
-        """One overlapped step's time from backward's end to its update's end, eager or not."""
+    def observe(self, *, eager: bool, undo_s: float, wait_s: float) -> None:
+        """One overlapped step: eager ran (its undo time counts) or not (its wait counts)."""
         if self.hold > 0:
             return
-        (self.eager_s if eager else self.plain_s).append(seconds)
+        (self.costs if eager else self.waits).append(max(0.0, undo_s if eager else wait_s))
 
 
 class EagerUpdate:
@@ -95,18 +98,15 @@ class EagerUpdate:
         self.last_clean = True  # the last settled step was neither clipped nor skipped
         self.last_kept, self.steps_kept = 0, 0  # chunks kept at the last step; steps with any kept
         self.busy_s = 0.0  # this step's time spent in `landed` (averaging and updating eagerly)
-        self.gate = EagerGate()
-        self._gated = False  # this step's buckets were waited for with the plan allowing eager
-        self._timed: bool | None = None  # the last gated step was eager: its time goes to the gate
+        self.undo_s = 0.0  # the part of busy_s spent copying chunks to the undo buffer
+        self.gate, self._buckets, self._gated = EagerGate(), buckets, False
 
-    def arm(self, step: int, groups: tuple, *, enabled: bool, point=None, last: dict | None = None) -> None:
+    def arm(self, step: int, groups: tuple, *, enabled: bool, point=None) -> None:
         """Before step `step`'s buckets are waited for: guess its scalars (with `groups`, the param
-        groups' hyperparameters) where eager can be used (see the module docstring). `last`: the
-        previous step's phase times, for the gate."""
+        groups' hyperparameters) where eager can be used (see the module docstring)."""
         assert not self.applied, "EagerUpdate.arm() with chunks of an unsettled step applied"
-        if self._timed is not None and last:
-            self.gate.observe(eager=self._timed, seconds=last.get("allreduce", 0.0) + last.get("update", 0.0))
-        self.busy_s, self._timed, self._gated = 0.0, None, enabled
+        self.busy_s = self.undo_s = 0.0
+        self._gated = enabled  # the plan allows eager: this step informs the gate (average())
         enabled = enabled and self.gate.use()
         guess = eager_guess(self.owned, step, groups, enabled=enabled, last_clean=self.last_clean)
         self.guess, self.divided, self._point = guess, guess is not None, point
@@ -119,12 +119,14 @@ class EagerUpdate:
 
     def average(self, grads: torch.Tensor) -> None:
         """Divide the summed gradient by the world size where `landed` has not already. After an
-        overlapped step's buckets (`arm` ran), note whether it was eager: its time reaches the gate
-        with the next `arm`."""
+        overlapped step's buckets (`arm` ran), tell the gate what eager cost or could have hidden."""
         if not self.divided:
             grads[:self._n_avg].div_(self.world)
         if self._gated:
-            self._gated, self._timed = False, self.guess is not None
+            self._gated = False
+            tl = self._buckets.timeline or {}
+            self.gate.observe(eager=self.guess is not None, undo_s=self.undo_s,
+                              wait_s=tl.get("end_s", 0.0) - tl.get("backward_s", 0.0))
 
     def landed(self, b: int) -> None:
         """Bucket b's all-reduce is complete: average it, apply every chunk it makes ready."""
@@ -136,8 +138,10 @@ class EagerUpdate:
         st, undo = self.owned.state, self._undo
         for c in self._ready.get(b, ()):
             sl = st._sl(c)
+            t_undo = time.perf_counter()
             for w, u in zip(st.words, undo.words):
                 u[sl].copy_(w[sl])
+            self.undo_s += time.perf_counter() - t_undo
             self.applied.append(c)  # before it changes: a fault inside it still undoes it
             self.owned.apply_chunk(c, self.guess, self._point)
         self.busy_s += time.perf_counter() - t0

@@ -412,7 +412,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
             return zero3.reduce_scatter_gradient(self.comm, self.owned, grads, self._shard_grad, t)
         if overlapped:  # eager: each bucket's chunks updated as it lands (parallel/eager.py)
             self.eager.arm(t, tuple(self.clock.hyper_for(t)), enabled=self.overlap.plan.eager_update,
-                           point=lambda phase, c: self._point(phase, t, c), last=getattr(self, "_phase_s", None))
+                           point=lambda phase, c: self._point(phase, t, c))
             self.buckets.finish(self.eager.landed)
         elif self.ours is not None:  # one whole-gradient all-reduce, after backward
             self.ours(grads, what=f"gradient all-reduce step {t}")
