@@ -151,31 +151,3 @@ def test_the_first_bucket_is_the_small_one_and_the_buckets_tile_the_gradient():
     assert sizes[0] < 200 <= min(sizes[1:-1], default=200)
     buckets.close()
     same.close()
-
-
-def test_the_eager_gate_measures_cost_then_wait_then_holds_its_decision():
-    from unbroken.parallel.eager import EagerGate
-
-    gate = EagerGate(samples=2, margin=1.5, hold_steps=3)
-
-    def steps(eager_wanted: bool, undo_s: float, wait_s: float, n: int = 2) -> None:
-        for _ in range(n):
-            assert gate.use() == eager_wanted
-            gate.observe(eager=eager_wanted, undo_s=undo_s, wait_s=wait_s)
-
-    steps(True, 0.01, 0.0)  # measuring the cost: eager on
-    steps(False, 0.0, 0.001)  # measuring the wait (compute-bound: the buckets landed with backward)
-    assert not gate.use() and gate.decisions == 1  # 0.001 s of wait cannot pay for 0.01 s of copies
-    gate.observe(eager=False, undo_s=0.0, wait_s=9.0)  # while held: not a sample
-    assert [gate.use() for _ in range(3)] == [False] * 3 and not gate.waits
-    steps(True, 0.01, 0.0)  # held steps over: measured again
-    steps(False, 0.0, 0.2)  # comm-heavy now: 0.2 s to fill
-    assert gate.use() and gate.decisions == 2
-
-
-@pytest.mark.parametrize("kw", [dict(samples=0), dict(margin=0.0), dict(hold_steps=-1)])
-def test_the_eager_gate_refuses_settings_that_cannot_work(kw):
-    from unbroken.parallel.eager import EagerGate
-
-    with pytest.raises(ValueError, match="EagerGate needs"):
-        EagerGate(**kw)

@@ -10,9 +10,7 @@ clipped or non-finite step), or the step cut short (a collective error, a numeri
 every eager chunk goes back to its bytes before the step from the undo copy taken just before
 it changed, its version back to t-1 and the guessed scalars out of the step log: the state is
 exactly the one the normal path holds at that point. The guess is only made when the last
-step was not clipped (or clipping is off), so a run that clips every step never pays for it,
-and only while `EagerGate` measures that it pays (the wait after backward it can fill exceeds
-its undo copies): on a compute-bound job it is switched off.
+step was not clipped (or clipping is off), so a run that clips every step never pays for it.
 
 Transactions (protect/txn.py): a chunk still moves t-1 -> t once per step, through
 `TxnLog.commit_chunk`, and the step's scalars are in the log before the first chunk moves;
@@ -22,7 +20,6 @@ zero2/zero3 (the gradient is reduce-scattered whole), nor on a step a redo left 
 """
 from __future__ import annotations
 
-import statistics
 import time
 from typing import TYPE_CHECKING
 
@@ -34,47 +31,6 @@ from unbroken.protect.txn import StepScalars
 
 if TYPE_CHECKING:
     from unbroken.parallel.strategy import OwnedState
-
-
-class EagerGate:
-    """Whether the eager update pays on this job, measured while it runs. Its cost is the undo copy
-    of every chunk it updates (the only work the normal path does not do); its gain is at most the
-    wait for the gradient buckets after backward, which it fills. On a compute-bound job the
-    buckets have landed when backward ends: nothing to fill, and the copies cost 5 % of the step
-    (a py-spy profile of the tiny GPT, 4 ranks on 2 cores, loopback). So the gate takes `samples`
-    eager steps' undo time and `samples` plain steps' wait after backward, keeps eager on only
-    where the median wait exceeds `margin` x the median undo time, holds that for `hold_steps`
-    steps and measures again. Per rank, and free of the bits: eager or not, a step writes the same
-    bytes (module docstring)."""
-
-    def __init__(self, *, samples: int = 3, margin: float = 1.5, hold_steps: int = 50) -> None:
-        if samples < 1 or margin <= 0 or hold_steps < 0:
-            raise ValueError(f"EagerGate needs samples >= 1, margin > 0, hold_steps >= 0; got {samples}, "
-                             f"{margin}, {hold_steps}")
-        self.samples, self.margin, self.hold_steps = samples, margin, hold_steps
-        self.costs: list[float] = []  # undo seconds of eager steps
-        self.waits: list[float] = []  # seconds waited for buckets after backward, on plain steps
-        self.on, self.hold, self.decisions = True, 0, 0
-
-    def use(self) -> bool:
-        """Eager for the next step? On while its cost is measured, off while the wait is, then held."""
-        if self.hold > 0:
-            self.hold -= 1
-            return self.on
-        if len(self.costs) < self.samples:
-            return True
-        if len(self.waits) < self.samples:
-            return False
-        self.on = statistics.median(self.waits) > self.margin * statistics.median(self.costs)
-        self.costs, self.waits, self.hold = [], [], self.hold_steps
-        self.decisions += 1
-        return self.on
-
-    def observe(self, *, eager: bool, undo_s: float, wait_s: float) -> None:
-        """One overlapped step: eager ran (its undo time counts) or not (its wait counts)."""
-        if self.hold > 0:
-            return
-        (self.costs if eager else self.waits).append(max(0.0, undo_s if eager else wait_s))
 
 
 class EagerUpdate:
@@ -98,16 +54,12 @@ class EagerUpdate:
         self.last_clean = True  # the last settled step was neither clipped nor skipped
         self.last_kept, self.steps_kept = 0, 0  # chunks kept at the last step; steps with any kept
         self.busy_s = 0.0  # this step's time spent in `landed` (averaging and updating eagerly)
-        self.undo_s = 0.0  # the part of busy_s spent copying chunks to the undo buffer
-        self.gate, self._buckets, self._gated = EagerGate(), buckets, False
 
     def arm(self, step: int, groups: tuple, *, enabled: bool, point=None) -> None:
         """Before step `step`'s buckets are waited for: guess its scalars (with `groups`, the param
         groups' hyperparameters) where eager can be used (see the module docstring)."""
         assert not self.applied, "EagerUpdate.arm() with chunks of an unsettled step applied"
-        self.busy_s = self.undo_s = 0.0
-        self._gated = enabled  # the plan allows eager: this step informs the gate (average())
-        enabled = enabled and self.gate.use()
+        self.busy_s = 0.0
         guess = eager_guess(self.owned, step, groups, enabled=enabled, last_clean=self.last_clean)
         self.guess, self.divided, self._point = guess, guess is not None, point
         if guess is not None:
@@ -118,15 +70,9 @@ class EagerUpdate:
             self.owned.txn.record(guess)  # in the log before any chunk moves
 
     def average(self, grads: torch.Tensor) -> None:
-        """Divide the summed gradient by the world size where `landed` has not already. After an
-        overlapped step's buckets (`arm` ran), tell the gate what eager cost or could have hidden."""
+        """Divide the summed gradient by the world size where `landed` has not already."""
         if not self.divided:
             grads[:self._n_avg].div_(self.world)
-        if self._gated:
-            self._gated = False
-            tl = self._buckets.timeline or {}
-            self.gate.observe(eager=self.guess is not None, undo_s=self.undo_s,
-                              wait_s=tl.get("end_s", 0.0) - tl.get("backward_s", 0.0))
 
     def landed(self, b: int) -> None:
         """Bucket b's all-reduce is complete: average it, apply every chunk it makes ready."""
@@ -138,10 +84,8 @@ class EagerUpdate:
         st, undo = self.owned.state, self._undo
         for c in self._ready.get(b, ()):
             sl = st._sl(c)
-            t_undo = time.perf_counter()
             for w, u in zip(st.words, undo.words):
                 u[sl].copy_(w[sl])
-            self.undo_s += time.perf_counter() - t_undo
             self.applied.append(c)  # before it changes: a fault inside it still undoes it
             self.owned.apply_chunk(c, self.guess, self._point)
         self.busy_s += time.perf_counter() - t0
