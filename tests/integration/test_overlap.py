@@ -49,6 +49,8 @@ def test_tuned_run_equals_the_run_given_its_plan_and_the_cache_skips_the_search(
     tuned = run_job(tmp_path / "tuned", *SMALL, "--strategy", "ddp", "--overlap", str(plan))
     kinds = [json.loads(line)["kind"] for line in (tmp_path / "tuned" / "events.jsonl").read_text().splitlines()]
     assert "overlap_tuned" in kinds and tuned["overlap"]["source"] == "tuned"
+    rows = json.loads(plan.read_text())["measured"]["candidates"]
+    assert [r["during_backward"] for r in rows].count(False) == 1  # the best buckets, after backward
     cached = run_job(tmp_path / "cached", *SMALL, "--strategy", "ddp", "--overlap", str(plan))
     assert cached["overlap"]["source"] == "cache"
     assert cached["weights_sha256"] == tuned["weights_sha256"]

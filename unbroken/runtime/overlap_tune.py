@@ -3,8 +3,9 @@
 applied to the gradient buckets and the threads' cores, and announced as an `overlap_plan` event.
 
 The search times forward + backward + the bucketed all-reduce of the first step's batch for a
-few candidates, the job's own bucket size first, and keeps another only when it is faster by
-more than the trials' spread (`choose`); into a scratch gradient (the step's own gradient slot and the logged ones are
+few candidates, the job's own bucket size first, then the best buckets' all-reduce after backward
+instead of during it, and keeps another only when it is faster by more than the trials' spread
+(`choose`); into a scratch gradient (the step's own gradient slot and the logged ones are
 never touched, no update is applied, buffers and RNG are restored as a redo restores them), so
 the run after it is bitwise the run launched with the chosen plan given as a file. Every rank
 takes the same choice: the measurements are all-gathered (which also bounds the search's time
@@ -164,9 +165,13 @@ class OverlapControl:
             if not self._measure(tr, t, closure, scratch, OverlapPlan(bucket_kb=best_kb, partition=Partition(name=name)),
                                  table, started):
                 break
+        best = choose(table)  # then the same buckets all-reduced after backward: on shared cores the
+        partition = Partition.from_json(best["partition"])  # hooks' all-reduces compete with backward
+        self._measure(tr, t, closure, scratch, OverlapPlan(bucket_kb=best["bucket_kb"], partition=partition,
+                                                           during_backward=False), table, started)
         best = choose(table)
         plan = OverlapPlan(bucket_kb=best["bucket_kb"], partition=Partition.from_json(best["partition"]),
-                           source="tuned")
+                           during_backward=best.get("during_backward", True), source="tuned")
         self.pinner.release()
         self.plan, self.pinner = plan, ThreadPinner(plan.partition, self.local_rank)
         self.pinner.refresh()
@@ -187,7 +192,7 @@ class OverlapControl:
             times = []
             for i in range(TRIALS + 1):
                 t0 = time.perf_counter()
-                _trial(tr, buckets, t, closure, scratch)
+                _trial(tr, buckets, t, closure, scratch, during_backward=cand.during_backward)
                 if i:
                     times.append(time.perf_counter() - t0)
         finally:
@@ -196,6 +201,7 @@ class OverlapControl:
                 "elapsed_s": time.perf_counter() - started}
         everyone = tr.comm.allgather_json(mine, what="overlap tuning measurements")
         table.append({"bucket_kb": cand.bucket_kb, "partition": cand.partition.to_json(),
+                      "during_backward": cand.during_backward,
                       "step_s": round(statistics.fmean(r["step_s"] for r in everyone), 5),
                       "spread_s": round(statistics.fmean(r["spread_s"] for r in everyone), 5)})
         return max(r["elapsed_s"] for r in everyone) < BUDGET_S
@@ -212,8 +218,9 @@ def choose(table: list[dict]) -> dict:
     return best if default["step_s"] - best["step_s"] > margin else default
 
 
-def _trial(tr, buckets: GradBuckets, t: int, closure, scratch: torch.Tensor) -> None:
-    """Forward and backward of step t with `buckets` issuing into `scratch`; nothing kept."""
+def _trial(tr, buckets: GradBuckets, t: int, closure, scratch: torch.Tensor, during_backward: bool = True) -> None:
+    """Forward and backward of step t with `buckets` issuing into `scratch` (during backward, or all
+    of them after it); nothing kept."""
     flat = tr.owned.flat
     flat.zero_grad()
     tr.model_buffers.restore()  # as a redo: the step's forward starts from the committed buffers
@@ -223,6 +230,12 @@ def _trial(tr, buckets: GradBuckets, t: int, closure, scratch: torch.Tensor) -> 
         loss = tr._call(closure, i)
         if i < n - 1:
             loss.backward()
+    if not during_backward:
+        loss.backward()
+        scratch.copy_(flat.grads)
+        buckets.issue_all(tr.comm, scratch, what=f"overlap tuning step {t} (after backward)")
+        flat.zero_grad()
+        return
     buckets.begin(tr.comm, scratch, scratch, 0.0, poison=False, what=f"overlap tuning step {t}")
     loss.backward()
     buckets.finish()
