@@ -15,8 +15,7 @@ from unbroken.config import ConfigError, ModelConfig, RunConfig
 from unbroken.parallel.overlap import (FORMAT, OverlapPlan, Partition, PlanError, ThreadPinner, available_cores,
                                        plan_file_text, read_plan_file)
 from unbroken.runtime import membership
-from unbroken.runtime.overlap_tune import (STORE_KEY, OverlapControl, cache_path, checked_overlap, choose,
-                                           keep_overlap_or_not, tuning_key)
+from unbroken.runtime.overlap_tune import STORE_KEY, OverlapControl, cache_path, checked_overlap, choose, tuning_key
 
 linux_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="per-thread affinity is Linux's")
 
@@ -216,12 +215,3 @@ def test_choose_returns_a_row_that_is_the_default_or_beats_it_by_more_than_the_s
     if got is not table[0]:
         assert table[0]["step_s"] - got["step_s"] > max(table[0]["spread_s"], got["spread_s"])
         assert got["step_s"] == min(r["step_s"] for r in table)
-
-
-def test_overlap_stays_only_when_it_beats_the_same_buckets_after_backward_by_more_than_the_noise():
-    on = {"bucket_kb": 1024, "during_backward": True, "step_s": 0.100, "spread_s": 0.004}
-    tie = {"bucket_kb": 1024, "during_backward": False, "step_s": 0.103, "spread_s": 0.002}
-    slower = {**tie, "step_s": 0.110}
-    assert keep_overlap_or_not(on, tie) is tie  # within the noise: the plainer plan
-    assert keep_overlap_or_not(on, slower) is on
-    assert keep_overlap_or_not(on, {**tie, "step_s": 0.095}) is not on

@@ -3,9 +3,9 @@
 applied to the gradient buckets and the threads' cores, and announced as an `overlap_plan` event.
 
 The search times forward + backward + the bucketed all-reduce of the first step's batch for a
-few candidates, the job's own bucket size first, and keeps another only when it is faster by
-more than the trials' spread (`choose`); then the best buckets all-reduced after backward, which
-the overlapped plan has to beat by more than the spread to stay (`keep_overlap_or_not`); into a scratch gradient (the step's own gradient slot and the logged ones are
+few candidates, the job's own bucket size first, then the best buckets' all-reduce after backward
+instead of during it, and keeps another only when it is faster by more than the trials' spread
+(`choose`); into a scratch gradient (the step's own gradient slot and the logged ones are
 never touched, no update is applied, buffers and RNG are restored as a redo restores them), so
 the run after it is bitwise the run launched with the chosen plan given as a file. Every rank
 takes the same choice: the measurements are all-gathered (which also bounds the search's time
@@ -169,7 +169,7 @@ class OverlapControl:
         partition = Partition.from_json(best["partition"])  # hooks' all-reduces compete with backward
         self._measure(tr, t, closure, scratch, OverlapPlan(bucket_kb=best["bucket_kb"], partition=partition,
                                                            during_backward=False), table, started)
-        best = keep_overlap_or_not(best, table[-1])
+        best = choose(table)
         plan = OverlapPlan(bucket_kb=best["bucket_kb"], partition=Partition.from_json(best["partition"]),
                            during_backward=best.get("during_backward", True), source="tuned")
         self.pinner.release()
@@ -216,16 +216,6 @@ def choose(table: list[dict]) -> dict:
     best = min(table, key=lambda r: r["step_s"])
     margin = max(default.get("spread_s", 0.0), best.get("spread_s", 0.0))
     return best if default["step_s"] - best["step_s"] > margin else default
-
-
-def keep_overlap_or_not(overlapped: dict, after: dict) -> dict:
-    """Overlap (buckets from the hooks, and the eager update it enables) is kept only when its trial
-    beats the same buckets after backward by more than either one's spread: it has costs the trial
-    does not see (the eager update's undo copies, ~5 % of a loopback step), so a tie goes to the
-    plainer plan. Measured on loopback, 4 ranks on 2 cores, 60 steps x 3 rounds: `--overlap off`
-    0.252 s per step, torch DDP 0.251, `on` 0.268."""
-    margin = max(overlapped.get("spread_s", 0.0), after.get("spread_s", 0.0))
-    return overlapped if after["step_s"] - overlapped["step_s"] > margin else after
 
 
 def _trial(tr, buckets: GradBuckets, t: int, closure, scratch: torch.Tensor, during_backward: bool = True) -> None:
