@@ -327,7 +327,7 @@ class Comm:
     # --- XOR / AND: the backend's bitwise reduce ops, or the exchange path (comm/bitwise.py) ---
     def on_gloo(self, t: torch.Tensor) -> bool:
         """`t`'s collectives run on gloo (directly or host-staged), not on a device group."""
-        return self._pg(t) is not self.dev_pg or self.dev_pg is None
+        return not (t.is_cuda and self.dev_pg is not None)
 
     def bitwise_path(self, t: torch.Tensor) -> str:
         """How XOR/AND of `t` runs here: "native" (gloo's BXOR/BAND) or "exchange" (NCCL has neither)."""

@@ -18,16 +18,6 @@ import torch
 import torch.distributed as dist
 
 
-def _to_host(t: torch.Tensor, always: bool) -> torch.Tensor:
-    """A host copy of `t` (a device tensor), or `t` itself when it already lives on the host."""
-    return t.detach().to("cpu", copy=True) if always or t.device.type != "cpu" else t
-
-
-def _host_like(t: torch.Tensor, always: bool) -> torch.Tensor:
-    """A host buffer to receive into for `t`, or `t` itself when it already lives on the host."""
-    return torch.empty(t.shape, dtype=t.dtype) if always or t.device.type != "cpu" else t
-
-
 class StagedWork:
     """A gloo work on host copies; `wait()` waits for it, then copies the outputs back to their device."""
 
@@ -58,11 +48,21 @@ class StagedGroup:
         self.pg = pg
         self.always = always  # stage host tensors too: tests the staging where no GPU is
 
+    def _staged(self, t: torch.Tensor) -> bool:
+        return self.always or t.device.type != "cpu"
+
     def _host(self, t: torch.Tensor) -> torch.Tensor:
-        return _to_host(t, self.always)
+        """A host copy of `t` to send from, or `t` itself when it already lives on the host."""
+        return t.detach().to("cpu", copy=True) if self._staged(t) else t
 
     def _buffer(self, t: torch.Tensor) -> torch.Tensor:
-        return _host_like(t, self.always)
+        """A host buffer to receive `t`'s result into, or `t` itself when it lives on the host."""
+        return torch.empty(t.shape, dtype=t.dtype) if self._staged(t) else t
+
+    def _rows(self, outs: list[list[torch.Tensor]]) -> tuple[list[list[torch.Tensor]], list]:
+        """Host buffers for a gather's or all-gather's output rows, and the (device, host) pairs to copy back."""
+        h_outs = [[self._buffer(t) for t in row] for row in outs]
+        return h_outs, [pair for row, h_row in zip(outs, h_outs) for pair in zip(row, h_row)]
 
     def allreduce(self, ts: list[torch.Tensor], opts) -> StagedWork:
         hs = [self._host(t) for t in ts]
@@ -91,15 +91,11 @@ class StagedGroup:
                           keep=[h_in])
 
     def gather(self, outs: list[list[torch.Tensor]], ins: list[torch.Tensor], opts) -> StagedWork:
-        h_outs = [[self._buffer(t) for t in row] for row in outs]
-        h_ins = [self._host(t) for t in ins]
-        back = [pair for row, h_row in zip(outs, h_outs) for pair in zip(row, h_row)]
+        (h_outs, back), h_ins = self._rows(outs), [self._host(t) for t in ins]
         return StagedWork(self.pg.gather(h_outs, h_ins, opts), back, keep=h_ins)
 
     def allgather(self, outs: list[list[torch.Tensor]], ins: list[torch.Tensor]) -> StagedWork:
-        h_outs = [[self._buffer(t) for t in row] for row in outs]
-        h_ins = [self._host(t) for t in ins]
-        back = [pair for row, h_row in zip(outs, h_outs) for pair in zip(row, h_row)]
+        (h_outs, back), h_ins = self._rows(outs), [self._host(t) for t in ins]
         return StagedWork(self.pg.allgather(h_outs, h_ins), back, keep=h_ins)
 
     def _reduce_scatter_base(self, out: torch.Tensor, inp: torch.Tensor, opts) -> StagedWork:

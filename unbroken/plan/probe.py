@@ -34,7 +34,12 @@ PING_BYTES, BW_BYTES = 4, 1 << 20
 
 def _timed(fn, pg: dist.ProcessGroup) -> float:
     """Seconds of fn() on the slowest rank (barrier before, max-reduce after)."""
-    return _timed_cpu(fn, pg)[0]
+    dist.barrier(group=pg)
+    t0 = time.perf_counter()
+    fn()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=pg)
+    return float(dt)
 
 
 def _timed_cpu(fn, pg: dist.ProcessGroup) -> tuple[float, float]:
