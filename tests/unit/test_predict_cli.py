@@ -77,6 +77,25 @@ def test_profile_writes_the_measurement_schema(tmp_path, monkeypatch):
     assert json.loads((out / "measurements.jsonl").read_text())["power_w"] is None
 
 
+def test_profile_like_times_a_replica_of_a_table_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(prof, "RAPL", tmp_path / "no-powercap")
+    out = tmp_path / "p"
+    res = _run("profile", "--gpu", "A100", "--out", out, "--like", "openai-community/gpt2", "--batch", "1",
+               "--tokens", "3", "--prompt-tokens", "5", "--dtype", "float32", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    (m,) = measurements.load_user(out / "measurements.jsonl")
+    assert (m.model, m.scenario, m.framework, m.prompt_tokens, m.output_tokens) == \
+        ("openai-community/gpt2", "single", "transformers", 5, 3)
+    assert m.itl_s > 0 and not (out / "model_specs.csv").exists()  # the model is in the tables already
+
+
+def test_profile_bad_input_is_one_line(tmp_path):
+    _one_line_exit_2(_run("profile", "--gpu", "A100", "--out", tmp_path, "--like", "acme/no-such-llm",
+                          "--device", "cpu"), "acme/no-such-llm", "--model-specs")
+    _one_line_exit_2(_run("profile", "--gpu", "A100", "--out", tmp_path, "--dtype", "int8"), "--dtype")
+    _one_line_exit_2(_run("profile", "--gpu", "A100", "--out", tmp_path, "--device", "tpu"), "--device")
+
+
 def test_rapl_counters_sum_packages_not_subzones(tmp_path, monkeypatch):
     for zone, uj in (("intel-rapl:0", 1000), ("intel-rapl:1", 500), ("intel-rapl:0:0", 7)):
         (tmp_path / zone).mkdir()
@@ -101,6 +120,12 @@ def test_check_compares_predictions_with_measurements(tmp_path, monkeypatch):
     lines = [ln for ln in res.output.splitlines() if "measured" in ln]
     assert len(lines) == 2 and "power_w" in lines[0] and "itl_s" in lines[1]
     assert all(("inside" in ln) or ("outside" in ln) for ln in lines)
+    assert "power_w: MdAPE" in res.output and "itl_s: MdAPE" in res.output
+    doc = json.loads(_run("--check", f, "--json").stdout)
+    assert {r["target"] for r in doc["rows"]} == {"power_w", "itl_s"} and "commit" in doc
+    for r in doc["rows"]:
+        assert r["error"] == (r["predicted"] - r["measured"]) / r["measured"]
+        assert doc["summary"][r["target"]] == {"n": 1, "mdape": abs(r["error"]) * 100, "coverage": float(r["inside"])}
 
 
 def test_a_malformed_measurement_file_is_one_line(tmp_path):

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table as RichTable
 
 from unbroken.cli_error import fail
+from unbroken.provenance import git_commit
 from unbroken.predict import measurements, service
 from unbroken.predict.features import SCENARIOS, OperatingPoint, point_of
 from unbroken.predict.profile import profile
@@ -67,17 +68,17 @@ def _table(estimates: list, title: str, with_cost: bool) -> RichTable:
     return t
 
 
-def _check(path: Path, trained, gpus, models) -> None:
-    rows = measurements.load_user(path)
-    for m in rows:
-        e = service.estimate(trained, gpus.get(m.gpu), models.get(m.model), point_of(m))
-        for name, measured, pred in (("power_w", m.power_w, e.power_w), ("itl_s", m.itl_s, e.itl_s)):
-            if math.isnan(measured):
-                continue
-            inside = pred[1] <= measured <= pred[2]
-            typer.echo(f"{m.gpu} {m.model} batch {m.batch:g}: {name} measured {measured:.4g}, predicted "
-                          f"{_fmt(pred)} ({(pred[0] - measured) / measured * 100:+.1f}%, "
-                          f"{'inside' if inside else 'outside'} the interval)")
+def _check(path: Path, trained, gpus, models, as_json: bool) -> None:
+    result = service.check(trained, gpus, models, measurements.load_user(path))
+    if as_json:
+        print(json.dumps({"measurements": str(path), **git_commit(), **result}, indent=2))
+        return
+    for r in result["rows"]:
+        typer.echo(f"{r['gpu']} {r['model']} batch {r['batch']:g}: {r['target']} measured {r['measured']:.4g}, "
+                   f"predicted {_fmt((r['predicted'], r['low'], r['high']))} ({r['error'] * 100:+.1f}%, "
+                   f"{'inside' if r['inside'] else 'outside'} the interval)")
+    for target, s in result["summary"].items():
+        typer.echo(f"{target}: MdAPE {s['mdape']:.1f}% over {s['n']} rows, {s['coverage']:.0%} inside the interval")
 
 
 @predict_app.callback()
@@ -116,7 +117,7 @@ def predict(ctx: typer.Context,
         console.print("[dim]training on the public measurements (cached after the first run) ...[/]")
         trained = service.train_cached(service.training_table(gpus, models, extra))
         if check is not None:
-            _check(check, trained, gpus, models)
+            _check(check, trained, gpus, models, as_json)
             return
         if rank:
             est = service.rank(trained, gpus, spec, op, price_map)

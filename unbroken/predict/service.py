@@ -19,7 +19,7 @@ from unbroken.fsutil import atomic_write_json
 
 from unbroken.predict import measurements
 from unbroken.predict.dataset import Table, build
-from unbroken.predict.features import FEATURES, OperatingPoint, matrix
+from unbroken.predict.features import FEATURES, OperatingPoint, matrix, point_of
 from unbroken.predict.models import DEFAULT, Predictor, XgbConfig, fit, forms_for
 from unbroken.predict.tables import GpuSpec, GpuTable, ModelSpec, ModelTable
 
@@ -159,3 +159,22 @@ def as_dict(e: Estimate) -> dict:
         if v is not None:
             d[name] = {"predicted": v[0], "low": v[1], "high": v[2]}
     return d
+
+
+def check(trained: Trained, gpus: GpuTable, models: ModelTable, rows: list[measurements.Measurement]) -> dict:
+    """Each measured row predicted: per-row error and interval hit, and per target MdAPE and coverage."""
+    out, summary = [], {}
+    for m in rows:
+        e = estimate(trained, gpus.get(m.gpu), models.get(m.model), point_of(m))
+        for target, measured, pred in (("power_w", m.power_w, e.power_w), ("itl_s", m.itl_s, e.itl_s)):
+            if math.isnan(measured):
+                continue
+            out.append({"gpu": m.gpu, "model": m.model, "batch": m.batch, "scenario": m.scenario, "target": target,
+                        "measured": measured, "predicted": pred[0], "low": pred[1], "high": pred[2],
+                        "error": (pred[0] - measured) / measured, "inside": bool(pred[1] <= measured <= pred[2])})
+    for target in ("power_w", "itl_s"):
+        hits = [r for r in out if r["target"] == target]
+        if hits:
+            summary[target] = {"n": len(hits), "mdape": float(np.median([abs(r["error"]) for r in hits])) * 100,
+                               "coverage": sum(r["inside"] for r in hits) / len(hits)}
+    return {"rows": out, "summary": summary}

@@ -212,6 +212,14 @@ def _model_from_row(r: dict[str, str], source: str) -> ModelSpec:
                      num_key_value_heads=_num(r.get("num_key_value_heads")), source=source)
 
 
+def config_row(name: str) -> dict[str, str] | None:
+    """The WattGPU table's whole row (its config.json fields) for model `name`, or None where it has none."""
+    for r in _rows(WATTGPU_MODELS):
+        if model_key(r["model_name"]) == model_key(name) and (r.get("model_type") or "").strip():
+            return r
+    return None
+
+
 def load_models(extra: tuple[Path, ...] = ()) -> ModelTable:
     specs: dict[str, ModelSpec] = {}
     for r in _rows(WATTGPU_MODELS):
