@@ -44,7 +44,7 @@ def main() -> None:
     tp = _Dying(pg, left=1 << 30, **kw) if a.die_after else Transport(pg, **kw)
     world = a.world
     aggs = (0, 1) if a.pattern == "tree" else ()
-    p = Pattern(kind=a.pattern, order=tuple(range(world)), pieces=8 if a.pattern == "pipelined" else 1,
+    p = Pattern(kind=a.pattern, order=tuple(range(world)), pieces=8 if a.pattern in ("pipelined", "chain") else 1,
                 split=tuple(int(not aggs or r in aggs) for r in range(world)), aggregators=aggs)
     t = torch.ones(4_000_000)
     allreduce(tp, t, p, seq=1)  # a warm-up everyone finishes: the links are up

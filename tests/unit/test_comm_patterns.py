@@ -40,7 +40,9 @@ def _run(world: int, xs: list[torch.Tensor], pattern: Pattern | None) -> list[to
 
 @st.composite
 def patterns(draw, world: int) -> Pattern:
-    kind = draw(st.sampled_from(("ring", "pipelined", "tree")))
+    kind = draw(st.sampled_from(("ring", "pipelined", "tree", "chain")))
+    if kind == "chain":  # the running sum's order is the rank order
+        return Pattern(kind=kind, order=tuple(range(world)), split=(1,) * world, pieces=draw(st.integers(1, 6)))
     order = tuple(draw(st.permutations(range(world))))
     if kind == "tree":
         aggs = tuple(draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=world, unique=True)))
@@ -96,8 +98,19 @@ def test_bounds_and_pieces_cover_the_tensor_once(n, split, pieces):
 
 @pytest.mark.parametrize("bad", [dict(kind="star"), dict(order=(0, 0, 1)), dict(split=(0, 0, 0)),
                                  dict(pieces=0), dict(kind="tree", aggregators=()),
-                                 dict(kind="tree", aggregators=(0,), split=(1, 1, 0))])
+                                 dict(kind="tree", aggregators=(0,), split=(1, 1, 0)),
+                                 dict(kind="chain", order=(1, 0, 2))])
 def test_bad_patterns_are_refused(bad):
     base = dict(kind="ring", order=(0, 1, 2), split=(1, 1, 1))
     with pytest.raises(ValueError):
         Pattern(**{**base, **bad})
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+@pytest.mark.parametrize("pieces", [1, 7])
+def test_the_chain_gives_the_reference_bits(world, pieces):
+    xs = _inputs(world, 1000, torch.float32, world * 10 + pieces)
+    want = _run(world, xs, None)
+    got = _run(world, xs, Pattern(kind="chain", order=tuple(range(world)), split=(1,) * world, pieces=pieces))
+    for r in range(world):
+        assert torch.equal(got[r].view(torch.uint8), want[r].view(torch.uint8)), r

@@ -32,7 +32,7 @@ from unbroken.comm.group import CollectiveError
 from unbroken.comm.patterns import PHASE_RESULTS, Pattern, allreduce
 from unbroken.comm.transport import Transport
 
-MODES = ("adaptive", "static")
+MODES = ("adaptive", "static", "chain")  # chain: the rank-order chain, for ranks in node blocks
 PHASES = 4  # tag phases: reduce-scatter rows, all-gather results, tree up, tree down
 Emit = Callable[..., object]  # EventLog.emit
 
@@ -67,6 +67,9 @@ class AdaptiveAllreduce:
         sync_s = None
         if self.mode == "static":
             self.plan = Pattern.static_ring(self.world, planner.pieces_for(nbytes))
+        elif self.mode == "chain":
+            self.plan = Pattern(kind="chain", order=tuple(range(self.world)), split=(1,) * self.world,
+                                pieces=planner.chain_pieces(nbytes))
         elif self._pending is not None:  # the last flow exchange: fold it in, re-plan
             t1 = time.perf_counter()
             self._replan(self._finish_gather(what), nbytes)

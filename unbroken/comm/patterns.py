@@ -18,17 +18,27 @@ in rank order) bit for bit, for floats as for integers.
     tree       two-level: each other rank sends its whole tensor to an aggregator (`aggregators`,
                assigned round-robin in rank order); aggregators exchange the raw rows for each
                other's chunks, reduce, share results, and send the whole result back
+    chain      the reduction itself travels: rank 0 sends 0 + x_0 to rank 1, which adds x_1 and
+               passes it on, ..., rank N-1 has the sum and it travels back down the chain, each
+               piece as soon as it is done. The running sum IS the rank-order reduction, so the
+               bits are the same, and no rank ever sends a raw row. Where ranks sit on nodes in
+               blocks of consecutive ranks (how launchers place them) only the node boundaries
+               cross a link, each carrying the tensor once each way: a ring carries 2(N-1)/N of
+               it there (1.5x at 2 nodes x 2 ranks); with one rank per node a ring is better.
+               Needs the identity order (the sum's order is the rank order).
 """
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Sequence
 
 import torch
 
+from unbroken.comm.group import CollectiveError
 from unbroken.comm.transport import Transfer, Transport
 
-KINDS = ("ring", "pipelined", "tree")
+KINDS = ("ring", "pipelined", "tree", "chain")
 MAX_WORLD = 64  # the tag layout gives a source rank 6 bits
 MAX_PIECES = 4096
 
@@ -60,6 +70,9 @@ class Pattern:
             if any(w and r not in self.aggregators for r, w in enumerate(self.split)):
                 raise ValueError(f"a tree's chunks belong to aggregators {self.aggregators}; split {self.split} "
                                  "gives weight to another rank")
+        if self.kind == "chain" and self.order != tuple(range(n)):
+            raise ValueError(f"a chain runs in rank order (its running sum is the rank-order reduction); "
+                             f"order must be 0..{n - 1}, got {self.order}")
 
     @property
     def world(self) -> int:
@@ -124,7 +137,7 @@ def allreduce(tp: Transport, t: torch.Tensor, pattern: Pattern, seq: int, what: 
     if tp.world == 1 or flat.numel() == 0:
         return
     tp.begin()
-    {"ring": _ring, "pipelined": _pipelined, "tree": _tree}[pattern.kind](tp, flat, pattern, seq, what)
+    {"ring": _ring, "pipelined": _pipelined, "tree": _tree, "chain": _chain}[pattern.kind](tp, flat, pattern, seq, what)
 
 
 def reference(tp: Transport, t: torch.Tensor, seq: int, what: str = "reference all-reduce") -> None:
@@ -255,3 +268,64 @@ def _tree(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) ->
     holders = {a: [a] + [leaf for leaf in leaves if parent[leaf] == a] for a in aggs}
     _exchange(tp, flat, p, seq, what, holders=holders, rows_of=rows_of)
     tp.wait([tp.send(flat, leaf, tag(seq, PHASE_TREE_DOWN, leaf, 0)) for leaf in mine], f"{what} (to leaves)")
+
+
+def _chain(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) -> None:
+    """The running sum goes up the chain piece by piece; the result comes back down, relayed by a
+    thread of each middle rank as each piece arrives, so both directions stream at once. A rank's
+    result pieces land in `flat` where its own row was: piece i comes back only after this rank
+    added its row to piece i and sent it on."""
+    me, n = tp.rank, tp.world
+    pcs = pieces_of(0, flat.numel(), p.pieces)
+    up = [tp.recv(flat[a:z], me + 1, tag(seq, PHASE_RESULTS, me + 1, i)) for i, (a, z) in enumerate(pcs)] \
+        if me < n - 1 else []
+    acc = torch.zeros_like(flat) if me == 0 else torch.empty_like(flat)
+    below = [tp.recv(acc[a:z], me - 1, tag(seq, PHASE_ROWS, me - 1, i)) for i, (a, z) in enumerate(pcs)] \
+        if me > 0 else []
+    relay = _Relay(tp, flat, pcs, up, seq, what) if 0 < me < n - 1 else None
+    sends = []
+    for i, (a, z) in enumerate(pcs):
+        if me > 0:
+            tp.wait([below[i]], f"{what} (chain piece {i} from rank {me - 1})")
+        acc[a:z].add_(flat[a:z])  # ((0 + x_0) + ... ) + x_me: the rank-order reduction so far
+        if me < n - 1:
+            sends.append(tp.send(acc[a:z], me + 1, tag(seq, PHASE_ROWS, me, i)))
+        else:
+            flat[a:z] = acc[a:z]
+            sends.append(tp.send(flat[a:z], me - 1, tag(seq, PHASE_RESULTS, me, i)))
+    if relay is not None:
+        sends += relay.join()
+    elif me == 0:
+        tp.wait(up, f"{what} (chain results)")
+    tp.wait(sends, f"{what} (chain sends)")
+
+
+class _Relay:
+    """A middle rank's result pieces, passed down the chain as each one arrives (its own thread)."""
+
+    def __init__(self, tp: Transport, flat: torch.Tensor, pcs: list, up: list, seq: int, what: str) -> None:
+        self.sends: list[Transfer] = []
+        self.error: BaseException | None = None
+        self._args = (tp, flat, pcs, up, seq, what)
+        self._thread = threading.Thread(target=self._run, name=f"unbroken-chain-relay-r{tp.rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        tp, flat, pcs, up, seq, what = self._args
+        try:
+            for i, (a, z) in enumerate(pcs):
+                tp.wait([up[i]], f"{what} (chain result piece {i} from rank {tp.rank + 1})")
+                self.sends.append(tp.send(flat[a:z], tp.rank - 1, tag(seq, PHASE_RESULTS, tp.rank, i)))
+        except BaseException as e:  # noqa: BLE001 - raised in the caller by join()
+            self.error = e
+
+    def join(self) -> list[Transfer]:
+        """The relay's sends, once every result piece was passed on; its error raised here. Bounded:
+        each of its waits ends by the collective's deadline."""
+        self._thread.join(self._args[0].timeout_s + 5.0)
+        if self.error is not None:
+            raise self.error
+        if self._thread.is_alive():
+            raise CollectiveError(f"{self._args[5]}: the chain's result relay on rank {self._args[0].rank} "
+                                  "did not end")
+        return self.sends

@@ -71,6 +71,8 @@ def predict(p: Pattern, nbytes: float, rates: Rates) -> float:
         return _ring_time(p, c, rates)
     if p.kind == "pipelined":
         return _exchange_time(c, {r: [r] for r in range(n)}, rates, p.pieces)
+    if p.kind == "chain":
+        return _chain_time(nbytes, rates, p.pieces)
     aggs = p.aggregators
     leaves = [r for r in range(n) if r not in aggs]
     parent = {leaf: aggs[i % len(aggs)] for i, leaf in enumerate(leaves)}
@@ -96,6 +98,20 @@ def _ring_time(p: Pattern, c: list[float], rates: Rates) -> float:
         busy = max(busy, out, inn)
     exposed_reduce = n * max(c) / p.pieces / rates.reduce_Bps
     return busy + exposed_reduce + rates.latency_s * 2 * (n - 1) + rates.op_s * 4 * (n - 1) * p.pieces
+
+
+def _chain_time(nbytes: float, rates: Rates, pieces: int) -> float:
+    """The chain (patterns._chain), one rank per link: a middle rank sends the running sum up and the
+    result down (2S each way on its link), the ends S; the pipeline fills over 2(N-1) hops of a piece."""
+    n = rates.world
+    busy = max(((r < n - 1) + (r > 0)) * nbytes / min(rates.up[r], rates.down[r]) for r in range(n))
+    hop = max(nbytes / pieces / rates.pair(r, r + 1) for r in range(n - 1))
+    return busy + 2 * (n - 1) * (hop + rates.latency_s) + rates.op_s * 4 * pieces + nbytes / pieces / rates.reduce_Bps
+
+
+def chain_pieces(nbytes: int) -> int:
+    """The chain's pipeline depth: pieces of ~1 MB (its fill is 2(N-1) hops of one piece), at most 64."""
+    return max(1, min(64, nbytes // (1 << 20)))
 
 
 def _exchange_time(c: list[float], holders: dict[int, list[int]], rates: Rates, pieces: int) -> float:
@@ -175,6 +191,7 @@ def candidates(rates: Rates, nbytes: int) -> list[Pattern]:
         holders = {a: 1 + sum(1 for i, leaf in enumerate(leaves) if aggs[i % k] == a) for a in aggs}
         out.append(Pattern(kind="tree", order=ident, split=balanced_split(rates, list(aggs), holders),
                            pieces=pieces, aggregators=aggs))
+    out.append(Pattern(kind="chain", order=ident, split=(1,) * n, pieces=chain_pieces(nbytes)))
     return out
 
 

@@ -89,7 +89,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         self.local_grads: torch.Tensor | None = None  # allocated with the state (_build_state)
         self.comm: Comm | None = None
         self.group: Comm | None = None
-        self.ours: bucketed.BucketedAllreduce | None = None  # --collectives static|adaptive
+        self.ours: bucketed.BucketedAllreduce | None = None  # --collectives static|adaptive|chain
         self.gen: membership.Generation | None = None
         self._pg_stores: list = []  # one store connection per generation's groups, kept alive
         self._nan_pending = False
@@ -414,10 +414,10 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
             self.eager.arm(t, tuple(self.clock.hyper_for(t)), enabled=self.overlap.plan.eager_update,
                            point=lambda phase, c: self._point(phase, t, c))
             self.buckets.finish(self.eager.landed)
-        elif self.ours is not None:  # one whole-gradient all-reduce, after backward
-            self.ours(grads, what=f"gradient all-reduce step {t}")
-        else:
-            self.buckets.issue_all(self.comm, grads, what=f"gradient all-reduce step {t}")
+        else:  # after backward, the same buckets in the same order as the overlapped path issues them:
+            # a survivor redoing a step (its gradient kept) and a new member computing it overlapped
+            # must issue the same collectives, whichever path each one takes
+            self.buckets.issue_all(self.ours or self.comm, grads, what=f"gradient all-reduce step {t}")
         self.eager.average(flat.grads)  # what the eager update did not average as it landed
         return float(torch.linalg.vector_norm(flat.grads[:flat.n_pad]))
 
