@@ -198,11 +198,14 @@ def overlap(out: Path = _OUT, steps: int = typer.Option(20, "--steps", help="ste
             config: Optional[List[str]] = typer.Option(None, "--config", help="loopback, 1gbit, 200mbit (default all)"),
             grad_clip: Optional[float] = typer.Option(None, "--grad-clip", help="every method's gradient clipping "
                                                       "(default the job's 1.0; 0 = off)"),
+            collectives: str = typer.Option("gloo", "--collectives", help="unbroken's gradient all-reduce on the "
+                                            "two-node configs: gloo, static, adaptive or chain (loopback: gloo)"),
             quick: bool = _QUICK) -> None:
     """Step time with no overlap, torch DDP, unbroken's overlap and its auto-tuned plan: loopback (compute-bound)
     and 1 Gbit/s, 200 Mbit/s links between two namespaces (needs root); exposed communication; a one-step timeline."""
     from unbroken.bench import overlap as ob
     from unbroken.cli_error import fail
+    from unbroken.config import COLLECTIVES
     from unbroken.plan.netns import available
 
     configs = tuple(config or ob.CONFIGS)
@@ -212,11 +215,13 @@ def overlap(out: Path = _OUT, steps: int = typer.Option(20, "--steps", help="ste
         fail(f"need --steps >= 5 (2 warm-up, the timeline step 3, more to time) and --rounds >= 1; got {steps}, {rounds}")
     if grad_clip is not None and not grad_clip >= 0:
         fail(f"--grad-clip must be >= 0 (0 turns clipping off), got {grad_clip}")
+    if collectives not in COLLECTIVES:
+        fail(f"--collectives {collectives!r}: choose from {', '.join(COLLECTIVES)}")
     if any(ob.CONFIGS[c] for c in configs) and (why := available()):
         fail(f"bench overlap builds network namespaces for {', '.join(c for c in configs if ob.CONFIGS[c])}: {why} "
              "(or pass --config loopback)")
     res = ob.measure(steps=6 if quick else steps, rounds=1 if quick else rounds, configs=configs, quick=quick,
-                     grad_clip=grad_clip, log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
+                     grad_clip=grad_clip, collectives=collectives, log=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
     ob.plot_timeline(res, Path(out) / "overlap.png")
     _finish("overlap", res, ob.table, out)
     Console().print(f"wrote {Path(out) / 'overlap.png'}")

@@ -55,7 +55,7 @@ def bench_config(*, steps: int, quick: bool, grad_clip: float | None = None) -> 
 def _unbroken_flags(cfg: RunConfig, overlap: str) -> tuple[str, ...]:
     m = cfg.model
     return ("--overlap", overlap, "--checkpoint-every", "0", "--batch-size", str(cfg.batch_size),
-            "--n-layer", str(m.n_layer), "--n-embd", str(m.n_embd))
+            "--n-layer", str(m.n_layer), "--n-embd", str(m.n_embd), "--collectives", cfg.collectives)
 
 
 def _unbroken_record(run_dir: Path) -> dict:
@@ -105,8 +105,9 @@ def run_shaped(method: str, net, cfg: RunConfig, root: Path, plan: Path, port: i
 
 
 def measure(*, steps: int, rounds: int, configs: tuple[str, ...], quick: bool, grad_clip: float | None = None,
-            log=print) -> dict:
-    """Every method of every config, interleaved per round; returns the result (see `result`)."""
+            collectives: str = "gloo", log=print) -> dict:
+    """Every method of every config, interleaved per round; returns the result (see `result`).
+    `collectives`: unbroken's gradient all-reduce on the two-node configs (loopback is one node: gloo's)."""
     cfg = bench_config(steps=steps, quick=quick, grad_clip=grad_clip)
     runs: dict[str, dict[str, list[dict]]] = {c: {m: [] for m in METHODS} for c in configs}
     n = 0  # runs so far: each shaped run gets a port of its own (no TIME_WAIT from the last one)
@@ -123,8 +124,9 @@ def measure(*, steps: int, rounds: int, configs: tuple[str, ...], quick: bool, g
                         else:
                             root.mkdir()
                             n += 1
-                            runs[config][method].append(run_shaped(method, net, cfg, root, plan, _PORT + n))
-    return result(runs, steps=steps, rounds=rounds, cfg=cfg)
+                            runs[config][method].append(run_shaped(method, net, cfg.replace(collectives=collectives),
+                                                                   root, plan, _PORT + n))
+    return {**result(runs, steps=steps, rounds=rounds, cfg=cfg), "collectives_two_nodes": collectives}
 
 
 class _wiring:

@@ -233,10 +233,10 @@ def _trial(tr, buckets: GradBuckets, t: int, closure, scratch: torch.Tensor, dur
     if not during_backward:
         loss.backward()
         scratch.copy_(flat.grads)
-        buckets.issue_all(tr.comm, scratch, what=f"overlap tuning step {t} (after backward)")
+        buckets.issue_all(tr.ours or tr.comm, scratch, what=f"overlap tuning step {t} (after backward)")
         flat.zero_grad()
         return
-    buckets.begin(tr.comm, scratch, scratch, 0.0, poison=False, what=f"overlap tuning step {t}")
+    buckets.begin(tr.ours or tr.comm, scratch, scratch, 0.0, poison=False, what=f"overlap tuning step {t}")
     loss.backward()
     buckets.finish()
     flat.zero_grad()
