@@ -107,3 +107,49 @@ def test_a_shadow_taking_a_rank_uses_the_plan_file_its_peers_agreed_on(tmp_path)
     assert len(given["recoveries"]) == 1 and given["ranks_agree"]
     clean = run_job(tmp_path / "clean", *args)
     assert given["weights_sha256"] == clean["weights_sha256"]
+
+
+def test_a_plan_naming_the_chain_switches_every_rank_and_a_shadow_to_it(tmp_path):
+    """A plan file's `collectives` replaces the job's gloo all-reduce with the chain on every rank,
+    before step 1; the shadow replacing a rank killed at step 3 adopts it from the store. Same
+    reduction order as our static ring, so the same bits as a failure-free static run."""
+    hand = tmp_path / "hand.json"
+    hand.write_text(json.dumps({"format": "unbroken-overlap/1", "plan": {"bucket_kb": 32, "collectives": "chain"}}))
+    args = [*SMALL[:SMALL.index("--steps")], "--steps", "4", *SMALL[SMALL.index("--steps") + 2:], "--strategy", "ddp",
+            "--config", _small_buckets(tmp_path)]
+    given = run_job(tmp_path / "given", *args, "--overlap", str(hand), "--inject", "sigkill:rank=1,step=3,phase=backward")
+    assert given["overlap"]["collectives"] == "chain" and len(given["recoveries"]) == 1 and given["ranks_agree"]
+    static = run_job(tmp_path / "static", *args, "--collectives", "static", "--overlap", "off")
+    assert given["weights_sha256"] == static["weights_sha256"]
+
+
+def test_two_nodes_tune_the_chain_as_a_candidate(tmp_path):
+    """2 nodes x 2 ranks with --overlap auto: the search measures the chain beside gloo's own, and
+    the run equals the run given the chosen plan as a file."""
+    from .conftest import start_node
+
+    env_cache = tmp_path / "cache.json"
+    args = ["--n-layer", "2", "--n-embd", "64", "--batch-size", "4", "--steps", "4", "--world-size", "4",
+            "--chunk-kb", "16", "--strategy", "ddp", "--port", str(_free_port())]
+    nodes = [start_node(tmp_path / f"n{k}", k, *args, "--overlap", str(env_cache)) for k in (0, 1)]
+    try:
+        outs = [n.communicate(timeout=240) for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+                n.wait()
+    assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    tuned = json.loads(outs[0][0])
+    rows = json.loads(env_cache.read_text())["measured"]["candidates"]
+    assert [r["collectives"] for r in rows[:2]] == [None, "chain"]
+    chosen = json.loads(env_cache.read_text())["plan"]
+    assert tuned["overlap"]["collectives"] == (chosen["collectives"] or "gloo")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -43,6 +43,9 @@ def test_plan_rejects_a_bucket_size_below_one_and_unknown_partitions():
         Partition(name="half")
     with pytest.raises(PlanError, match="takes no core lists"):
         Partition(name="split", compute_cores=(0,))
+    with pytest.raises(PlanError, match="collectives must be one of"):
+        OverlapPlan(collectives="ring")
+    assert OverlapPlan.from_dict({"bucket_kb": 64}, source="file").collectives is None  # the job's own
 
 
 def test_partition_naming_cores_the_machine_lacks_says_which():
@@ -52,11 +55,12 @@ def test_partition_naming_cores_the_machine_lacks_says_which():
 
 
 def test_plan_file_round_trip_and_bad_files(tmp_path):
-    plan = OverlapPlan(bucket_kb=512, partition=Partition(name="pinned"), source="tuned")
+    plan = OverlapPlan(bucket_kb=512, partition=Partition(name="pinned"), collectives="chain", source="tuned")
     p = tmp_path / "plan.json"
     p.write_text(json.dumps(plan_file_text(plan, {"world_size": 4})))
     back = OverlapPlan.from_dict(read_plan_file(p)["plan"], source="cache")
-    assert (back.bucket_kb, back.partition, back.during_backward) == (512, Partition(name="pinned"), True)
+    assert (back.bucket_kb, back.partition, back.during_backward, back.collectives) == \
+        (512, Partition(name="pinned"), True, "chain")
     assert read_plan_file(tmp_path / "none.json") is None
     (tmp_path / "junk.json").write_text("{")
     with pytest.raises(PlanError, match="not readable JSON"):

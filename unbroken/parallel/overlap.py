@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 FORMAT = "unbroken-overlap/1"
-from unbroken.config import OVERLAP_MODES as MODES, check_overlap_mode as check_mode  # noqa: F401
+from unbroken.config import COLLECTIVES, OVERLAP_MODES as MODES, check_overlap_mode as check_mode  # noqa: F401
 PARTITIONS = ("shared", "pinned", "split", "cores")
 
 
@@ -101,13 +101,16 @@ class OverlapPlan:
     bucket_kb: bucket size; first_bucket_kb: the first bucket's (the last layers' gradients, ready
     first: small, so communication starts early in backward, as torch DDP's 1 MiB first bucket;
     at most bucket_kb); eager_update: each bucket's update applied as its all-reduce lands
-    (parallel/eager.py); partition: the core split; source: where the plan came from."""
+    (parallel/eager.py); partition: the core split; collectives: the gradient all-reduce (None: the
+    job's --collectives; the tuner may pick the rank-order chain on a multi-node job); source: where
+    the plan came from."""
 
     during_backward: bool = True
     bucket_kb: int = 25600
     first_bucket_kb: int = 1024
     eager_update: bool = True
     partition: Partition = field(default_factory=Partition)
+    collectives: str | None = None
     source: str = "config"
 
     def __post_init__(self) -> None:
@@ -115,6 +118,9 @@ class OverlapPlan:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise PlanError(f"overlap {name} must be an integer >= 1 (KiB), got {v!r}; e.g. \"{name}\": 1024")
+        if self.collectives is not None and self.collectives not in COLLECTIVES:
+            raise PlanError(f"overlap collectives must be one of {', '.join(COLLECTIVES)} (or absent: the job's "
+                            f"--collectives), got {self.collectives!r}")
 
     @property
     def bucket_elems(self) -> int:
@@ -132,14 +138,15 @@ class OverlapPlan:
     def to_dict(self) -> dict:
         return {"during_backward": self.during_backward, "bucket_kb": self.bucket_kb,
                 "first_bucket_kb": self.first_bucket_kb, "eager_update": self.eager_update,
-                "partition": self.partition.to_json(), "source": self.source}
+                "partition": self.partition.to_json(), "collectives": self.collectives, "source": self.source}
 
     @staticmethod
     def from_dict(d: dict, source: str) -> "OverlapPlan":
         return OverlapPlan(during_backward=bool(d.get("during_backward", True)), bucket_kb=d.get("bucket_kb"),
                            first_bucket_kb=d.get("first_bucket_kb", 1024),
                            eager_update=bool(d.get("eager_update", True)),
-                           partition=Partition.from_json(d.get("partition", "shared")), source=source)
+                           partition=Partition.from_json(d.get("partition", "shared")),
+                           collectives=d.get("collectives"), source=source)
 
 
 def read_plan_file(path: str | Path) -> dict | None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from unbroken.comm import bucketed
 from unbroken.fsutil import atomic_write_json
 from unbroken.parallel.buckets import GradBuckets
 from unbroken.parallel.eager import EagerUpdate
@@ -67,7 +68,7 @@ def _why_stale(cached: dict, key: dict) -> str | None:
 
 class OverlapControl:
     def __init__(self, cfg, *, named: list, nnodes: int, local_rank: int, emit) -> None:
-        self.cfg, self.local_rank, self.emit = cfg, local_rank, emit
+        self.cfg, self.local_rank, self.emit, self.nnodes = cfg, local_rank, emit, nnodes
         self.path = cache_path(cfg.overlap)
         self.key = tuning_key(cfg, named, nnodes)
         self.needs_tuning, self.why, self._announced = False, "", False
@@ -131,6 +132,7 @@ class OverlapControl:
             tr.buckets.close()
             tr.buckets = GradBuckets(tr.owned.flat, *self.plan.bucket_sizes)
             tr.eager = EagerUpdate(tr.owned, tr.buckets, tr.world_size)
+        self.apply_collectives(tr)
         if not self._announced:
             self._announced = True
             self.announce(t)
@@ -142,9 +144,29 @@ class OverlapControl:
                                                            for a, b in tl["buckets"]])
         self.pinner.refresh()
 
+    def collectives(self) -> str:
+        """The gradient all-reduce of this job: the plan's choice, else --collectives."""
+        return self.plan.collectives or self.cfg.collectives
+
+    def apply_collectives(self, tr) -> None:
+        """Give the trainer the gradient all-reduce the plan names (every rank holds the same plan:
+        they all switch before the same step)."""
+        mode = self.collectives()
+        if (tr.ours.mode if tr.ours is not None else "gloo") != mode:
+            if tr.ours is not None:
+                tr.ours.close()
+            tr.ours = _ours(tr, mode)
+
+    def chain_worth_trying(self, tr) -> bool:
+        """Several ranks on each of several nodes, the gloo default, a gradient all-reduced whole
+        (ddp, zero1) on the host: where the rank-order chain halves what crosses the node links."""
+        return (self.nnodes > 1 and tr.world_size > self.nnodes and self.cfg.collectives == "gloo"
+                and self.cfg.strategy in ("ddp", "zero1") and tr.comm.dev_pg is None)
+
     def announce(self, step: int) -> None:
         p = self.plan
         self.emit("overlap_plan", step=step, mode=self.cfg.overlap, source=p.source, bucket_kb=p.bucket_kb,
+                  collectives=self.collectives(),
                   first_bucket_kb=p.first_bucket_kb, eager_update=p.eager_update, during_backward=p.during_backward, partition=p.partition.to_json(),
                   compute_cores=sorted(self.pinner.compute) if self.pinner.compute is not None else None,
                   comm_cores=sorted(self.pinner.comm) if self.pinner.comm is not None else None,
@@ -156,22 +178,29 @@ class OverlapControl:
         scratch = torch.empty_like(tr.owned.flat.grads)
         table: list[dict] = []
         started = time.perf_counter()
+        measure = lambda cand: self._measure(tr, t, closure, scratch, cand, table, started)  # noqa: E731
         default_kb = self.cfg.bucket_kb  # measured first: every other candidate has to beat it
-        for kb in (default_kb, *[k for k in CANDIDATE_KB if k != default_kb]):
-            if not self._measure(tr, t, closure, scratch, OverlapPlan(bucket_kb=kb), table, started):
+        go = measure(OverlapPlan(bucket_kb=default_kb))
+        if go and self.chain_worth_trying(tr):
+            go = measure(OverlapPlan(bucket_kb=default_kb, collectives="chain"))
+        coll = choose(table)["collectives"]
+        for kb in (k for k in CANDIDATE_KB if k != default_kb):
+            if not (go := go and measure(OverlapPlan(bucket_kb=kb, collectives=coll))):
                 break
-        best_kb = choose(table)["bucket_kb"]
+        best = choose(table)
         for name in TRY_PARTITIONS:
-            if not self._measure(tr, t, closure, scratch, OverlapPlan(bucket_kb=best_kb, partition=Partition(name=name)),
-                                 table, started):
+            if not (go := go and measure(OverlapPlan(bucket_kb=best["bucket_kb"], partition=Partition(name=name),
+                                                     collectives=best["collectives"]))):
                 break
         best = choose(table)  # then the same buckets all-reduced after backward: on shared cores the
         partition = Partition.from_json(best["partition"])  # hooks' all-reduces compete with backward
-        self._measure(tr, t, closure, scratch, OverlapPlan(bucket_kb=best["bucket_kb"], partition=partition,
-                                                           during_backward=False), table, started)
+        if go:
+            measure(OverlapPlan(bucket_kb=best["bucket_kb"], partition=partition, during_backward=False,
+                                collectives=best["collectives"]))
         best = choose(table)
         plan = OverlapPlan(bucket_kb=best["bucket_kb"], partition=Partition.from_json(best["partition"]),
-                           during_backward=best.get("during_backward", True), source="tuned")
+                           during_backward=best.get("during_backward", True), collectives=best["collectives"],
+                           source="tuned")
         self.pinner.release()
         self.plan, self.pinner = plan, ThreadPinner(plan.partition, self.local_rank)
         self.pinner.refresh()
@@ -188,20 +217,25 @@ class OverlapControl:
         self.pinner = ThreadPinner(cand.partition, self.local_rank)
         self.pinner.refresh()
         buckets = GradBuckets(tr.owned.flat, *cand.bucket_sizes)
+        mode = cand.collectives or self.cfg.collectives
+        own = (tr.ours.mode if tr.ours is not None else "gloo") == mode
+        comm = (tr.ours or tr.comm) if own else (_ours(tr, mode) or tr.comm)  # a trial's own, closed after
         try:
             times = []
             for i in range(TRIALS + 1):
                 t0 = time.perf_counter()
-                _trial(tr, buckets, t, closure, scratch, during_backward=cand.during_backward)
+                _trial(tr, buckets, comm, t, closure, scratch, during_backward=cand.during_backward)
                 if i:
                     times.append(time.perf_counter() - t0)
         finally:
             buckets.close()
+            if not own and comm is not tr.comm:
+                comm.close()
         mine = {"step_s": statistics.median(times), "spread_s": max(times) - min(times),
                 "elapsed_s": time.perf_counter() - started}
         everyone = tr.comm.allgather_json(mine, what="overlap tuning measurements")
         table.append({"bucket_kb": cand.bucket_kb, "partition": cand.partition.to_json(),
-                      "during_backward": cand.during_backward,
+                      "during_backward": cand.during_backward, "collectives": cand.collectives,
                       "step_s": round(statistics.fmean(r["step_s"] for r in everyone), 5),
                       "spread_s": round(statistics.fmean(r["spread_s"] for r in everyone), 5)})
         return max(r["elapsed_s"] for r in everyone) < BUDGET_S
@@ -218,9 +252,15 @@ def choose(table: list[dict]) -> dict:
     return best if default["step_s"] - best["step_s"] > margin else default
 
 
-def _trial(tr, buckets: GradBuckets, t: int, closure, scratch: torch.Tensor, during_backward: bool = True) -> None:
-    """Forward and backward of step t with `buckets` issuing into `scratch` (during backward, or all
-    of them after it); nothing kept."""
+def _ours(tr, mode: str):
+    """A BucketedAllreduce of `mode` on the trainer's group (None for gloo's own)."""
+    gen = tr.gen.gen
+    return bucketed.for_comm(tr.comm, mode, emit=tr.ctx.events.emit, interrupted=lambda: tr.watch.newer_than(gen))
+
+
+def _trial(tr, buckets: GradBuckets, comm, t: int, closure, scratch: torch.Tensor, during_backward: bool = True) -> None:
+    """Forward and backward of step t with `buckets` issuing into `scratch` over `comm` (during
+    backward, or all of them after it); nothing kept."""
     flat = tr.owned.flat
     flat.zero_grad()
     tr.model_buffers.restore()  # as a redo: the step's forward starts from the committed buffers
@@ -233,10 +273,10 @@ def _trial(tr, buckets: GradBuckets, t: int, closure, scratch: torch.Tensor, dur
     if not during_backward:
         loss.backward()
         scratch.copy_(flat.grads)
-        buckets.issue_all(tr.ours or tr.comm, scratch, what=f"overlap tuning step {t} (after backward)")
+        buckets.issue_all(comm, scratch, what=f"overlap tuning step {t} (after backward)")
         flat.zero_grad()
         return
-    buckets.begin(tr.ours or tr.comm, scratch, scratch, 0.0, poison=False, what=f"overlap tuning step {t}")
+    buckets.begin(comm, scratch, scratch, 0.0, poison=False, what=f"overlap tuning step {t}")
     loss.backward()
     buckets.finish()
     flat.zero_grad()

@@ -297,7 +297,7 @@ class Trainer(LoopAPI, Persistence, NumericsChecks):
         self.comm = Comm(membership.group_store(pg_store, gen.gen), rank=self.rank, world=self.world_size,
                          gen=gen.gen, timeout_s=cfg.collective_timeout_s, interrupted=stale, **kinds)
         try:
-            self.ours = bucketed.for_comm(self.comm, cfg.collectives, emit=self.ctx.events.emit, interrupted=stale)
+            self.ours = bucketed.for_comm(self.comm, self.overlap.collectives(), emit=self.ctx.events.emit, interrupted=stale)
         except ValueError as e:
             self._refuse(str(e))
         k = self.owned.k
