@@ -124,8 +124,8 @@ def test_a_plan_naming_the_chain_switches_every_rank_and_a_shadow_to_it(tmp_path
 
 
 def test_two_nodes_tune_the_chain_as_a_candidate(tmp_path):
-    """2 nodes x 2 ranks with --overlap auto: the search measures the chain beside gloo's own, and
-    the run equals the run given the chosen plan as a file."""
+    """2 nodes x 2 ranks with --overlap auto: the search times gloo's all-reduce and the chain on the
+    whole gradient first, then runs every candidate on the one it chose, and the job uses it."""
     from .conftest import start_node
 
     env_cache = tmp_path / "cache.json"
@@ -142,7 +142,9 @@ def test_two_nodes_tune_the_chain_as_a_candidate(tmp_path):
     assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     tuned = json.loads(outs[0][0])
     rows = json.loads(env_cache.read_text())["measured"]["candidates"]
-    assert [r["collectives"] for r in rows[:2]] == [None, "chain"]
+    probe = json.loads(env_cache.read_text())["measured"]["collectives_probe"]
+    assert set(probe["seconds"]) == {"gloo", "chain"} and probe["chosen"] in (None, "chain")
+    assert {r["collectives"] for r in rows} == {probe["chosen"]}  # every candidate on the chosen collectives
     chosen = json.loads(env_cache.read_text())["plan"]
     assert tuned["overlap"]["collectives"] == (chosen["collectives"] or "gloo")
 

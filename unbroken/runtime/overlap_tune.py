@@ -2,8 +2,10 @@
 --overlap on|off, a plan file, the tuning cache, or a short measured search at the first step —
 applied to the gradient buckets and the threads' cores, and announced as an `overlap_plan` event.
 
-The search times forward + backward + the bucketed all-reduce of the first step's batch for a
-few candidates, the job's own bucket size first, then the best buckets' all-reduce after backward
+On a job of several nodes with several ranks each, the search first times the whole gradient
+all-reduced by gloo and by the rank-order chain (comm/patterns.py), and the faster by more than
+the spread is the collectives of every candidate after. The search times forward + backward +
+the bucketed all-reduce of the first step's batch for a few candidates, the job's own bucket size first, then the best buckets' all-reduce after backward
 instead of during it, and keeps another only when it is faster by more than the trials' spread
 (`choose`); into a scratch gradient (the step's own gradient slot and the logged ones are
 never touched, no update is applied, buffers and RNG are restored as a redo restores them), so
@@ -34,6 +36,7 @@ from unbroken.runtime.determinism import FORWARD, seed_everything
 CANDIDATE_KB = (256, 1024, 4096, 25600)  # bucket sizes tried (KiB), with the shared partition
 TRY_PARTITIONS = ("pinned", "split")  # then these, with the best bucket size
 TRIALS = 3  # timed forward/backward/all-reduce runs per candidate, after one untimed warm-up
+PROBES = 5  # timed whole-gradient all-reduces per collectives candidate (multi-node jobs)
 BUDGET_S = 30.0  # no new candidate starts once any rank has spent this long searching
 STORE_KEY = "overlap/plan"
 TIMELINE_STEP = 3  # rank 0 records this step's bucket times (an `overlap_timeline` event): after warm-up
@@ -179,11 +182,10 @@ class OverlapControl:
         table: list[dict] = []
         started = time.perf_counter()
         measure = lambda cand: self._measure(tr, t, closure, scratch, cand, table, started)  # noqa: E731
+        probe = self._probe_collectives(tr, scratch) if self.chain_worth_trying(tr) else None
+        coll = probe["chosen"] if probe else None
         default_kb = self.cfg.bucket_kb  # measured first: every other candidate has to beat it
-        go = measure(OverlapPlan(bucket_kb=default_kb))
-        if go and self.chain_worth_trying(tr):
-            go = measure(OverlapPlan(bucket_kb=default_kb, collectives="chain"))
-        coll = choose(table)["collectives"]
+        go = measure(OverlapPlan(bucket_kb=default_kb, collectives=coll))
         for kb in (k for k in CANDIDATE_KB if k != default_kb):
             if not (go := go and measure(OverlapPlan(bucket_kb=kb, collectives=coll))):
                 break
@@ -206,10 +208,37 @@ class OverlapControl:
         self.pinner.refresh()
         membership.put(tr.ctx.store, STORE_KEY, plan.to_dict())
         self.needs_tuning = False
-        measured = {"candidates": table, "search_s": round(time.perf_counter() - started, 3)}
+        measured = {"candidates": table, "collectives_probe": probe,
+                    "search_s": round(time.perf_counter() - started, 3)}
         tr.ctx.events.emit("overlap_tuned", step=t, chosen=plan.to_dict(), reason=self.why, **measured)
         if tr.rank == 0:
             atomic_write_json(self.path, plan_file_text(plan, self.key, measured))
+
+    def _probe_collectives(self, tr, scratch: torch.Tensor) -> dict:
+        """The job's all-reduce against the chain on the whole gradient alone (interleaved, one
+        warm-up, PROBES timed each): a collective's difference is a few per cent of a trial's
+        forward + backward and drowns in its spread, not in the collective's own. The chain is
+        kept when faster by more than the spread of either one's times (every rank's mean)."""
+        own = self.cfg.collectives
+        comms = {own: tr.ours or tr.comm, "chain": _ours(tr, "chain")}
+        times: dict[str, list[float]] = {m: [] for m in comms}
+        scratch.zero_()
+        try:
+            for i in range(PROBES + 1):
+                for m, c in comms.items():
+                    t0 = time.perf_counter()
+                    c.finish(c.allreduce_start(scratch, what=f"overlap tuning: {m} all-reduce"))
+                    if i:
+                        times[m].append(time.perf_counter() - t0)
+        finally:
+            comms["chain"].close()
+        mine = {m: {"s": statistics.median(v), "spread_s": max(v) - min(v)} for m, v in times.items()}
+        everyone = tr.comm.allgather_json(mine, what="overlap tuning: collectives")
+        mean = {m: {k: statistics.fmean(r[m][k] for r in everyone) for k in ("s", "spread_s")} for m in comms}
+        margin = max(mean[own]["spread_s"], mean["chain"]["spread_s"])
+        chosen = "chain" if mean[own]["s"] - mean["chain"]["s"] > margin else None
+        return {"seconds": {m: round(v["s"], 5) for m, v in mean.items()},
+                "spread_s": {m: round(v["spread_s"], 5) for m, v in mean.items()}, "chosen": chosen}
 
     def _measure(self, tr, t, closure, scratch, cand: OverlapPlan, table: list, started: float) -> bool:
         """Time one candidate on every rank; append the ranks' mean to `table`. False: out of time."""
