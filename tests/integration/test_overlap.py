@@ -144,6 +144,7 @@ def test_two_nodes_tune_the_chain_as_a_candidate(tmp_path):
     rows = json.loads(env_cache.read_text())["measured"]["candidates"]
     probe = json.loads(env_cache.read_text())["measured"]["collectives_probe"]
     assert set(probe["seconds"]) == {"gloo", "chain"} and probe["chosen"] in (None, "chain")
+    assert all(len(v) == 5 for v in probe["seconds"].values())
     assert {r["collectives"] for r in rows} == {probe["chosen"]}  # every candidate on the chosen collectives
     chosen = json.loads(env_cache.read_text())["plan"]
     assert tuned["overlap"]["collectives"] == (chosen["collectives"] or "gloo")

@@ -219,3 +219,21 @@ def test_choose_returns_a_row_that_is_the_default_or_beats_it_by_more_than_the_s
     if got is not table[0]:
         assert table[0]["step_s"] - got["step_s"] > max(table[0]["spread_s"], got["spread_s"])
         assert got["step_s"] == min(r["step_s"] for r in table)
+
+
+def test_chain_leads_needs_nearly_every_pair_and_a_real_median_lead():
+    from unbroken.runtime.overlap_tune import chain_leads
+
+    gloo = [0.16, 0.17, 0.16, 0.30, 0.16]  # one slow probe: a range rule would call it noise
+    assert chain_leads(gloo, [0.12, 0.12, 0.13, 0.12, 0.12])
+    assert not chain_leads(gloo, [0.12, 0.18, 0.18, 0.12, 0.12])  # slower in two pairs
+    assert not chain_leads([0.16] * 5, [0.155] * 5)  # 3 % faster: within what a plan change costs
+
+
+@given(own=st.lists(st.floats(0.01, 10.0), min_size=3, max_size=9), scale=st.floats(0.5, 2.0))
+def test_chain_leads_is_consistent_with_scaling_and_never_picks_a_slower_chain(own, scale):
+    from unbroken.runtime.overlap_tune import chain_leads
+
+    assert not chain_leads(own, [x * 1.01 for x in own])  # slower in every pair
+    assert chain_leads(own, [x * 0.5 for x in own]) == chain_leads([x * scale for x in own],
+                                                                   [x * 0.5 * scale for x in own])
