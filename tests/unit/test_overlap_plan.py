@@ -15,7 +15,7 @@ from unbroken.config import ConfigError, ModelConfig, RunConfig
 from unbroken.parallel.overlap import (FORMAT, OverlapPlan, Partition, PlanError, ThreadPinner, available_cores,
                                        plan_file_text, read_plan_file)
 from unbroken.runtime import membership
-from unbroken.runtime.overlap_tune import STORE_KEY, OverlapControl, cache_path, checked_overlap, choose, tuning_key
+from unbroken.runtime.overlap_tune import STORE_KEY, OverlapControl, cache_path, checked_overlap, leads, tuning_key
 
 linux_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="per-thread affinity is Linux's")
 
@@ -198,42 +198,23 @@ def test_ranks_search_together_when_any_lacks_the_plan_or_they_differ(tmp_path):
         assert (agreed is None) == tunes and (tunes or agreed["bucket_kb"] == 256)
 
 
-def _row(kb, step_s, spread_s, partition="shared"):
-    return {"bucket_kb": kb, "partition": partition, "step_s": step_s, "spread_s": spread_s}
-
-
-def test_a_lead_inside_the_trials_spread_keeps_the_default():
-    default = _row(25600, 0.100, 0.004)
-    assert choose([default, _row(256, 0.098, 0.003, "pinned")]) is default  # 2 ms faster, 4 ms spread
-    faster = _row(1024, 0.090, 0.003)
-    assert choose([default, faster, _row(256, 0.098, 0.001)]) is faster  # 10 ms faster: a real lead
-    assert choose([default, _row(1024, 0.095, 0.006)]) is default  # the candidate's own spread counts too
-    assert choose([default]) is default
-
-
-@given(st.lists(st.tuples(st.floats(0.01, 1.0), st.floats(0.0, 0.1)), min_size=1, max_size=8))
-def test_choose_returns_a_row_that_is_the_default_or_beats_it_by_more_than_the_spread(rows):
-    table = [_row(256 * i + 1, s, sp) for i, (s, sp) in enumerate(rows)]
-    got = choose(table)
-    assert got in table
-    if got is not table[0]:
-        assert table[0]["step_s"] - got["step_s"] > max(table[0]["spread_s"], got["spread_s"])
-        assert got["step_s"] == min(r["step_s"] for r in table)
-
-
-def test_chain_leads_needs_nearly_every_pair_and_a_real_median_lead():
-    from unbroken.runtime.overlap_tune import chain_leads
-
+def test_a_lead_needs_nearly_every_pair_and_a_real_median_lead():
     gloo = [0.16, 0.17, 0.16, 0.30, 0.16]  # one slow probe: a range rule would call it noise
-    assert chain_leads(gloo, [0.12, 0.12, 0.13, 0.12, 0.12])
-    assert not chain_leads(gloo, [0.12, 0.18, 0.18, 0.12, 0.12])  # slower in two pairs
-    assert not chain_leads([0.16] * 5, [0.155] * 5)  # 3 % faster: within what a plan change costs
+    assert leads(gloo, [0.12, 0.12, 0.13, 0.12, 0.12])
+    assert not leads(gloo, [0.12, 0.18, 0.18, 0.12, 0.12])  # slower in two pairs
+    assert not leads([0.16] * 5, [0.155] * 5)  # 3 % faster: within what a plan change costs
 
 
 @given(own=st.lists(st.floats(0.01, 10.0), min_size=3, max_size=9), scale=st.floats(0.5, 2.0))
-def test_chain_leads_is_consistent_with_scaling_and_never_picks_a_slower_chain(own, scale):
-    from unbroken.runtime.overlap_tune import chain_leads
-
-    assert not chain_leads(own, [x * 1.01 for x in own])  # slower in every pair
-    assert chain_leads(own, [x * 0.5 for x in own]) == chain_leads([x * scale for x in own],
+def test_a_lead_is_consistent_with_scaling_and_never_picks_a_slower_candidate(own, scale):
+    assert not leads(own, [x * 1.01 for x in own])  # slower in every pair
+    assert leads(own, [x * 0.5 for x in own]) == leads([x * scale for x in own],
                                                                    [x * 0.5 * scale for x in own])
+
+
+def test_the_fastest_row_and_the_default_on_a_tie():
+    from unbroken.runtime.overlap_tune import _fastest
+
+    rows = [{"step_s": 0.30}, {"step_s": 0.25}, {"step_s": 0.25}, {"step_s": 0.40}]
+    assert _fastest(rows) is rows[1]
+    assert _fastest([rows[0], {"step_s": 0.30}]) is rows[0]

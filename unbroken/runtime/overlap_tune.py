@@ -6,8 +6,8 @@ On a job of several nodes with several ranks each, the search first times the wh
 all-reduced by gloo and by the rank-order chain (comm/patterns.py), and the faster by more than
 the spread is the collectives of every candidate after. The search times forward + backward +
 the bucketed all-reduce of the first step's batch for a few candidates, the job's own bucket size first, then the best buckets' all-reduce after backward
-instead of during it, and keeps another only when it is faster by more than the trials' spread
-(`choose`); into a scratch gradient (the step's own gradient slot and the logged ones are
+instead of during it; the fastest replaces the default only when it leads again in interleaved
+pairs of trials against it (`_duel`, `leads`); into a scratch gradient (the step's own gradient slot and the logged ones are
 never touched, no update is applied, buffers and RNG are restored as a redo restores them), so
 the run after it is bitwise the run launched with the chosen plan given as a file. Every rank
 takes the same choice: the measurements are all-gathered (which also bounds the search's time
@@ -20,6 +20,7 @@ import hashlib
 import os
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ CANDIDATE_KB = (256, 1024, 4096, 25600)  # bucket sizes tried (KiB), with the sh
 TRY_PARTITIONS = ("pinned", "split")  # then these, with the best bucket size
 TRIALS = 3  # timed forward/backward/all-reduce runs per candidate, after one untimed warm-up
 PROBES = 5  # timed whole-gradient all-reduces per collectives candidate (multi-node jobs)
+DUELS = 4  # interleaved trial pairs of the default against the fastest candidate
 BUDGET_S = 30.0  # no new candidate starts once any rank has spent this long searching
 STORE_KEY = "overlap/plan"
 TIMELINE_STEP = 3  # rank 0 records this step's bucket times (an `overlap_timeline` event): after warm-up
@@ -189,26 +191,25 @@ class OverlapControl:
         for kb in (k for k in CANDIDATE_KB if k != default_kb):
             if not (go := go and measure(OverlapPlan(bucket_kb=kb, collectives=coll))):
                 break
-        best = choose(table)
+        best = _fastest(table)
         for name in TRY_PARTITIONS:
             if not (go := go and measure(OverlapPlan(bucket_kb=best["bucket_kb"], partition=Partition(name=name),
-                                                     collectives=best["collectives"]))):
+                                                     collectives=coll))):
                 break
-        best = choose(table)  # then the same buckets all-reduced after backward: on shared cores the
-        partition = Partition.from_json(best["partition"])  # hooks' all-reduces compete with backward
-        if go:
-            measure(OverlapPlan(bucket_kb=best["bucket_kb"], partition=partition, during_backward=False,
-                                collectives=best["collectives"]))
-        best = choose(table)
-        plan = OverlapPlan(bucket_kb=best["bucket_kb"], partition=Partition.from_json(best["partition"]),
-                           during_backward=best.get("during_backward", True), collectives=best["collectives"],
-                           source="tuned")
+        best = _fastest(table)  # then the same buckets all-reduced after backward: on shared cores the
+        if go:  # hooks' all-reduces compete with backward
+            measure(replace(_plan_of(best), during_backward=False))
+        best, duel = _fastest(table), None
+        if best is not table[0]:  # a lead of three trials in a row is confirmed in pairs, or dropped
+            duel = self._duel(tr, t, closure, scratch, table[0], best)
+            best = best if duel["kept"] == "fastest" else table[0]
+        plan = replace(_plan_of(best), source="tuned")
         self.pinner.release()
         self.plan, self.pinner = plan, ThreadPinner(plan.partition, self.local_rank)
         self.pinner.refresh()
         membership.put(tr.ctx.store, STORE_KEY, plan.to_dict())
         self.needs_tuning = False
-        measured = {"candidates": table, "collectives_probe": probe,
+        measured = {"candidates": table, "collectives_probe": probe, "duel": duel,
                     "search_s": round(time.perf_counter() - started, 3)}
         tr.ctx.events.emit("overlap_tuned", step=t, chosen=plan.to_dict(), reason=self.why, **measured)
         if tr.rank == 0:
@@ -218,7 +219,7 @@ class OverlapControl:
         """The job's all-reduce against the chain on the whole gradient alone (interleaved, one
         warm-up, PROBES timed each): a collective's difference is a few per cent of a trial's
         forward + backward and drowns in its spread, not in the collective's own. The times are
-        every rank's mean per probe; the chain is kept by `chain_leads`."""
+        every rank's mean per probe; the chain is kept when it `leads`."""
         own = self.cfg.collectives
         comms = {own: tr.ours or tr.comm, "chain": _ours(tr, "chain")}
         times: dict[str, list[float]] = {m: [] for m in comms}
@@ -235,10 +236,10 @@ class OverlapControl:
         everyone = tr.comm.allgather_json(times, what="overlap tuning: collectives")
         mean = {m: [statistics.fmean(r[m][i] for r in everyone) for i in range(PROBES)] for m in comms}
         return {"seconds": {m: [round(x, 5) for x in v] for m, v in mean.items()},
-                "chosen": "chain" if chain_leads(mean[own], mean["chain"]) else None}
+                "chosen": "chain" if leads(mean[own], mean["chain"]) else None}
 
-    def _measure(self, tr, t, closure, scratch, cand: OverlapPlan, table: list, started: float) -> bool:
-        """Time one candidate on every rank; append the ranks' mean to `table`. False: out of time."""
+    def _times(self, tr, t, closure, scratch, cand: OverlapPlan, n: int, warm_up: bool = True) -> list[float]:
+        """Seconds of `n` trials of `cand` on this rank (after one untimed warm-up if `warm_up`)."""
         self.pinner.release()  # the previous candidate's (or the start's) cores
         self.pinner = ThreadPinner(cand.partition, self.local_rank)
         self.pinner.refresh()
@@ -246,17 +247,22 @@ class OverlapControl:
         mode = cand.collectives or self.cfg.collectives
         own = (tr.ours.mode if tr.ours is not None else "gloo") == mode
         comm = (tr.ours or tr.comm) if own else (_ours(tr, mode) or tr.comm)  # a trial's own, closed after
+        times = []
         try:
-            times = []
-            for i in range(TRIALS + 1):
+            for i in range(n + warm_up):
                 t0 = time.perf_counter()
                 _trial(tr, buckets, comm, t, closure, scratch, during_backward=cand.during_backward)
-                if i:
+                if i >= warm_up:
                     times.append(time.perf_counter() - t0)
         finally:
             buckets.close()
             if not own and comm is not tr.comm:
                 comm.close()
+        return times
+
+    def _measure(self, tr, t, closure, scratch, cand: OverlapPlan, table: list, started: float) -> bool:
+        """Time one candidate on every rank; append the ranks' mean to `table`. False: out of time."""
+        times = self._times(tr, t, closure, scratch, cand, TRIALS)
         mine = {"step_s": statistics.median(times), "spread_s": max(times) - min(times),
                 "elapsed_s": time.perf_counter() - started}
         everyone = tr.comm.allgather_json(mine, what="overlap tuning measurements")
@@ -266,25 +272,40 @@ class OverlapControl:
                       "spread_s": round(statistics.fmean(r["spread_s"] for r in everyone), 5)})
         return max(r["elapsed_s"] for r in everyone) < BUDGET_S
 
+    def _duel(self, tr, t, closure, scratch, base: dict, other: dict) -> dict:
+        """The default row and the fastest one, in DUELS interleaved pairs of trials (after one
+        warm-up of each): three trials of a candidate in a row can all land in a slow patch of
+        the machine, a pair's two trials share it. `other` is kept when it `leads`."""
+        plans = [_plan_of(base), _plan_of(other)]
+        for p in plans:
+            self._times(tr, t, closure, scratch, p, 0)
+        times: list[list[float]] = [[], []]
+        for _ in range(DUELS):
+            for k, p in enumerate(plans):
+                times[k] += self._times(tr, t, closure, scratch, p, 1, warm_up=False)
+        everyone = tr.comm.allgather_json(times, what="overlap tuning: the default against the fastest")
+        mean = [[statistics.fmean(r[k][i] for r in everyone) for i in range(DUELS)] for k in (0, 1)]
+        return {"default_s": [round(x, 5) for x in mean[0]], "fastest_s": [round(x, 5) for x in mean[1]],
+                "kept": "fastest" if leads(mean[0], mean[1]) else "default"}
 
-def chain_leads(own: list[float], chain: list[float]) -> bool:
-    """Interleaved pairs (own_i, chain_i): the chain leads when it was faster in all pairs but at
-    most one and its median lead is over 5 % of the median own time. Pairs, not ranges: the
-    machine's noise moves both of a pair alike (the range rule of `choose` missed a 25 % lead at
-    1 Gbit/s when one probe of five was slow)."""
-    lead = [a - b for a, b in zip(own, chain)]
-    return sum(d > 0 for d in lead) >= len(lead) - 1 and statistics.median(lead) > 0.05 * statistics.median(own)
+
+def _plan_of(row: dict) -> OverlapPlan:
+    return OverlapPlan(bucket_kb=row["bucket_kb"], partition=Partition.from_json(row["partition"]),
+                       during_backward=row.get("during_backward", True), collectives=row.get("collectives"))
 
 
-def choose(table: list[dict]) -> dict:
-    """The row to keep. table[0] is the default (the job's bucket size, shared cores); another row
-    replaces it only when it is faster by more than the spread of either one's trials: a lead
-    inside the noise of a few trials is no lead (a `pinned` plan that won its trial on loopback
-    lost 7 % over the whole run: docs/benchmarks.md)."""
-    default = table[0]
-    best = min(table, key=lambda r: r["step_s"])
-    margin = max(default.get("spread_s", 0.0), best.get("spread_s", 0.0))
-    return best if default["step_s"] - best["step_s"] > margin else default
+def leads(base: list[float], other: list[float]) -> bool:
+    """Interleaved pairs (base_i, other_i): `other` leads when it was faster in all pairs but at
+    most one and its median lead is over 5 % of base's median. Pairs, not ranges: the machine's
+    noise moves both of a pair alike (a range rule missed a 25 % lead of the chain at 1 Gbit/s
+    when one probe of five was slow, and kept one 25 MB bucket against 1 MB buckets 26 % faster)."""
+    lead = [a - b for a, b in zip(base, other)]
+    return sum(d > 0 for d in lead) >= len(lead) - 1 and statistics.median(lead) > 0.05 * statistics.median(base)
+
+
+def _fastest(table: list[dict]) -> dict:
+    """The row of least median trial time (the default, table[0], on a tie)."""
+    return min(table, key=lambda r: r["step_s"])
 
 
 def _ours(tr, mode: str):
