@@ -9,7 +9,9 @@ effect at the next collective on every rank. A congestion flag change and a plan
 events (`link_congestion`, `collective_plan`), written by rank 0 before the plan is used.
 
 mode "static" always runs the static ring (rank order, even chunks, its pieces set by the size
-alone) and learns nothing: the baseline. All-reduces under `learn_bytes` (the same decision on
+alone) and learns nothing: the baseline. mode "chain" always runs the rank-order chain (its
+pieces set by the size alone) and learns nothing either: for ranks placed on nodes in blocks,
+where a node's link is shared (comm/patterns.py). All-reduces under `learn_bytes` (the same decision on
 every rank: the size is the same) skip the exchange: their flows are too small to measure a link
 (flows.FlowConfig.min_bytes) and the sync would cost more than it could win. Summing several small
 ones (a step's gradient buckets) into one observation was tried and dropped: between buckets the

@@ -1,5 +1,5 @@
 """Our all-reduce issued per gradient bucket while backward runs: one communication thread runs
-the adaptive (or static) all-reduce of each bucket in issue order, behind the two calls the
+the adaptive (or static, or chain) all-reduce of each bucket in issue order, behind the two calls the
 gradient buckets make of a `Comm` (`allreduce_start`, `finish`), so they overlap as gloo's do.
 
 Only that thread touches the AdaptiveAllreduce (its plan, sequence numbers, flow tables): a
