@@ -126,11 +126,13 @@ def test_a_plan_naming_the_chain_switches_every_rank_and_a_shadow_to_it(tmp_path
 def test_two_nodes_tune_the_chain_as_a_candidate(tmp_path):
     """2 nodes x 2 ranks with --overlap auto: the search times gloo's all-reduce and the chain on the
     whole gradient first, then runs every candidate on the one it chose, and the job uses it."""
+    from unbroken.bench.common import free_port
+
     from .conftest import start_node
 
     env_cache = tmp_path / "cache.json"
     args = ["--n-layer", "2", "--n-embd", "64", "--batch-size", "4", "--steps", "4", "--world-size", "4",
-            "--chunk-kb", "16", "--strategy", "ddp", "--port", str(_free_port())]
+            "--chunk-kb", "16", "--strategy", "ddp", "--port", str(free_port())]
     nodes = [start_node(tmp_path / f"n{k}", k, *args, "--overlap", str(env_cache)) for k in (0, 1)]
     try:
         outs = [n.communicate(timeout=240) for n in nodes]
@@ -148,11 +150,3 @@ def test_two_nodes_tune_the_chain_as_a_candidate(tmp_path):
     assert {r["collectives"] for r in rows} == {probe["chosen"]}  # every candidate on the chosen collectives
     chosen = json.loads(env_cache.read_text())["plan"]
     assert tuned["overlap"]["collectives"] == (chosen["collectives"] or "gloo")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -304,17 +304,18 @@ class _Relay:
     """A middle rank's result pieces, passed down the chain as each one arrives (its own thread)."""
 
     def __init__(self, tp: Transport, flat: torch.Tensor, pcs: list, up: list, seq: int, what: str) -> None:
+        self.tp, self.what = tp, what
         self.sends: list[Transfer] = []
         self.error: BaseException | None = None
-        self._args = (tp, flat, pcs, up, seq, what)
-        self._thread = threading.Thread(target=self._run, name=f"unbroken-chain-relay-r{tp.rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(flat, pcs, up, seq), daemon=True,
+                                        name=f"unbroken-chain-relay-r{tp.rank}")
         self._thread.start()
 
-    def _run(self) -> None:
-        tp, flat, pcs, up, seq, what = self._args
+    def _run(self, flat: torch.Tensor, pcs: list, up: list, seq: int) -> None:
+        tp = self.tp
         try:
             for i, (a, z) in enumerate(pcs):
-                tp.wait([up[i]], f"{what} (chain result piece {i} from rank {tp.rank + 1})")
+                tp.wait([up[i]], f"{self.what} (chain result piece {i} from rank {tp.rank + 1})")
                 self.sends.append(tp.send(flat[a:z], tp.rank - 1, tag(seq, PHASE_RESULTS, tp.rank, i)))
         except BaseException as e:  # noqa: BLE001 - raised in the caller by join()
             self.error = e
@@ -322,10 +323,9 @@ class _Relay:
     def join(self) -> list[Transfer]:
         """The relay's sends, once every result piece was passed on; its error raised here. Bounded:
         each of its waits ends by the collective's deadline."""
-        self._thread.join(self._args[0].timeout_s + 5.0)
+        self._thread.join(self.tp.timeout_s + 5.0)
         if self.error is not None:
             raise self.error
         if self._thread.is_alive():
-            raise CollectiveError(f"{self._args[5]}: the chain's result relay on rank {self._args[0].rank} "
-                                  "did not end")
+            raise CollectiveError(f"{self.what}: the chain's result relay on rank {self.tp.rank} did not end")
         return self.sends

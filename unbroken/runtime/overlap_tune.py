@@ -3,8 +3,8 @@
 applied to the gradient buckets and the threads' cores, and announced as an `overlap_plan` event.
 
 On a job of several nodes with several ranks each, the search first times the whole gradient
-all-reduced by gloo and by the rank-order chain (comm/patterns.py), and the faster by more than
-the spread is the collectives of every candidate after. The search times forward + backward +
+all-reduced by gloo and by the rank-order chain (comm/patterns.py), in interleaved pairs; the
+chain is the collectives of every candidate after when it `leads`. The search times forward + backward +
 the bucketed all-reduce of the first step's batch for a few candidates, the job's own bucket size first, then the best buckets' all-reduce after backward
 instead of during it; the fastest replaces the default only when it leads again in interleaved
 pairs of trials against it (`_duel`, `leads`); into a scratch gradient (the step's own gradient slot and the logged ones are
@@ -157,7 +157,7 @@ class OverlapControl:
         """Give the trainer the gradient all-reduce the plan names (every rank holds the same plan:
         they all switch before the same step)."""
         mode = self.collectives()
-        if (tr.ours.mode if tr.ours is not None else "gloo") != mode:
+        if _mode_of(tr) != mode:
             if tr.ours is not None:
                 tr.ours.close()
             tr.ours = _ours(tr, mode)
@@ -245,7 +245,7 @@ class OverlapControl:
         self.pinner.refresh()
         buckets = GradBuckets(tr.owned.flat, *cand.bucket_sizes)
         mode = cand.collectives or self.cfg.collectives
-        own = (tr.ours.mode if tr.ours is not None else "gloo") == mode
+        own = _mode_of(tr) == mode
         comm = (tr.ours or tr.comm) if own else (_ours(tr, mode) or tr.comm)  # a trial's own, closed after
         times = []
         try:
@@ -306,6 +306,11 @@ def leads(base: list[float], other: list[float]) -> bool:
 def _fastest(table: list[dict]) -> dict:
     """The row of least median trial time (the default, table[0], on a tie)."""
     return min(table, key=lambda r: r["step_s"])
+
+
+def _mode_of(tr) -> str:
+    """The collectives the trainer's gradient all-reduce runs now."""
+    return tr.ours.mode if tr.ours is not None else "gloo"
 
 
 def _ours(tr, mode: str):
