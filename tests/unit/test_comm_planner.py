@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tests.unit.commgroups import groups, on_ranks
 from unbroken.comm.adaptive import AdaptiveAllreduce
 from unbroken.comm.patterns import Pattern, reference
-from unbroken.comm.planner import SMALL_CHAIN_BYTES, Rates, balanced_split, candidates, chain_pieces, choose, predict
+from unbroken.comm.planner import Rates, balanced_split, candidates, choose, predict
 
 MB = 1 << 20
 FAST, SLOW = 125e6, 125e6 / 4
@@ -59,16 +59,6 @@ def test_balanced_split_gives_every_member_a_weight_and_others_none(world, data)
                   down=tuple(data.draw(st.floats(1e6, 1e10)) for _ in range(world)))
     w = balanced_split(rates, members)
     assert sum(w) > 0 and all(w[r] == 0 for r in range(world) if r not in members)
-
-
-@given(st.integers(1, 1 << 31))
-def test_chain_pieces_are_small_for_small_buckets_and_bounded(nbytes):
-    k = chain_pieces(nbytes)
-    assert 1 <= k <= 64
-    limit = (256 << 10) if nbytes <= SMALL_CHAIN_BYTES else (1 << 20)
-    if k < 64:  # not capped: every piece is about the size the rule names (a whole piece, at most one more)
-        assert nbytes // k < 2 * limit
-    assert k == 1 or nbytes // k >= limit  # never cut below the piece size
 
 
 @settings(max_examples=6)

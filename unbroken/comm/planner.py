@@ -109,15 +109,9 @@ def _chain_time(nbytes: float, rates: Rates, pieces: int) -> float:
     return busy + 2 * (n - 1) * (hop + rates.latency_s) + rates.op_s * 4 * pieces + nbytes / pieces / rates.reduce_Bps
 
 
-SMALL_CHAIN_BYTES = 4 << 20  # a bucket up to this goes in 256 KB pieces, a larger one in 1 MB pieces
-
-
 def chain_pieces(nbytes: int) -> int:
-    """The chain's pipeline depth, at most 64. Its fill is 2(N-1) hops of one piece, which a small
-    bucket pays in full: the last bucket of a backward waits for it. So a small bucket goes in 256 KB
-    pieces; a large one (the whole gradient after backward) in 1 MB pieces, fewer sends per byte."""
-    piece = (256 << 10) if nbytes <= SMALL_CHAIN_BYTES else (1 << 20)
-    return max(1, min(64, nbytes // piece))
+    """The chain's pipeline depth: pieces of ~1 MB (its fill is 2(N-1) hops of one piece), at most 64."""
+    return max(1, min(64, nbytes // (1 << 20)))
 
 
 def _exchange_time(c: list[float], holders: dict[int, list[int]], rates: Rates, pieces: int) -> float:
