@@ -21,7 +21,8 @@ def _runs(scale):
     return {"none": [_rec(1.0 * scale, exposed=0.6 * scale, compute=0.3), _rec(1.2 * scale, exposed=0.6 * scale, compute=0.5)],
             "ddp": [_rec(0.9 * scale, update=0.1), _rec(0.9 * scale, update=0.1)],
             "default": [_rec(0.8 * scale, exposed=0.3 * scale, timeline=tl)] * 2,
-            "tuned": [_rec(0.7 * scale, exposed=0.15 * scale, timeline=tl)] * 2}
+            "tuned": [{**_rec(0.7 * scale, exposed=0.15 * scale, timeline=tl), "search": {"search_s": scale}},
+                      _rec(0.7 * scale, exposed=0.15 * scale, timeline=tl)]}
 
 
 def test_cuts_take_the_smaller_comm_heavy_config_and_hidden_is_relative_to_none():
@@ -30,6 +31,7 @@ def test_cuts_take_the_smaller_comm_heavy_config_and_hidden_is_relative_to_none(
     c = res["configs"]["200mbit"]
     assert c["step_s"]["none"] == pytest.approx(2.2)
     assert c["cut_vs_none"] == pytest.approx(1 - 1.4 / 2.2) and c["cut_vs_ddp"] == pytest.approx(1 - 1.4 / 1.8)
+    assert c["tuned_search"] == {"search_s": 2.0}  # the searching run's table, kept beside the plan
     assert c["hidden"]["tuned"] == pytest.approx(0.75) and c["hidden"]["none"] == pytest.approx(0.0)
     # DDP's exposed time: its step minus none's compute (mean 0.4) and its own update
     assert c["exposed_comm_s"]["ddp"] == pytest.approx(1.8 - 0.4 - 0.1)

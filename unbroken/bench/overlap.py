@@ -63,6 +63,7 @@ def _unbroken_record(run_dir: Path) -> dict:
     steps = [e.fields for e in step_events(events) if e.fields.get("step", 0) > SKIP_STEPS]
     plan = next((e.fields for e in events if e.kind == "overlap_plan" and e.rank == 0), None)
     timeline = next((e.fields for e in events if e.kind == "overlap_timeline"), None)
+    search = next((e.fields for e in events if e.kind == "overlap_tuned" and e.rank == 0), None)
     mean = lambda k: statistics.fmean(float(s.get(k, 0.0)) for s in steps)  # noqa: E731
     step_of = next((s for s in steps if timeline and s["step"] == timeline["step"]), None)
     # eager_s: update work done inside the all-reduce wait (parallel/eager.py): not communication
@@ -70,6 +71,7 @@ def _unbroken_record(run_dir: Path) -> dict:
             "eager_s": mean("eager_s"), "eager_steps": sum(float(s.get("eager_s", 0.0)) > 0 for s in steps),
             "timed_steps": len(steps),
             "exposed_comm_s": mean("allreduce_s") - mean("eager_s") + mean("allgather_s"), "plan": plan,
+            "search": search,
             "timeline": {**timeline, "phases": step_of} if timeline and step_of else None}
 
 
@@ -163,6 +165,8 @@ def result(runs: dict, *, steps: int, rounds: int, cfg: RunConfig) -> dict:
             "cut_vs_none": 1 - mean["tuned"] / mean["none"], "cut_vs_ddp": 1 - mean["tuned"] / mean["ddp"],
             "cut_default_vs_ddp": 1 - mean["default"] / mean["ddp"],
             "tuned_plan": by_method["tuned"][-1]["plan"], "default_plan": by_method["default"][-1]["plan"],
+            # the tuner's measured table (overlap_tuned), from the run that searched
+            "tuned_search": next((r["search"] for r in by_method["tuned"] if r.get("search")), None),
             "timelines": {m: by_method[m][-1]["timeline"] for m in ("none", "default", "tuned")},
             "samples": {m: [round(r["step_s"], 5) for r in rs] for m, rs in by_method.items()},
             # timed steps whose update was (partly) applied as buckets landed, over all rounds
