@@ -17,8 +17,9 @@ SHARDED = ("zero1", "zero2", "zero3", "fsdp")  # each rank owns one shard of the
 NONFINITE_POLICIES = ("stop", "skip")
 BACKENDS = ("auto", "gloo", "nccl")  # auto: nccl when CUDA is available, else gloo (runtime/devices.py)
 DEVICES = ("auto", "cpu", "cuda")  # auto: cuda under nccl, else cpu; gloo + cuda: ranks share GPUs (comm/staged.py)
-COLLECTIVES = ("gloo", "static", "adaptive", "chain")  # the gradient all-reduce: gloo's own, our static ring,
-# congestion-aware, or the rank-order chain (several ranks per node: node boundaries carry the gradient once each way)
+COLLECTIVES = ("gloo", "static", "adaptive", "chain", "shm")  # the gradient all-reduce: gloo's own, our static
+# ring, congestion-aware, the rank-order chain (several ranks per node: node boundaries carry the gradient once
+# each way), or shared memory (every rank on one host: no bytes through TCP loopback)
 BITWISE_REDUCE = ("auto", "exchange")  # XOR/AND: the backend's BXOR/BAND where it has them, or always exchange
 OVERLAP_MODES = ("on", "off", "auto")  # or a plan file FILE.json (unbroken/parallel/overlap.py)
 

@@ -1,4 +1,5 @@
-"""Test helper process: one rank of an all-reduce over a TCPStore; `--die-after K` exits after K posts."""
+"""Test helper process: one rank of an all-reduce (a pattern, or "shm") over a TCPStore; `--die-after K`
+exits after K posts."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from unbroken.comm.group import CollectiveError
 from unbroken.comm.patterns import Pattern, allreduce
+from unbroken.comm.shm import ShmAllreduce
 from unbroken.comm.transport import Transport
 
 
@@ -44,15 +46,21 @@ def main() -> None:
     tp = _Dying(pg, left=1 << 30, **kw) if a.die_after else Transport(pg, **kw)
     world = a.world
     aggs = (0, 1) if a.pattern == "tree" else ()
-    p = Pattern(kind=a.pattern, order=tuple(range(world)), pieces=8 if a.pattern in ("pipelined", "chain") else 1,
+    p = None if a.pattern == "shm" else Pattern(kind=a.pattern, order=tuple(range(world)), pieces=8 if a.pattern in ("pipelined", "chain") else 1,
                 split=tuple(int(not aggs or r in aggs) for r in range(world)), aggregators=aggs)
     t = torch.ones(4_000_000)
-    allreduce(tp, t, p, seq=1)  # a warm-up everyone finishes: the links are up
+    if a.pattern == "shm":  # the shared-memory all-reduce, its meetings over the (dying) transport
+        shm = ShmAllreduce(pg, **kw)
+        shm.tp = tp
+        run = lambda seq: shm(t)  # noqa: E731
+    else:
+        run = lambda seq: allreduce(tp, t, p, seq=seq)  # noqa: E731
+    run(1)  # a warm-up everyone finishes: the links are up
     if a.die_after:
         tp.left = a.die_after
     t0 = time.monotonic()
     try:
-        allreduce(tp, t, p, seq=2)
+        run(2)
         out = {"rank": a.rank, "raised": None, "correct": bool((t == world ** 2).all())}
     except CollectiveError as e:
         out = {"rank": a.rank, "raised": str(e)[:300]}

@@ -16,7 +16,7 @@ from unbroken.bench.common import free_port
 TIMEOUT_S = 6.0
 
 
-@pytest.mark.parametrize("pattern", ["pipelined", "chain", pytest.param("ring", marks=pytest.mark.slow),
+@pytest.mark.parametrize("pattern", ["pipelined", "chain", "shm", pytest.param("ring", marks=pytest.mark.slow),
                                      pytest.param("tree", marks=pytest.mark.slow)])
 def test_a_dead_peer_raises_in_every_survivor(pattern):
     world, port, victim = 3, free_port(), 2

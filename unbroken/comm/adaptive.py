@@ -210,12 +210,7 @@ class AdaptiveAllreduce:
 
 
 def for_comm(comm, mode: str, *, emit: Emit | None = None,
-             interrupted: Callable[[], bool] | None = None) -> AdaptiveAllreduce | None:
-    """The gradient all-reduce for a generation's `Comm` (group.py): None for mode "gloo" (its own)."""
-    if mode == "gloo":
-        return None
-    if comm.dev_pg is not None:
-        raise ValueError(f"--collectives {mode} moves CPU tensors over gloo, but this job's gradients are on "
-                         "CUDA (NCCL); use --collectives gloo or --backend gloo")
+             interrupted: Callable[[], bool] | None = None) -> AdaptiveAllreduce:
+    """The all-reduce of `mode` (one of MODES) for a generation's `Comm` (group.py)."""
     return AdaptiveAllreduce(comm.pg, rank=comm.rank, world=comm.world, timeout_s=comm.timeout_s, mode=mode,
                              emit=emit, interrupted=interrupted)

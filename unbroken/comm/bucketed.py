@@ -1,5 +1,5 @@
 """Our all-reduce issued per gradient bucket while backward runs: one communication thread runs
-the adaptive (or static, or chain) all-reduce of each bucket in issue order, behind the two calls the
+the adaptive (or static, chain, or shared-memory) all-reduce of each bucket in issue order, behind the two calls the
 gradient buckets make of a `Comm` (`allreduce_start`, `finish`), so they overlap as gloo's do.
 
 Only that thread touches the AdaptiveAllreduce (its plan, sequence numbers, flow tables): a
@@ -22,13 +22,14 @@ import torch.distributed as dist
 from unbroken.comm import adaptive
 from unbroken.comm.adaptive import AdaptiveAllreduce, Emit
 from unbroken.comm.group import CollectiveError, GenerationChanged, Pending
+from unbroken.comm.shm import ShmAllreduce
 
 
 class BucketedAllreduce:
     """`ours` run on a thread of its own; `comm` (optional) is credited the time spent waiting;
     `interrupted()` True: a newer generation exists, stop waiting at once."""
 
-    def __init__(self, ours: AdaptiveAllreduce, comm=None, interrupted: Callable[[], bool] | None = None) -> None:
+    def __init__(self, ours: AdaptiveAllreduce | ShmAllreduce, comm=None, interrupted: Callable[[], bool] | None = None) -> None:
         self.ours, self.comm, self._interrupted = ours, comm, interrupted
         self.timeout_s = ours.tp.timeout_s
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -99,5 +100,14 @@ class BucketedAllreduce:
 def for_comm(comm, mode: str, *, emit: Emit | None = None,
              interrupted: Callable[[], bool] | None = None) -> BucketedAllreduce | None:
     """The gradient all-reduce of a generation's `Comm` for --collectives `mode` (None for gloo's own)."""
-    ours = adaptive.for_comm(comm, mode, emit=emit, interrupted=interrupted)
-    return None if ours is None else BucketedAllreduce(ours, comm, interrupted)
+    if mode == "gloo":
+        return None
+    if comm.dev_pg is not None:
+        raise ValueError(f"--collectives {mode} moves CPU tensors over gloo, but this job's gradients are on "
+                         "CUDA (NCCL); use --collectives gloo or --backend gloo")
+    if mode == "shm":
+        ours = ShmAllreduce(comm.pg, rank=comm.rank, world=comm.world, timeout_s=comm.timeout_s,
+                            interrupted=interrupted)
+    else:
+        ours = adaptive.for_comm(comm, mode, emit=emit, interrupted=interrupted)
+    return BucketedAllreduce(ours, comm, interrupted)
