@@ -109,16 +109,18 @@ def test_a_shadow_taking_a_rank_uses_the_plan_file_its_peers_agreed_on(tmp_path)
     assert given["weights_sha256"] == clean["weights_sha256"]
 
 
-def test_a_plan_naming_the_chain_switches_every_rank_and_a_shadow_to_it(tmp_path):
-    """A plan file's `collectives` replaces the job's gloo all-reduce with the chain on every rank,
-    before step 1; the shadow replacing a rank killed at step 3 adopts it from the store. Same
-    reduction order as our static ring, so the same bits as a failure-free static run."""
+@pytest.mark.parametrize("collectives", ["chain", "shm"])
+def test_a_plan_naming_our_collectives_switches_every_rank_and_a_shadow_to_them(tmp_path, collectives):
+    """A plan file's `collectives` replaces the job's gloo all-reduce with the chain (or shared
+    memory) on every rank, before step 1; the shadow replacing a rank killed at step 3 adopts it
+    from the store (and maps a new generation's file). Same reduction order as our static ring, so
+    the same bits as a failure-free static run."""
     hand = tmp_path / "hand.json"
-    hand.write_text(json.dumps({"format": "unbroken-overlap/1", "plan": {"bucket_kb": 32, "collectives": "chain"}}))
+    hand.write_text(json.dumps({"format": "unbroken-overlap/1", "plan": {"bucket_kb": 32, "collectives": collectives}}))
     args = [*SMALL[:SMALL.index("--steps")], "--steps", "4", *SMALL[SMALL.index("--steps") + 2:], "--strategy", "ddp",
             "--config", _small_buckets(tmp_path)]
     given = run_job(tmp_path / "given", *args, "--overlap", str(hand), "--inject", "sigkill:rank=1,step=3,phase=backward")
-    assert given["overlap"]["collectives"] == "chain" and len(given["recoveries"]) == 1 and given["ranks_agree"]
+    assert given["overlap"]["collectives"] == collectives and len(given["recoveries"]) == 1 and given["ranks_agree"]
     static = run_job(tmp_path / "static", *args, "--collectives", "static", "--overlap", "off")
     assert given["weights_sha256"] == static["weights_sha256"]
 
@@ -150,3 +152,9 @@ def test_two_nodes_tune_the_chain_as_a_candidate(tmp_path):
     assert {r["collectives"] for r in rows} == {probe["chosen"]}  # every candidate on the chosen collectives
     chosen = json.loads(env_cache.read_text())["plan"]
     assert tuned["overlap"]["collectives"] == (chosen["collectives"] or "gloo")
+
+
+def test_shared_memory_collectives_on_several_nodes_stop_the_launch_with_one_line(tmp_path):
+    p = run_cli(tmp_path / "run", *SMALL, "--collectives", "shm", "--nnodes", "2", "--node-rank", "0", timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert "--collectives shm" in p.stderr and "spans 2 nodes" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

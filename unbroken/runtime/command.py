@@ -217,6 +217,7 @@ def _launch(*, script, config, run_dir, host, port, token, store=None, nnodes, n
             node_rank=node_rank if node_rank is not None else (place.node_rank or 0),
             faults=tuple(faults), resume=resume, tee=tee, store=store)
         cfg = checked_overlap(cfg)  # a plan file's contents (bucket size, cores): PlanError, exit 2
+        _check_one_host_collectives(cfg, opts.nnodes)
         cfg = _one_member_per_node(cfg, opts.nnodes)
         _check_node_faults(faults, cfg.world_size, opts.nnodes, replicated=store is not None)
         cfg = resolve_backend(cfg, nnodes=opts.nnodes)
@@ -230,6 +231,12 @@ def _launch(*, script, config, run_dir, host, port, token, store=None, nnodes, n
     except KeyboardInterrupt:
         typer.secho("interrupted: every process of the job was stopped", err=True)
         raise typer.Exit(130)
+
+
+def _check_one_host_collectives(cfg: RunConfig, nnodes: int) -> None:
+    if cfg.collectives == "shm" and nnodes > 1:
+        raise ConfigError(f"--collectives shm reduces through one host's shared memory, but this job spans {nnodes} "
+                          "nodes; use --collectives chain (several ranks per node) or gloo")
 
 
 def _one_member_per_node(cfg: RunConfig, nnodes: int) -> RunConfig:

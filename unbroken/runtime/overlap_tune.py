@@ -3,8 +3,9 @@
 applied to the gradient buckets and the threads' cores, and announced as an `overlap_plan` event.
 
 On a job of several nodes with several ranks each, the search first times the whole gradient
-all-reduced by gloo and by the rank-order chain (comm/patterns.py), in interleaved pairs; the
-chain is the collectives of every candidate after when it `leads`. The search times forward + backward +
+all-reduced by gloo and by the rank-order chain (comm/patterns.py), in interleaved pairs (on one
+node of several ranks: by gloo and through shared memory, comm/shm.py); the other is the
+collectives of every candidate after when it `leads`. The search times forward + backward +
 the bucketed all-reduce of the first step's batch for a few candidates, the job's own bucket size first, then the best buckets' all-reduce after backward
 instead of during it; the fastest replaces the default only when it leads again in interleaved
 pairs of trials against it (`_duel`, `leads`); into a scratch gradient (the step's own gradient slot and the logged ones are
@@ -162,11 +163,16 @@ class OverlapControl:
                 tr.ours.close()
             tr.ours = _ours(tr, mode)
 
-    def chain_worth_trying(self, tr) -> bool:
-        """Several ranks on each of several nodes, the gloo default, a gradient all-reduced whole
-        (ddp, zero1) on the host: where the rank-order chain halves what crosses the node links."""
-        return (self.nnodes > 1 and tr.world_size > self.nnodes and self.cfg.collectives == "gloo"
-                and self.cfg.strategy in ("ddp", "zero1") and tr.comm.dev_pg is None)
+    def collectives_worth_trying(self, tr) -> str | None:
+        """The collectives to time against gloo's own, for a gradient all-reduced whole (ddp, zero1)
+        on the host under the gloo default: the rank-order chain on several nodes of several ranks
+        each (it halves what crosses the node links), shared memory on one node of several ranks
+        (no bytes through TCP loopback); None otherwise."""
+        if self.cfg.collectives != "gloo" or self.cfg.strategy not in ("ddp", "zero1") or tr.comm.dev_pg is not None:
+            return None
+        if self.nnodes > 1 and tr.world_size > self.nnodes:
+            return "chain"
+        return "shm" if self.nnodes == 1 and tr.world_size > 1 else None
 
     def announce(self, step: int) -> None:
         p = self.plan
@@ -184,7 +190,8 @@ class OverlapControl:
         table: list[dict] = []
         started = time.perf_counter()
         measure = lambda cand: self._measure(tr, t, closure, scratch, cand, table, started)  # noqa: E731
-        probe = self._probe_collectives(tr, scratch) if self.chain_worth_trying(tr) else None
+        alt = self.collectives_worth_trying(tr)
+        probe = self._probe_collectives(tr, scratch, alt) if alt else None
         coll = probe["chosen"] if probe else None
         default_kb = self.cfg.bucket_kb  # measured first: every other candidate has to beat it
         go = measure(OverlapPlan(bucket_kb=default_kb, collectives=coll))
@@ -215,13 +222,13 @@ class OverlapControl:
         if tr.rank == 0:
             atomic_write_json(self.path, plan_file_text(plan, self.key, measured))
 
-    def _probe_collectives(self, tr, scratch: torch.Tensor) -> dict:
-        """The job's all-reduce against the chain on the whole gradient alone (interleaved, one
+    def _probe_collectives(self, tr, scratch: torch.Tensor, alt: str) -> dict:
+        """The job's all-reduce against `alt` on the whole gradient alone (interleaved, one
         warm-up, PROBES timed each): a collective's difference is a few per cent of a trial's
         forward + backward and drowns in its spread, not in the collective's own. The times are
-        every rank's mean per probe; the chain is kept when it `leads`."""
+        every rank's mean per probe; `alt` is kept when it `leads`."""
         own = self.cfg.collectives
-        comms = {own: tr.ours or tr.comm, "chain": _ours(tr, "chain")}
+        comms = {own: tr.ours or tr.comm, alt: _ours(tr, alt)}
         times: dict[str, list[float]] = {m: [] for m in comms}
         scratch.zero_()
         try:
@@ -232,11 +239,11 @@ class OverlapControl:
                     if i:
                         times[m].append(time.perf_counter() - t0)
         finally:
-            comms["chain"].close()
+            comms[alt].close()
         everyone = tr.comm.allgather_json(times, what="overlap tuning: collectives")
         mean = {m: [statistics.fmean(r[m][i] for r in everyone) for i in range(PROBES)] for m in comms}
         return {"seconds": {m: [round(x, 5) for x in v] for m, v in mean.items()},
-                "chosen": "chain" if leads(mean[own], mean["chain"]) else None}
+                "chosen": alt if leads(mean[own], mean[alt]) else None}
 
     def _times(self, tr, t, closure, scratch, cand: OverlapPlan, n: int, warm_up: bool = True) -> list[float]:
         """Seconds of `n` trials of `cand` on this rank (after one untimed warm-up if `warm_up`)."""
