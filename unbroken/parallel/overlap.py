@@ -102,7 +102,7 @@ class OverlapPlan:
     first: small, so communication starts early in backward, as torch DDP's 1 MiB first bucket;
     at most bucket_kb); eager_update: each bucket's update applied as its all-reduce lands
     (parallel/eager.py); partition: the core split; collectives: the gradient all-reduce (None: the
-    job's --collectives; the tuner may pick the rank-order chain on a multi-node job, shared memory on one node); source: where
+    job's --collectives; the tuner may pick the rank-order chain on a multi-node job); source: where
     the plan came from."""
 
     during_backward: bool = True
