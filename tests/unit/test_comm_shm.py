@@ -10,7 +10,7 @@ from tests.unit.commgroups import on_ranks
 from tests.unit.test_comm_patterns import DTYPES, _inputs
 from unbroken.comm.group import CollectiveError
 from unbroken.comm.patterns import reduce_rows
-from unbroken.comm.shm import SHM_DIR, ShmAllreduce
+from unbroken.comm.shm import MIN_ROW_BYTES, SHM_DIR, ShmAllreduce, fit_rows
 
 
 def _ours() -> set[str]:
@@ -81,3 +81,40 @@ def test_bad_row_size_and_non_cpu_or_strided_tensors_are_refused():
     shm.world = 2
     with pytest.raises(ValueError, match="contiguous CPU tensors"):
         ShmAllreduce.__call__(shm, torch.ones(4, 4).t())
+
+
+class _Full(ShmAllreduce):
+    """Rank 0 finds /dev/shm full when it reserves the file."""
+
+    def _map_file(self, path, size, *, create):
+        if create:
+            raise OSError(28, "No space left on device")
+        super()._map_file(path, size, create=create)
+
+
+def test_a_full_shm_fails_setup_on_every_rank_and_rank_0_says_why():
+    errors: dict[int, str] = {}
+    before = _ours()
+
+    def body(tp, r):
+        try:
+            _Full(tp.pg, rank=r, world=3, timeout_s=10.0, row_bytes=64)(torch.ones(10))
+        except CollectiveError as e:
+            errors[r] = str(e)
+
+    on_ranks(3, body)
+    assert "could not reserve" in errors[0] and "No space left" in errors[0] and "--collectives gloo" in errors[0]
+    assert all("rank 0 could not make" in errors[r] for r in (1, 2)), errors
+    assert _ours() == before
+
+
+@given(world=st.integers(2, 8), free=st.integers(0, 4 << 30), row=st.integers(1, 64 << 20).map(lambda b: b // 64 * 64 or 64))
+def test_rows_shrink_to_half_the_free_space_and_too_little_is_refused(world, free, row):
+    try:
+        got = fit_rows(row, world, free)
+    except OSError:
+        assert 2 * world * MIN_ROW_BYTES + 64 * world > free // 2  # not even the smallest rows fit in half
+        return
+    assert MIN_ROW_BYTES <= got or got == row
+    assert got <= row and got % 64 == 0
+    assert 2 * world * got + 64 * world <= free // 2  # the file takes at most half of what is free

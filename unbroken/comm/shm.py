@@ -19,8 +19,9 @@ A tensor larger than a row goes in row-sized pieces, one such collective each.
 The meetings are one-byte messages to rank 0 and back over the job's gloo group, through a
 `Transport`: every wait ends by the collective's deadline, a dead peer fails it at once in every
 survivor, a newer generation interrupts it. The file is made by rank 0 under /dev/shm with a random
-name it sends to the others; once every rank has mapped it, rank 0 unlinks it, so nothing is left
-behind when the job ends or dies. A rank on another host cannot map it: setup fails on every rank
+name it sends to the others, its pages reserved up front and its rows made smaller when the free
+space is short (a full /dev/shm is an error at setup, never a SIGBUS at a write); once every rank
+has mapped it, rank 0 unlinks it, so nothing is left behind when the job ends or dies. A rank on another host cannot map it: setup fails on every rank
 with a message naming the fix.
 """
 from __future__ import annotations
@@ -45,6 +46,24 @@ NAME_BYTES = 128  # the file name rank 0 sends, padded
 PHASE_SETUP, PHASE_WRITTEN, PHASE_REDUCED = 0, 1, 2
 FLAG_STRIDE = 8  # int64s per rank's flag: one cache line each
 FLAG_SPINS, FLAG_BACKOFF_S = 16, 0.0001  # polls that only yield the core, then this sleep between polls
+
+
+MIN_ROW_BYTES = 64 << 10  # below this a collective would be mostly meetings: refuse instead
+
+
+def fit_rows(row_bytes: int, world: int, free_bytes: int) -> int:
+    """The row size to use: `row_bytes`, or less so that the file takes at most half of
+    `free_bytes` (rows are pieces: a smaller row means more of them). OSError when even
+    MIN_ROW_BYTES rows do not fit."""
+    fits = (free_bytes // 2 - world * FLAG_STRIDE * 8) // (2 * world) // 64 * 64
+    if fits < MIN_ROW_BYTES:
+        raise OSError(f"{free_bytes >> 20} MB free, {(4 * world * MIN_ROW_BYTES) >> 20} MB needed")
+    return min(row_bytes, fits)
+
+
+def free_bytes(where: Path) -> int:
+    st = os.statvfs(where)
+    return st.f_bavail * st.f_frsize
 
 
 class ShmAllreduce:
@@ -117,49 +136,75 @@ class ShmAllreduce:
                     raise CollectiveError(f"rank {self.rank}/{self.world}: {self.tp.broken}")
 
     # --- setup ---------------------------------------------------------------------------------
+    def _size(self) -> int:
+        return 2 * self.world * self.row_bytes + self.world * FLAG_STRIDE * 8
+
     def _setup(self, what: str) -> None:
-        """Rank 0 makes the file and sends its name; each rank maps it and says whether it could;
-        rank 0 unlinks it and tells everyone whether all could (else every rank raises)."""
-        tp, me, size = self.tp, self.rank, 2 * self.world * self.row_bytes + self.world * FLAG_STRIDE * 8
-        tp.begin()
-        name = torch.zeros(NAME_BYTES, dtype=torch.uint8)
-        path = None
-        if me == 0:
-            path = SHM_DIR / f"unbroken-allreduce-{uuid.uuid4().hex}"
-            name[:len(str(path))] = torch.tensor(list(str(path).encode()), dtype=torch.uint8)
-            self._map_file(path, size, create=True)
-            tp.wait([tp.send(name, r, tag(0, PHASE_SETUP, 0, 0)) for r in range(1, self.world)], f"{what} (setup)")
-            oks = [torch.zeros(1, dtype=torch.uint8) for _ in range(self.world)]
-            try:
-                tp.wait([tp.recv(oks[r], r, tag(0, PHASE_SETUP, r, 0)) for r in range(1, self.world)], f"{what} (setup)")
-            finally:
-                path.unlink(missing_ok=True)
-            failed = [r for r in range(1, self.world) if not int(oks[r])]
-            verdict = torch.tensor([len(failed)], dtype=torch.uint8)
-            tp.wait([tp.send(verdict, r, tag(0, PHASE_SETUP, 0, 1)) for r in range(1, self.world)], f"{what} (setup)")
-        else:
-            tp.wait([tp.recv(name, 0, tag(0, PHASE_SETUP, 0, 0))], f"{what} (setup)")
-            path = Path(bytes(name.tolist()).rstrip(b"\0").decode())
-            try:
-                self._map_file(path, size, create=False)
-                ok = torch.ones(1, dtype=torch.uint8)
-            except OSError:
-                ok = torch.zeros(1, dtype=torch.uint8)
-            tp.wait([tp.send(ok, 0, tag(0, PHASE_SETUP, me, 0))], f"{what} (setup)")
-            verdict = torch.zeros(1, dtype=torch.uint8)
-            tp.wait([tp.recv(verdict, 0, tag(0, PHASE_SETUP, 0, 1))], f"{what} (setup)")
-            failed = list(range(int(verdict)))
+        """Rank 0 makes the file (rows sized to the free space) and sends its name and row size;
+        each rank maps it and says whether it could; rank 0 unlinks it and tells everyone whether
+        all could (else every rank raises). An empty name: rank 0 could not make it."""
+        self.tp.begin()
+        failed = self._setup_rank0(what) if self.rank == 0 else self._setup_peer(what)
         if failed:
             self.close()
-            raise CollectiveError(f"{what}: --collectives shm needs every rank on one host, but {len(failed)} "
+            raise CollectiveError(f"{what}: --collectives shm needs every rank on one host, but {failed} "
                                   f"rank(s) could not map rank 0's file under {SHM_DIR}; use --collectives gloo "
                                   "(or chain) on a job of several nodes")
 
+    def _setup_rank0(self, what: str) -> int:
+        tp, peers = self.tp, range(1, self.world)
+        name, row = torch.zeros(NAME_BYTES, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)
+        path, error = SHM_DIR / f"unbroken-allreduce-{uuid.uuid4().hex}", None
+        try:
+            self.row_bytes = fit_rows(self.row_bytes, self.world, free_bytes(SHM_DIR))
+            self._map_file(path, self._size(), create=True)
+            name[:len(str(path))] = torch.tensor(list(str(path).encode()), dtype=torch.uint8)
+            row[0] = self.row_bytes
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            error = e
+        tp.wait([tp.send(x, r, tag(0, PHASE_SETUP, 0, k)) for r in peers for k, x in enumerate((name, row))],
+                f"{what} (setup)")
+        if error is not None:
+            self.close()
+            raise CollectiveError(f"{what}: --collectives shm could not reserve its file under {SHM_DIR} ({error}); "
+                                  "free space there (a container's --shm-size) or use --collectives gloo")
+        oks = [torch.zeros(1, dtype=torch.uint8) for _ in range(self.world)]
+        try:
+            tp.wait([tp.recv(oks[r], r, tag(0, PHASE_SETUP, r, 0)) for r in peers], f"{what} (setup)")
+        finally:
+            path.unlink(missing_ok=True)  # every rank has it mapped (or failed): the name may go
+        verdict = torch.tensor([sum(not int(oks[r]) for r in peers)], dtype=torch.uint8)
+        tp.wait([tp.send(verdict, r, tag(0, PHASE_SETUP, 0, 2)) for r in peers], f"{what} (setup)")
+        return int(verdict)
+
+    def _setup_peer(self, what: str) -> int:
+        tp, me = self.tp, self.rank
+        name, row = torch.zeros(NAME_BYTES, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)
+        tp.wait([tp.recv(x, 0, tag(0, PHASE_SETUP, 0, k)) for k, x in enumerate((name, row))], f"{what} (setup)")
+        text = bytes(name.tolist()).rstrip(b"\0").decode()
+        if not text:
+            self.close()
+            raise CollectiveError(f"{what}: rank 0 could not make the shared-memory file (its log says why); "
+                                  "use --collectives gloo")
+        self.row_bytes = int(row[0])
+        try:
+            self._map_file(Path(text), self._size(), create=False)
+            ok = torch.ones(1, dtype=torch.uint8)
+        except OSError:
+            ok = torch.zeros(1, dtype=torch.uint8)
+        tp.wait([tp.send(ok, 0, tag(0, PHASE_SETUP, me, 0))], f"{what} (setup)")
+        verdict = torch.zeros(1, dtype=torch.uint8)
+        tp.wait([tp.recv(verdict, 0, tag(0, PHASE_SETUP, 0, 2))], f"{what} (setup)")
+        return int(verdict)
+
     def _map_file(self, path: Path, size: int, *, create: bool) -> None:
+        """Map the file (rank 0: make it and reserve its pages first, so that a full /dev/shm is an
+        error here and never a SIGBUS at the first write into a page the file does not have)."""
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)
             elif os.fstat(fd).st_size != size:
                 raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, expected {size}")
             self._map = mmap.mmap(fd, size)
