@@ -33,6 +33,20 @@ class _Dying(Transport):
         return x
 
 
+class _DyingShm(ShmAllreduce):
+    """Exits the process once it has reached `left` meetings (after its rows are written: mid-collective)."""
+
+    def __init__(self, *a, left: int, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.left = left
+
+    def _meet(self, phase, what):
+        self.left -= 1
+        if self.left <= 0:
+            os._exit(9)
+        super()._meet(phase, what)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     for name in ("--rank", "--world", "--port", "--die-after"):
@@ -49,9 +63,9 @@ def main() -> None:
     p = None if a.pattern == "shm" else Pattern(kind=a.pattern, order=tuple(range(world)), pieces=8 if a.pattern in ("pipelined", "chain") else 1,
                 split=tuple(int(not aggs or r in aggs) for r in range(world)), aggregators=aggs)
     t = torch.ones(4_000_000)
-    if a.pattern == "shm":  # the shared-memory all-reduce, its meetings over the (dying) transport
-        shm = ShmAllreduce(pg, **kw)
-        shm.tp = tp
+    if a.pattern == "shm":  # the shared-memory all-reduce: --die-after counts its meetings
+        shm = _DyingShm(pg, left=1 << 30, **kw)
+        tp = shm  # tp.left below sets the meetings left
         run = lambda seq: shm(t)  # noqa: E731
     else:
         run = lambda seq: allreduce(tp, t, p, seq=seq)  # noqa: E731
