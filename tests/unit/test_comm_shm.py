@@ -74,13 +74,16 @@ def test_a_rank_that_cannot_map_the_file_fails_setup_on_every_rank_with_the_fix(
     assert _ours() == before  # rank 0 unlinked its file even so
 
 
-def test_bad_row_size_and_non_cpu_or_strided_tensors_are_refused():
+def test_bad_row_size_non_cpu_or_strided_tensors_and_weakly_ordered_hosts_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="multiple of 64"):
         ShmAllreduce(None, rank=0, world=2, timeout_s=1.0, row_bytes=100)
     shm = ShmAllreduce.__new__(ShmAllreduce)
     shm.world = 2
     with pytest.raises(ValueError, match="contiguous CPU tensors"):
         ShmAllreduce.__call__(shm, torch.ones(4, 4).t())
+    monkeypatch.setattr("platform.machine", lambda: "aarch64")
+    with pytest.raises(ValueError, match="x86-64's store order.*aarch64"):
+        ShmAllreduce(None, rank=0, world=2, timeout_s=1.0)
 
 
 class _Full(ShmAllreduce):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import platform
 import time
 import uuid
 from pathlib import Path
@@ -46,9 +47,8 @@ NAME_BYTES = 128  # the file name rank 0 sends, padded
 PHASE_SETUP, PHASE_WRITTEN, PHASE_REDUCED = 0, 1, 2
 FLAG_STRIDE = 8  # int64s per rank's flag: one cache line each
 FLAG_SPINS, FLAG_BACKOFF_S = 16, 0.0001  # polls that only yield the core, then this sleep between polls
-
-
 MIN_ROW_BYTES = 64 << 10  # below this a collective would be mostly meetings: refuse instead
+STORE_ORDERED = ("x86_64", "AMD64")  # hosts whose plain stores other cores see in program order
 
 
 def fit_rows(row_bytes: int, world: int, free_bytes: int) -> int:
@@ -74,6 +74,9 @@ class ShmAllreduce:
 
     def __init__(self, pg, *, rank: int, world: int, timeout_s: float, row_bytes: int = ROW_BYTES,
                  interrupted: Callable[[], bool] | None = None) -> None:
+        if platform.machine() not in STORE_ORDERED:
+            raise ValueError(f"--collectives shm relies on x86-64's store order (a flag seen set means the rows "
+                             f"before it are written), and this host is {platform.machine()}; use --collectives gloo")
         if row_bytes < 64 or row_bytes % 64:
             raise ValueError(f"shm row_bytes must be a positive multiple of 64, got {row_bytes!r}; e.g. {ROW_BYTES}")
         self.rank, self.world, self.row_bytes = rank, world, row_bytes
