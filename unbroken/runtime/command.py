@@ -99,8 +99,9 @@ def run(
                                                                 "share the GPUs)"),
     collectives: Optional[str] = typer.Option(None, "--collectives",
                                               help="gradient all-reduce of ddp/zero1: gloo (default), static "
-                                                   "(our ring), adaptive (re-planned around slow links) or chain "
-                                                   "(several ranks per node: half the bytes over 2 nodes' link)"),
+                                                   "(our ring), adaptive (re-planned around slow links), chain "
+                                                   "(several ranks per node: half the bytes over 2 nodes' link) or "
+                                                   "shm (one host: shared memory, no TCP loopback)"),
     protect_every: Optional[str] = typer.Option(None, "--protect-every",
                                                 help="bring tier-1 parity up to date every K steps (1 = every step, "
                                                      "or auto)"),
