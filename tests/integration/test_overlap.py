@@ -34,8 +34,10 @@ def test_overlap_off_gives_the_same_weights_as_on(tmp_path, strategy):
 def test_the_eager_update_applies_chunks_as_buckets_land_and_keeps_the_bits(tmp_path, strategy):
     cfg = tmp_path / "eager.toml"
     cfg.write_text("bucket_kb = 16\ngrad_clip = 0\n")  # no clipping: every step's guess holds
+    plan = tmp_path / "eager.json"  # opt-in
+    plan.write_text(json.dumps({"format": "unbroken-overlap/1", "plan": {"bucket_kb": 16, "eager_update": True}}))
     five = [a if a != "3" or i != SMALL.index("--steps") + 1 else "5" for i, a in enumerate(SMALL)]
-    on = run_job(tmp_path / "on", *five, "--strategy", strategy, "--config", str(cfg))
+    on = run_job(tmp_path / "on", *five, "--strategy", strategy, "--config", str(cfg), "--overlap", str(plan))
     off = run_job(tmp_path / "off", *five, "--strategy", strategy, "--config", str(cfg), "--overlap", "off")
     events = [json.loads(line) for line in (tmp_path / "on" / "events.jsonl").read_text().splitlines()]
     timeline = next(e["fields"] for e in events if e["kind"] == "overlap_timeline")

@@ -185,7 +185,7 @@ def test_ranks_search_together_when_any_lacks_the_plan_or_they_differ(tmp_path):
     key = tuning_key(cfg, _named(), nnodes=1)
     (tmp_path / "plan.json").write_text(json.dumps(plan_file_text(OverlapPlan(bucket_kb=256), key)))
     plan = {k: v for k, v in OverlapPlan(bucket_kb=256).to_dict().items() if k != "source"}
-    assert plan["first_bucket_kb"] == 1024 and plan["eager_update"] is True  # the defaults
+    assert plan["first_bucket_kb"] == 1024 and plan["eager_update"] is False  # the defaults
     same = {"tune": False, "plan": plan}
     for other, tunes, why in ((same, False, ""), ({**same, "tune": True}, True, "another rank"),
                               ({**same, "plan": {**same["plan"], "bucket_kb": 512}}, True, "different plans")):

@@ -101,14 +101,15 @@ class OverlapPlan:
     bucket_kb: bucket size; first_bucket_kb: the first bucket's (the last layers' gradients, ready
     first: small, so communication starts early in backward, as torch DDP's 1 MiB first bucket;
     at most bucket_kb); eager_update: each bucket's update applied as its all-reduce lands
-    (parallel/eager.py); partition: the core split; collectives: the gradient all-reduce (None: the
+    (parallel/eager.py; opt-in: its undo copies cost more than it hides where the cores are busy,
+    docs/design.md); partition: the core split; collectives: the gradient all-reduce (None: the
     job's --collectives; the tuner may pick the rank-order chain on a multi-node job); source: where
     the plan came from."""
 
     during_backward: bool = True
     bucket_kb: int = 25600
     first_bucket_kb: int = 1024
-    eager_update: bool = True
+    eager_update: bool = False
     partition: Partition = field(default_factory=Partition)
     collectives: str | None = None
     source: str = "config"
@@ -144,7 +145,7 @@ class OverlapPlan:
     def from_dict(d: dict, source: str) -> "OverlapPlan":
         return OverlapPlan(during_backward=bool(d.get("during_backward", True)), bucket_kb=d.get("bucket_kb"),
                            first_bucket_kb=d.get("first_bucket_kb", 1024),
-                           eager_update=bool(d.get("eager_update", True)),
+                           eager_update=bool(d.get("eager_update", False)),
                            partition=Partition.from_json(d.get("partition", "shared")),
                            collectives=d.get("collectives"), source=source)
 
