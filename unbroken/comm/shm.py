@@ -51,6 +51,11 @@ MIN_ROW_BYTES = 64 << 10  # below this a collective would be mostly meetings: re
 STORE_ORDERED = ("x86_64", "AMD64")  # hosts whose plain stores other cores see in program order
 
 
+def usable_here() -> bool:
+    """Whether this host's store order lets a flag seen set vouch for the rows written before it."""
+    return platform.machine() in STORE_ORDERED
+
+
 def fit_rows(row_bytes: int, world: int, free_bytes: int) -> int:
     """The row size to use: `row_bytes`, or less so that the file takes at most half of
     `free_bytes` (rows are pieces: a smaller row means more of them). OSError when even
@@ -74,7 +79,7 @@ class ShmAllreduce:
 
     def __init__(self, pg, *, rank: int, world: int, timeout_s: float, row_bytes: int = ROW_BYTES,
                  interrupted: Callable[[], bool] | None = None) -> None:
-        if platform.machine() not in STORE_ORDERED:
+        if not usable_here():
             raise ValueError(f"--collectives shm relies on x86-64's store order (a flag seen set means the rows "
                              f"before it are written), and this host is {platform.machine()}; use --collectives gloo")
         if row_bytes < 64 or row_bytes % 64:

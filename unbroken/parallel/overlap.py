@@ -103,7 +103,7 @@ class OverlapPlan:
     at most bucket_kb); eager_update: each bucket's update applied as its all-reduce lands
     (parallel/eager.py; opt-in: its undo copies cost more than it hides where the cores are busy,
     docs/design.md); partition: the core split; collectives: the gradient all-reduce (None: the
-    job's --collectives; the tuner may pick the rank-order chain on a multi-node job); source: where
+    job's --collectives; the tuner may pick the rank-order chain on a multi-node job, shared memory on one node); source: where
     the plan came from."""
 
     during_backward: bool = True

@@ -3,8 +3,9 @@
 applied to the gradient buckets and the threads' cores, and announced as an `overlap_plan` event.
 
 On a job of several nodes with several ranks each, the search first times the whole gradient
-all-reduced by gloo and by the rank-order chain (comm/patterns.py), in interleaved pairs; the
-chain is the collectives of every candidate after when it `leads`. The search times forward + backward +
+all-reduced by gloo and by the rank-order chain (comm/patterns.py), in interleaved pairs (on one
+node of several ranks: by gloo and through shared memory, comm/shm.py); the other is the
+collectives of every candidate after when it `leads`. The search times forward + backward +
 the bucketed all-reduce of the first step's batch for a few candidates, the job's own bucket size first, then the best buckets' all-reduce after backward
 instead of during it; the fastest replaces the default only when it leads again in interleaved
 pairs of trials against it (`_duel`, `leads`); into a scratch gradient (the step's own gradient slot and the logged ones are
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from unbroken.comm import bucketed
+from unbroken.comm import bucketed, shm
 from unbroken.fsutil import atomic_write_json
 from unbroken.parallel.buckets import GradBuckets
 from unbroken.parallel.eager import EagerUpdate
@@ -165,11 +166,13 @@ class OverlapControl:
     def collectives_worth_trying(self, tr) -> str | None:
         """The collectives to time against gloo's own, for a gradient all-reduced whole (ddp, zero1)
         on the host under the gloo default: the rank-order chain on several nodes of several ranks
-        each (it halves what crosses the node links); None otherwise. Shared memory on one node is
-        not tried: it won the probe 1.5x, but the steps it chose ran slowest of all (docs/design.md)."""
+        each (it halves what crosses the node links), shared memory on one node of several ranks
+        (no bytes through TCP loopback; where the host's store order allows it); None otherwise."""
         if self.cfg.collectives != "gloo" or self.cfg.strategy not in ("ddp", "zero1") or tr.comm.dev_pg is not None:
             return None
-        return "chain" if self.nnodes > 1 and tr.world_size > self.nnodes else None
+        if self.nnodes > 1 and tr.world_size > self.nnodes:
+            return "chain"
+        return "shm" if self.nnodes == 1 and tr.world_size > 1 and shm.usable_here() else None
 
     def announce(self, step: int) -> None:
         p = self.plan
