@@ -64,14 +64,14 @@ def main() -> None:
                 split=tuple(int(not aggs or r in aggs) for r in range(world)), aggregators=aggs)
     t = torch.ones(4_000_000)
     if a.pattern == "shm":  # the shared-memory all-reduce: --die-after counts its meetings
-        shm = _DyingShm(pg, left=1 << 30, **kw)
-        tp = shm  # tp.left below sets the meetings left
+        shm = dying = _DyingShm(pg, left=1 << 30, **kw)
         run = lambda seq: shm(t)  # noqa: E731
     else:
+        dying = tp
         run = lambda seq: allreduce(tp, t, p, seq=seq)  # noqa: E731
     run(1)  # a warm-up everyone finishes: the links are up
     if a.die_after:
-        tp.left = a.die_after
+        dying.left = a.die_after  # posts (a pattern's transport) or meetings (shm) left
     t0 = time.monotonic()
     try:
         run(2)

@@ -17,12 +17,12 @@ def _ours() -> set[str]:
     return {p.name for p in SHM_DIR.glob("unbroken-allreduce-*")}
 
 
-def _allreduce(world: int, batches: list[list[torch.Tensor]], row_bytes: int, cls=ShmAllreduce) -> list:
+def _allreduce(world: int, batches: list[list[torch.Tensor]], row_bytes: int) -> list:
     """Each batch all-reduced in turn by one ShmAllreduce per rank; every rank's results."""
     outs = [[x.clone() for x in b] for b in batches]
 
     def body(tp, r):
-        shm = cls(tp.pg, rank=r, world=world, timeout_s=20.0, row_bytes=row_bytes)
+        shm = ShmAllreduce(tp.pg, rank=r, world=world, timeout_s=20.0, row_bytes=row_bytes)
         try:
             for b in outs:
                 shm(b[r], what="test all-reduce")

@@ -21,6 +21,7 @@ only after an unclipped step;
 estimated as its step minus none's compute and its own update (DDP logs no phase of its own for
 the all-reduce). hidden = 1 - exposed / exposed(none). cut_vs_none, cut_vs_ddp: 1 - step_s(tuned)
 / step_s(other), per config, and at the top the smaller of the two communication-heavy configs'.
+tuned_search: the search's measured table (the `overlap_tuned` event of the run that searched).
 """
 from __future__ import annotations
 

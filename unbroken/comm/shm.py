@@ -144,8 +144,12 @@ class ShmAllreduce:
                     raise CollectiveError(f"rank {self.rank}/{self.world}: {self.tp.broken}")
 
     # --- setup ---------------------------------------------------------------------------------
+    def _rows_bytes(self) -> int:
+        """The two regions of rows; the flags follow them."""
+        return 2 * self.world * self.row_bytes
+
     def _size(self) -> int:
-        return 2 * self.world * self.row_bytes + self.world * FLAG_STRIDE * 8
+        return self._rows_bytes() + self.world * FLAG_STRIDE * 8
 
     def _setup(self, what: str) -> None:
         """Rank 0 makes the file (rows sized to the free space) and sends its name and row size;
@@ -219,8 +223,8 @@ class ShmAllreduce:
         finally:
             os.close(fd)
         self._buf = torch.frombuffer(self._map, dtype=torch.uint8)
-        rows = 2 * self.world * self.row_bytes
-        self._flags = np.frombuffer(self._map, dtype=np.int64, count=self.world * FLAG_STRIDE, offset=rows)
+        self._flags = np.frombuffer(self._map, dtype=np.int64, count=self.world * FLAG_STRIDE,
+                                    offset=self._rows_bytes())
 
     def close(self) -> None:
         """The group is retired: the transport's threads may end; the mapping goes with its last view."""
