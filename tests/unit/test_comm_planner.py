@@ -61,6 +61,36 @@ def test_balanced_split_gives_every_member_a_weight_and_others_none(world, data)
     assert sum(w) > 0 and all(w[r] == 0 for r in range(world) if r not in members)
 
 
+@pytest.mark.parametrize("faster", [1, 2])
+def test_two_slow_ranks_own_nothing_even_when_one_reads_a_little_faster(faster):
+    """Estimates are noisy: a slow link read 30 % faster than the other slow one gets no chunk
+    (a chunk there costs it 2x its bytes more and makes it the bottleneck at its true rate)."""
+    r = [FAST, SLOW, SLOW, FAST]
+    r[faster] *= 1.3
+    assert balanced_split(Rates(up=tuple(r), down=tuple(r)), [0, 1, 2, 3]) == (500, 0, 0, 500)
+
+
+def _busiest(rates: Rates, split: tuple[int, ...], members: list[int]) -> float:
+    """The direct exchange's busiest member time (S = 1) for `split`, as balanced_split's docstring counts it."""
+    n, m, total = rates.world, len(members), sum(split)
+    worst = 0.0
+    for a in members:
+        x = split[a] / total
+        worst = max(worst, (1 - x + (m - 1) * x) / rates.up[a], ((n - 1) * x + 1 - x) / rates.down[a])
+    return worst
+
+
+@given(world=st.integers(2, 8), data=st.data())
+def test_balanced_split_is_never_busier_than_the_even_split(world, data):
+    members = sorted(set(data.draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=world))))
+    rates = Rates(up=tuple(data.draw(st.floats(1e6, 1e10)) for _ in range(world)),
+                  down=tuple(data.draw(st.floats(1e6, 1e10)) for _ in range(world)))
+    even = tuple(int(r in members) for r in range(world))
+    balanced = balanced_split(rates, members)
+    # integer weights out of ~1000: a share may be off by half a unit
+    assert _busiest(rates, balanced, members) <= _busiest(rates, even, members) * (1 + 4e-3 * world)
+
+
 @settings(max_examples=6)
 @given(world=st.integers(3, 5), n=st.integers(64, 5000), seed=st.integers(0, 1000))
 def test_adaptive_results_equal_the_reference_and_plans_agree_on_every_rank(world, n, seed):
