@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.procs import reap
 from .conftest import SMALL, _procs_of, events, run_cli, run_job
 
 pytestmark = pytest.mark.timeout(300)
@@ -191,8 +192,7 @@ def test_two_nodes_train_together_and_recover_a_rank_on_node_1(tmp_path):
         p1 = run_cli(run_dir1, *two, "--token-file", str(good), *kill, timeout=240, check=False)
         out, err = node0.communicate(timeout=240)
     finally:
-        if node0.poll() is None:
-            node0.kill()
+        reap([node0])
     assert node0.returncode == 0, err[-2000:]
     assert p1.returncode == 0, p1.stderr[-2000:]
     summary = json.loads(out)
@@ -233,9 +233,7 @@ def test_a_persistent_straggler_on_node_1_gets_the_node_excluded(tmp_path):
         out, err = node0.communicate(timeout=240)
         _, err1 = node1.communicate(timeout=60)
     finally:
-        for p in (node0, node1):
-            if p.poll() is None:
-                p.kill()
+        reap([node0, node1])
     assert node0.returncode == 0, err[-2000:]
     assert node1.returncode == 0, err1[-2000:]
     assert _procs_of(run_dir.resolve()) == []

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import reap
 from .conftest import SMALL, _procs_of, run_cli
 
 pytestmark = pytest.mark.timeout(300)
@@ -90,8 +91,7 @@ def test_the_store_listens_on_loopback_only_and_workers_never_see_the_token(tmp_
             time.sleep(0.2)
         out, err = sup.communicate(timeout=240)
     finally:
-        if sup.poll() is None:
-            sup.kill()
+        reap([sup])
     assert sup.returncode == 0, err[-2000:]
     assert listening, "the supervisor's listening socket was not seen"
     assert all(a.startswith("127.0.0.1:") for a in listening), listening

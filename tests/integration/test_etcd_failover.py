@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import reap
 from unbroken.runtime import etcd_cluster
 
 from .conftest import SMALL, _procs_of, events, run_job, start_node, wait_for_step
@@ -50,11 +51,7 @@ def test_node_0_lost_with_its_etcd_member_the_job_goes_on_from_tier_1(tmp_path, 
         out, err = node1.communicate(timeout=180)
         assert node1.returncode == 0, err[-3000:]
     finally:
-        for p in (node0, node1):
-            if p is not None and p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            if p is not None:
-                p.wait(timeout=10)
+        reap([node0, node1], group=True)
         for pid in _procs_of(run_dir.resolve()):
             os.kill(pid, signal.SIGKILL)
     summary = json.loads(out)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import reap
 from .conftest import SMALL, _procs_of, events, run_cli, run_job, start_node, wait_for_step
 
 pytestmark = pytest.mark.timeout(300)
@@ -78,10 +79,7 @@ def test_a_whole_node_lost_is_one_incident_and_its_ranks_are_replaced(tmp_path, 
         out, err = node0.communicate(timeout=180)
         assert node0.returncode == 0, err[-3000:]
     finally:
-        for p in (node0, node1):
-            if p is not None and p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
+        reap([node0, node1], group=True)
         for pid in _procs_of(run_dir.resolve()):
             os.kill(pid, signal.SIGKILL)
     summary = json.loads(out)

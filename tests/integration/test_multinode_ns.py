@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import reap
 from unbroken.plan.netns import Netns, Wiring, available
 from unbroken.runtime import etcd_cluster
 
@@ -43,10 +44,7 @@ def _run_two_nodes(net: Netns, dirs: list[Path], during=None) -> tuple[list[int]
             during(procs[0])
         outs = [p.communicate(timeout=200) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+        reap(procs)
     return [p.returncode for p in procs], outs
 
 
@@ -150,10 +148,7 @@ def test_node_0_dies_whole_with_its_store_member_and_node_1_finishes_the_job(tmp
                 out, err = procs[1].communicate(timeout=180)
                 assert procs[1].returncode == 0, err[-3000:]
             finally:
-                for p in procs:
-                    if p.poll() is None:
-                        os.killpg(p.pid, 9)
-                    p.wait(timeout=10)
+                reap(procs, group=True)
     summary = json.loads(out)
     assert summary["ok"] and summary["ranks_agree"] and summary["steps_lost"] == 0, summary
     evs = _events(dirs[1])

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from tests.integration.conftest import run_cli, run_job
+from tests.procs import communicate_all
 
 # world 3: gloo's ring sums each element in an order set by its place in the buffer, so with
 # three ranks the bucket boundaries matter to the bits (two ranks would hide a difference)
@@ -138,19 +139,14 @@ def test_two_nodes_tune_the_chain_as_a_candidate(tmp_path):
     args = ["--n-layer", "2", "--n-embd", "64", "--batch-size", "4", "--steps", "4", "--world-size", "4",
             "--chunk-kb", "16", "--strategy", "ddp", "--port", str(free_port())]
     nodes = [start_node(tmp_path / f"n{k}", k, *args, "--overlap", str(env_cache)) for k in (0, 1)]
-    try:
-        outs = [n.communicate(timeout=240) for n in nodes]
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
-                n.wait()
+    outs = communicate_all(nodes, timeout=240)
     assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     tuned = json.loads(outs[0][0])
     rows = json.loads(env_cache.read_text())["measured"]["candidates"]
     probe = json.loads(env_cache.read_text())["measured"]["collectives_probe"]
     assert set(probe["seconds"]) == {"gloo", "chain"} and probe["chosen"] in (None, "chain")
     assert all(len(v) == 5 for v in probe["seconds"].values())
+    assert 1 <= len(probe["rounds"]) <= 3 and probe["rounds"][-1] == probe["seconds"]  # the last round decides
     assert {r["collectives"] for r in rows} == {probe["chosen"]}  # every candidate on the chosen collectives
     chosen = json.loads(env_cache.read_text())["plan"]
     assert tuned["overlap"]["collectives"] == (chosen["collectives"] or "gloo")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import reap
 from .conftest import _procs_of, events, run_job
 
 pytestmark = pytest.mark.timeout(400)
@@ -75,8 +76,7 @@ def test_a_job_interrupted_or_lost_resumes_bitwise_equal(tmp_path, reference, ho
         job.send_signal(how)
         job.communicate(timeout=60)
     finally:
-        if job.poll() is None:
-            job.kill()
+        reap([job])
     assert job.returncode == (130 if how == signal.SIGINT else -signal.SIGKILL)
     deadline = time.monotonic() + 30
     while _procs_of(run_dir.resolve()) and time.monotonic() < deadline:  # orphans die with their parent

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from tests.procs import communicate_all
 from unbroken.bench.common import free_port
 
 TIMEOUT_S = 6.0
@@ -26,13 +27,7 @@ def test_a_dead_peer_raises_in_every_survivor(pattern):
                                "--die-after", str(1 if r == victim else 0)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for r in range(world)]
-    try:
-        outs = [p.communicate(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = communicate_all(procs, timeout=60)
     assert procs[victim].returncode == 9, outs[victim][1][-500:]
     raised = 0
     for r in range(world):

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from unbroken.comm.flows import Flow, FlowConfig, FlowTable, LinkEstimate, join, peak_rates
+from unbroken.comm.flows import Flow, FlowConfig, FlowTable, LinkEstimate, fleet_rate, join, peak_rates
 
 rates = st.floats(1e3, 1e11, allow_nan=False)
 
@@ -111,3 +111,30 @@ def test_a_link_without_flows_is_forgotten_and_its_congestion_cleared():
     assert t.rate(("up", 2)) is not None
     assert t.observe_flows([Flow(0, 1, 1 << 24, 0.0, 0.1)]) == [(("up", 2), False)]
     assert t.rate(("up", 2)) is None and t.rate(("up", 0)) is not None
+
+
+@given(fast=st.lists(st.floats(80e6, 160e6), min_size=2, max_size=16), data=st.data())
+def test_the_fleet_rate_is_the_fast_groups_when_up_to_half_the_links_are_congested(fast, data):
+    """Slow links at most 0.4x the slowest fast one, no more of them than fast ones: the reference
+    lies among the fast links (the median of all fell between the groups with half of them slow)."""
+    slow = data.draw(st.lists(st.floats(1e6, 0.4 * min(fast)), max_size=len(fast)))
+    ref = fleet_rate(data.draw(st.permutations(fast + slow)), 0.6)
+    assert min(fast) <= ref <= max(fast)
+
+
+@given(base=st.floats(1e6, 1e10), steps=st.lists(st.floats(1.0, 1.6), min_size=0, max_size=15))
+def test_without_a_congestions_gap_the_fleet_rate_is_the_median(base, steps):
+    xs, x = [base], base
+    for k in steps:  # consecutive rates within 1.6x: no gap of 1 / 0.6
+        x *= k
+        xs.append(x)
+    srt = sorted(xs)
+    n = len(srt)
+    median = srt[n // 2] if n % 2 else (srt[n // 2 - 1] + srt[n // 2]) / 2
+    assert fleet_rate(reversed(xs), 0.6) == pytest.approx(median)
+
+
+def test_one_inflated_link_is_no_fleet():
+    assert fleet_rate([100e6] * 7 + [170e6], 0.6) == 100e6
+    with pytest.raises(ValueError, match="at least one"):
+        fleet_rate([], 0.6)

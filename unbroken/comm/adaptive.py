@@ -21,7 +21,6 @@ are kept per size (a step's buckets differ in size; each keeps its plan until th
 """
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from datetime import timedelta
@@ -150,8 +149,9 @@ class AdaptiveAllreduce:
 
     # --- planning ------------------------------------------------------------------------------
     def slow_links(self) -> tuple[dict[flows.Link, float], float]:
-        """The links the planner plans around (link -> its estimate) and the fleet's typical rate, the
-        median of the links' estimates: every link's reference (a link congested from the start has no
+        """The links the planner plans around (link -> its estimate) and the fleet's typical rate
+        (`flows.fleet_rate`: the median of the links' estimates, or of the faster group's when a
+        congestion's gap splits them): every link's reference (a link congested from the start has no
         uncongested rate of its own). A link is slow below `congested_below` x it, and stays slow
         until it is above `clear_above` x it (hysteresis: no plan flapping on noise). Neither the
         link's own best estimate nor the faster links' rate: maxima are inflated by token-bucket
@@ -160,7 +160,7 @@ class AdaptiveAllreduce:
         cfg, est = self.table.cfg, {k: v for k, v in self.table.links.items() if v.rate}
         if not est:
             return {}, 1e9
-        fleet = statistics.median(v.rate for v in est.values())
+        fleet = flows.fleet_rate((v.rate for v in est.values()), cfg.congested_below)
         slow = {}
         for link, v in sorted(est.items()):
             bar = cfg.clear_above if link in self._slow else cfg.congested_below

@@ -124,6 +124,25 @@ class FlowTable:
         return sorted(k for k, v in self.links.items() if v.congested)
 
 
+def fleet_rate(rates: Iterable[float], congested_below: float) -> float:
+    """The fleet's typical uncongested rate, the reference a link is slow against: the median of
+    the links above the widest gap in the sorted rates when that gap is a congestion's (the rate
+    above it over the one below is at least 1 / congested_below) and at least half the links lie
+    above it; else the median of all. With two slow ranks of four, four links of eight are slow,
+    and the median of all fell between the two groups (71 MB/s between 45-53 and 91-150): the
+    slow links read above 0.6x of it and were planned as fast ones. A single link above a gap is
+    no fleet (one estimate inflated by a token bucket's burst would make every other link slow)."""
+    xs = sorted(rates)
+    if not xs:
+        raise ValueError("fleet_rate needs at least one link rate")
+    n, best, cut = len(xs), 1.0 / congested_below, None
+    for i in range(1, n // 2 + 1):  # cut below xs[i]: n - i >= n / 2 links above it
+        gap = xs[i] / xs[i - 1]
+        if gap >= best:
+            best, cut = gap, i
+    return statistics.median(xs[cut:] if cut is not None else xs)
+
+
 def peak_rates(flows: Iterable[Flow], cfg: FlowConfig) -> dict[Link, float]:
     """Per link: the highest sum of the rates of its flows in flight at one instant."""
     per: dict[Link, list[tuple[float, float, float]]] = {}

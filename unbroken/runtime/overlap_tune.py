@@ -39,6 +39,7 @@ CANDIDATE_KB = (256, 1024, 4096, 25600)  # bucket sizes tried (KiB), with the sh
 TRY_PARTITIONS = ("pinned", "split")  # then these, with the best bucket size
 TRIALS = 3  # timed forward/backward/all-reduce runs per candidate, after one untimed warm-up
 PROBES = 5  # timed whole-gradient all-reduces per collectives candidate (multi-node jobs)
+PROBE_ROUNDS = 3  # rounds of PROBES pairs at most, while the pairs are mixed
 DUELS = 4  # interleaved trial pairs of the default against the fastest candidate
 BUDGET_S = 30.0  # no new candidate starts once any rank has spent this long searching
 STORE_KEY = "overlap/plan"
@@ -224,26 +225,38 @@ class OverlapControl:
 
     def _probe_collectives(self, tr, scratch: torch.Tensor, alt: str) -> dict:
         """The job's all-reduce against `alt` on the whole gradient alone (interleaved, one
-        warm-up, PROBES timed each): a collective's difference is a few per cent of a trial's
+        warm-up, PROBES timed pairs): a collective's difference is a few per cent of a trial's
         forward + backward and drowns in its spread, not in the collective's own. The times are
-        every rank's mean per probe; `alt` is kept when it `leads`."""
+        every rank's mean per probe; `alt` is kept when it `leads`. Mixed pairs (neither leads)
+        are probed again, up to PROBE_ROUNDS, and the last round decides: a transient stall of
+        the host lands in a few pairs of one round (at 1 Gbit/s the chain once took 0.27-0.32 s
+        in three pairs and 0.12 s in two, against gloo's 0.15-0.19 s, and gloo was kept)."""
         own = self.cfg.collectives
         comms = {own: tr.ours or tr.comm, alt: _ours(tr, alt)}
-        times: dict[str, list[float]] = {m: [] for m in comms}
-        scratch.zero_()
+        rounds: list[dict[str, list[float]]] = []
         try:
-            for i in range(PROBES + 1):
-                for m, c in comms.items():
-                    t0 = time.perf_counter()
-                    c.finish(c.allreduce_start(scratch, what=f"overlap tuning: {m} all-reduce"))
-                    if i:
-                        times[m].append(time.perf_counter() - t0)
+            for _ in range(PROBE_ROUNDS):
+                mean = self._probe_round(tr, comms, scratch, warm_up=not rounds)
+                rounds.append({m: [round(x, 5) for x in v] for m, v in mean.items()})
+                if leads(mean[own], mean[alt]) or leads(mean[alt], mean[own]):
+                    break
         finally:
             comms[alt].close()
+        last = rounds[-1]
+        return {"seconds": last, "rounds": rounds, "chosen": alt if leads(last[own], last[alt]) else None}
+
+    def _probe_round(self, tr, comms: dict, scratch: torch.Tensor, warm_up: bool) -> dict[str, list[float]]:
+        """PROBES interleaved whole-gradient all-reduces of each of `comms`: every rank's mean per probe."""
+        times: dict[str, list[float]] = {m: [] for m in comms}
+        scratch.zero_()
+        for i in range(PROBES + warm_up):
+            for m, c in comms.items():
+                t0 = time.perf_counter()
+                c.finish(c.allreduce_start(scratch, what=f"overlap tuning: {m} all-reduce"))
+                if i >= warm_up:
+                    times[m].append(time.perf_counter() - t0)
         everyone = tr.comm.allgather_json(times, what="overlap tuning: collectives")
-        mean = {m: [statistics.fmean(r[m][i] for r in everyone) for i in range(PROBES)] for m in comms}
-        return {"seconds": {m: [round(x, 5) for x in v] for m, v in mean.items()},
-                "chosen": alt if leads(mean[own], mean[alt]) else None}
+        return {m: [statistics.fmean(r[m][i] for r in everyone) for i in range(PROBES)] for m in comms}
 
     def _times(self, tr, t, closure, scratch, cand: OverlapPlan, n: int, warm_up: bool = True) -> list[float]:
         """Seconds of `n` trials of `cand` on this rank (after one untimed warm-up if `warm_up`)."""
