@@ -47,6 +47,14 @@ def test_replan_counts_collectives_on_the_old_plan_after_each_change():
     assert cb.replan_counts(run) == [None, 1]
 
 
+def test_a_last_change_too_close_to_the_end_is_not_judged():
+    a = {"kind": "ring"}
+    recs = [_rec("adaptive", 1.0, start=s, plan=a) for s in (0, 2, 4)]
+    assert cb.replan_counts({"records": recs, "changes": [{"time": 3.5}]}) == []  # one collective after it
+    recs += [_rec("adaptive", 1.0, start=s, plan=a) for s in (6, 8)]
+    assert cb.replan_counts({"records": recs, "changes": [{"time": 3.5}]}) == [None]  # three, no new plan
+
+
 def test_different_bits_between_static_and_adaptive_are_reported():
     runs = {"none": {"records": [_rec("static", 1.0, sha="x"), _rec("adaptive", 1.0, sha="y"), _rec("gloo", 1.0)],
                      "changes": []}}

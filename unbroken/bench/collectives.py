@@ -207,8 +207,14 @@ def _ratios(rows: list[dict], scenarios: tuple[str, ...], num: str, den: str) ->
             if m == den and sc in scenarios and b >= MB and (sc, b, num) in by]
 
 
+JUDGED_AFTER = 3  # the goal's window: a last change the run ended sooner after, with no new plan yet, is not judged
+
+
 def replan_counts(run: dict) -> list[int | None]:
-    """Per rate change: adaptive collectives that ended after it on the old plan before a new plan ran."""
+    """Per rate change: adaptive collectives that ended after it on the old plan before a new plan
+    ran; None when none ran before the next change, or before the run ended when at least
+    JUDGED_AFTER collectives followed it (a 5-round record had one collective between the last
+    change and the end of its series, which said nothing about the goal's three)."""
     ad = sorted((r for r in run["records"] if r["method"] == "adaptive" and r["phase"] == "measure"),
                 key=lambda r: r["start"])
     out = []
@@ -223,6 +229,8 @@ def replan_counts(run: dict) -> list[int | None]:
             if r["plan"] != old:
                 n = k
                 break
+        if n is None and i + 1 == len(run["changes"]) and len(after) < JUDGED_AFTER:
+            continue
         out.append(n)
     return out
 

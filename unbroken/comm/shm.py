@@ -16,13 +16,16 @@ collective k only after it passed collective k+1's first meeting, which every ra
 after it copied collective k's result out: no row is overwritten while a slower rank reads it.
 A tensor larger than a row goes in row-sized pieces, one such collective each.
 
-The meetings are one-byte messages to rank 0 and back over the job's gloo group, through a
-`Transport`: every wait ends by the collective's deadline, a dead peer fails it at once in every
-survivor, a newer generation interrupts it. The file is made by rank 0 under /dev/shm with a random
+At a meeting each rank raises its flag in the file (an int64 in a cache line of its own) to the
+meeting's number and polls the others' (`_meet`): every wait ends by the collective's deadline, a
+dead peer (whose flag never rises) fails it there in every survivor, and a newer generation
+interrupts it at once. Plain stores seen in program order make a raised flag vouch for the rows
+written before it, so hosts without that order are refused (`usable_here`). Setup goes over the
+job's gloo group, through a `Transport`: the file is made by rank 0 under /dev/shm with a random
 name it sends to the others, its pages reserved up front and its rows made smaller when the free
 space is short (a full /dev/shm is an error at setup, never a SIGBUS at a write); once every rank
-has mapped it, rank 0 unlinks it, so nothing is left behind when the job ends or dies. A rank on another host cannot map it: setup fails on every rank
-with a message naming the fix.
+has mapped it, rank 0 unlinks it, so nothing is left behind when the job ends or dies. A rank on
+another host cannot map it: setup fails on every rank with a message naming the fix.
 """
 from __future__ import annotations
 
@@ -120,6 +123,8 @@ class ShmAllreduce:
         if self.rank < len(mine):  # fewer elements than ranks: the last ranks own none
             a, z = mine[self.rank]
             rows = [self._row(region, r, x.dtype, n)[a:z] for r in range(self.world)]
+            # summed apart, then copied over row 0: summing into row 0 in place would start from
+            # x_0 instead of 0 + x_0, which keeps a -0.0 the other patterns' sums turn into +0.0
             rows[0].copy_(reduce_rows(rows))
         self._meet(PHASE_REDUCED, f"{what} (sums written)")
         x.copy_(self._row(region, 0, x.dtype, n))
