@@ -55,6 +55,7 @@ class AdaptiveAllreduce:
         self.table = flows.FlowTable(flow_cfg)
         self.plan: Pattern | None = Pattern.static_ring(world) if mode == "static" else None  # the last one used
         self._plans: dict[int, Pattern] = {}  # per all-reduce size: its current plan
+        self._chosen: dict[int, Pattern] = {}  # per size: the planner's choice (before `planner.direct`)
         self.seq = 0
         self._decided: dict[int, tuple] = {}  # per size: the links' picture its plan was chosen for
         self.history: deque[dict] = deque(maxlen=1024)  # the last collectives: seq, plan, seconds, estimates
@@ -168,6 +169,15 @@ class AdaptiveAllreduce:
                 slow[link] = v.rate
         return slow, fleet
 
+    def contended(self, fleet: float) -> list[flows.Link]:
+        """Links under `contended_below` x the fleet's rate that are not slow: a stream of another job
+        shares them (in the background scenario rank 2's link read ~3/4 of the others': its three
+        row flows against the stream's one). No plan routes around them, but the direct exchange
+        keeps N-1 of our flows on each where the ring's all-gather has one (`planner.direct`)."""
+        cfg = self.table.cfg
+        return sorted(k for k, v in self.table.links.items()
+                      if v.rate and k not in self._slow and v.rate < cfg.contended_below * fleet)
+
     def rates(self) -> planner.Rates:
         """The links as the planner sees them: a slow link (`slow_links`) at its estimate, every other
         link, measured or not yet, at the fleet's typical rate (on shared hosts estimates wander by
@@ -192,20 +202,23 @@ class AdaptiveAllreduce:
                 self.emit("link_congestion", link=f"{link[0]}:{link[1]}", congested=link in slow, seq=self.seq,
                           rate_Bps=est.rate if est else None, reference_Bps=fleet)
         self._slow = set(slow)
-        rates = self.rates()
+        rates, contended = self.rates(), self.contended(fleet)
         ref = max(rates.up + rates.down)
-        key = tuple(round(x / ref * 20) for x in rates.up + rates.down)
+        key = (tuple(round(x / ref * 20) for x in rates.up + rates.down), bool(contended))
         if self._decided.get(nbytes) == key:
             self.plan = self._plans[nbytes]
             return
         self._decided[nbytes] = key
         current = self._plans.get(nbytes)
-        plan, predicted = planner.choose(current, rates, nbytes, min_gain=self.min_gain)
+        chosen, predicted = planner.choose(self._chosen.get(nbytes), rates, nbytes, min_gain=self.min_gain)
+        self._chosen[nbytes] = chosen
+        plan = planner.direct(chosen) if contended else chosen
         # a size's first plan is an event only when made around slow links (not a mere size change)
         previous = current if current is not None else (self.plan if self._slow else None)
         if self.emit and previous is not None and plan != previous:
             self.emit("collective_plan", seq=self.seq + 1, plan=plan.to_json(), previous=previous.to_json(),
-                      predicted_s=predicted, congested=[f"{k}:{r}" for k, r in sorted(self._slow)], bytes=nbytes)
+                      predicted_s=predicted, congested=[f"{k}:{r}" for k, r in sorted(self._slow)],
+                      contended=[f"{k}:{r}" for k, r in contended], bytes=nbytes)
         self._plans[nbytes] = self.plan = plan
 
 

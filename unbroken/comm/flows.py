@@ -31,6 +31,9 @@ class FlowConfig:
     window: int = 3  # observations the moving median is taken over
     congested_below: float = 0.6  # congested when estimate < this x baseline
     clear_above: float = 0.8  # not congested again only when estimate > this x baseline
+    # a link under this x the fleet's rate but not congested: shared with traffic of another job,
+    # the adaptive all-reduce spreads its bytes over direct flows (comm/adaptive.py `contended`)
+    contended_below: float = 0.85
     # Smaller flows say more about buffers (a token bucket's burst, socket buffers) than about the
     # link: 1.4 MB flows measured 161..638 MB/s on 125 MB/s links. Short flows are kept: a flow
     # that ended fast is the evidence that its two links are fast (dropping them left only the
@@ -45,6 +48,9 @@ class FlowConfig:
         if not 0 < self.congested_below < self.clear_above <= 1:
             raise ValueError("FlowConfig needs 0 < congested_below < clear_above <= 1 (hysteresis), got "
                              f"{self.congested_below!r} and {self.clear_above!r}")
+        if not self.congested_below < self.contended_below <= 1:
+            raise ValueError(f"FlowConfig needs congested_below < contended_below <= 1, got {self.congested_below!r} "
+                             f"and {self.contended_below!r}")
         if not isinstance(self.stale_after, int) or self.stale_after < 1:
             raise ValueError(f"FlowConfig stale_after must be an integer >= 1 (collectives), got {self.stale_after!r}")
         if self.min_bytes < 0 or self.min_seconds < 0:

@@ -225,6 +225,16 @@ def candidates(rates: Rates, nbytes: int) -> list[Pattern]:
     return out
 
 
+def direct(p: Pattern) -> Pattern:
+    """`p`'s chunks and pieces moved by the direct exchange: a ring's all-gather hop is one flow per
+    link, which a link shared with another job's stream splits with it (TCP shares a link per
+    flow: half of it); the direct exchange keeps N-1 flows on every link ((N-1)/N of it). The
+    same bits: every pattern reduces each element in rank order. Non-rings are returned as they are."""
+    if p.kind != "ring":
+        return p
+    return Pattern(kind="pipelined", order=tuple(range(p.world)), split=p.split, pieces=p.pieces)
+
+
 def choose(current: Pattern | None, rates: Rates, nbytes: int, *, min_gain: float = 0.05) -> tuple[Pattern, float]:
     """The plan for the next collectives and its predicted seconds; `current` stays unless another
     is predicted at least `min_gain` (a fraction) faster."""
