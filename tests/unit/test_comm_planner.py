@@ -190,3 +190,22 @@ def test_a_slow_link_clears_only_past_the_upper_threshold():
     _feed(ad, {})
     ad.decide(64 * MB)
     assert ad.slow_links()[0] == {} and len(set(ad.plan.split)) == 1
+
+
+def test_a_contended_link_moves_the_rings_chunks_by_the_direct_exchange_and_back():
+    from unbroken.comm.planner import direct
+
+    ring = Pattern.static_ring(4, 8)
+    assert direct(ring) == Pattern(kind="pipelined", order=(0, 1, 2, 3), split=(1, 1, 1, 1), pieces=8)
+    tree = Pattern(kind="tree", order=(0, 1, 2, 3), split=(1, 0, 0, 0), pieces=2, aggregators=(0,))
+    assert direct(tree) == tree
+    ad = _fed(4, {})
+    ad.decide(64 * MB)
+    assert ad.plan.kind == "ring" and ad.contended(FAST) == []
+    _feed(ad, {("up", 2): FAST * 0.75, ("down", 3): FAST * 0.75})  # another job's stream from 2 to 3
+    ad.decide(64 * MB)
+    assert ad.slow_links()[0] == {} and ad.contended(FAST) == [("down", 3), ("up", 2)]
+    assert ad.plan.kind == "pipelined" and len(set(ad.plan.split)) == 1
+    _feed(ad, {})  # the stream ended
+    ad.decide(64 * MB)
+    assert ad.plan.kind == "ring"
