@@ -9,6 +9,8 @@ that balances every rank's bytes against its link (a slow rank owns less, or not
 then only sends its rows and receives results: S bytes each way instead of 2(N-1)/N x S);
 the ring ordered fastest-first with that split; two-level trees whose aggregators are the
 fastest 1..N-1 ranks. A plan is kept unless another is predicted `min_gain` faster (no flapping).
+`direct` turns a ring into the direct exchange of the same chunks, for links that another job's
+traffic shares (the model's links are fixed capacities; TCP shares a link per flow).
 Pure: the same estimates give the same plan on every rank.
 """
 from __future__ import annotations
