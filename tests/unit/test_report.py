@@ -164,9 +164,11 @@ def test_report_never_crashes_on_odd_field_values(raw):
 def test_a_replanned_all_reduce_is_listed_with_its_pattern_and_links(cli, tmp_path):
     plan = {"kind": "pipelined", "order": [0, 1, 2, 3], "split": [333, 0, 333, 333], "pieces": 8, "aggregators": []}
     run = _write(tmp_path / "run", [ev(0, "run_start"), ev(1.5, "collective_plan", rank=0, seq=7, plan=plan,
-                                                          congested=["up:1", "down:1"]), ev(3, "run_end", steps=5)])
+                                                          congested=["up:1", "down:1"], contended=["up:3"]),
+                                    ev(3, "run_end", steps=5)])
     [p] = analyze(load_runs([run]))["collective_plans"]
     assert (p["time_s"], p["seq"], p["kind"], p["split"], p["congested"]) == (1.5, 7, "pipelined",
                                                                                [333, 0, 333, 333], ["up:1", "down:1"])
     res = cli(run, "--out", tmp_path / "out")
     assert res.exit_code == 0 and "All-reduce re-plans" in res.stdout and "up:1, down:1" in res.stdout
+    assert p["contended"] == ["up:3"]

@@ -54,10 +54,10 @@ class AdaptiveAllreduce:
                             interrupted=interrupted)
         self.table = flows.FlowTable(flow_cfg)
         self.plan: Pattern | None = Pattern.static_ring(world) if mode == "static" else None  # the last one used
-        self._plans: dict[int, Pattern] = {}  # per all-reduce size: its current plan
-        self._chosen: dict[int, Pattern] = {}  # per size: the planner's choice (before `planner.direct`)
+        # per all-reduce size: the links' picture its plan was made for, the planner's choice, and the
+        # plan run (the choice, or `planner.direct` of it while a link is contended)
+        self._sizes: dict[int, tuple[tuple, Pattern, Pattern]] = {}
         self.seq = 0
-        self._decided: dict[int, tuple] = {}  # per size: the links' picture its plan was chosen for
         self.history: deque[dict] = deque(maxlen=1024)  # the last collectives: seq, plan, seconds, estimates
         self._slots = self._empty_slots()  # per peer, phase: bytes, posted, ended (receives), posted (sends)
         self._slow: set[flows.Link] = set()  # the links the current plan was made around (hysteresis)
@@ -182,7 +182,9 @@ class AdaptiveAllreduce:
         """The links as the planner sees them: a slow link (`slow_links`) at its estimate, every other
         link, measured or not yet, at the fleet's typical rate (on shared hosts estimates wander by
         tens of percent, and a plan tuned to that noise loses to the ring)."""
-        slow, fleet = self.slow_links()
+        return self._rates(*self.slow_links())
+
+    def _rates(self, slow: dict[flows.Link, float], fleet: float) -> planner.Rates:
         return planner.Rates(up=tuple(slow.get(("up", r), fleet) for r in range(self.world)),
                              down=tuple(slow.get(("down", r), fleet) for r in range(self.world)))
 
@@ -202,16 +204,14 @@ class AdaptiveAllreduce:
                 self.emit("link_congestion", link=f"{link[0]}:{link[1]}", congested=link in slow, seq=self.seq,
                           rate_Bps=est.rate if est else None, reference_Bps=fleet)
         self._slow = set(slow)
-        rates, contended = self.rates(), self.contended(fleet)
+        rates, contended = self._rates(slow, fleet), self.contended(fleet)
         ref = max(rates.up + rates.down)
         key = (tuple(round(x / ref * 20) for x in rates.up + rates.down), bool(contended))
-        if self._decided.get(nbytes) == key:
-            self.plan = self._plans[nbytes]
+        known, chosen, current = self._sizes.get(nbytes, (None, None, None))
+        if known == key:
+            self.plan = current
             return
-        self._decided[nbytes] = key
-        current = self._plans.get(nbytes)
-        chosen, predicted = planner.choose(self._chosen.get(nbytes), rates, nbytes, min_gain=self.min_gain)
-        self._chosen[nbytes] = chosen
+        chosen, predicted = planner.choose(chosen, rates, nbytes, min_gain=self.min_gain)
         plan = planner.direct(chosen) if contended else chosen
         # a size's first plan is an event only when made around slow links (not a mere size change)
         previous = current if current is not None else (self.plan if self._slow else None)
@@ -219,7 +219,8 @@ class AdaptiveAllreduce:
             self.emit("collective_plan", seq=self.seq + 1, plan=plan.to_json(), previous=previous.to_json(),
                       predicted_s=predicted, congested=[f"{k}:{r}" for k, r in sorted(self._slow)],
                       contended=[f"{k}:{r}" for k, r in contended], bytes=nbytes)
-        self._plans[nbytes] = self.plan = plan
+        self._sizes[nbytes] = (key, chosen, plan)
+        self.plan = plan
 
 
 def for_comm(comm, mode: str, *, emit: Emit | None = None,

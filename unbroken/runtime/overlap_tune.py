@@ -242,8 +242,7 @@ class OverlapControl:
                     break
         finally:
             comms[alt].close()
-        last = rounds[-1]
-        return {"seconds": last, "rounds": rounds, "chosen": alt if leads(last[own], last[alt]) else None}
+        return {"seconds": rounds[-1], "rounds": rounds, "chosen": alt if leads(mean[own], mean[alt]) else None}
 
     def _probe_round(self, tr, comms: dict, scratch: torch.Tensor, warm_up: bool) -> dict[str, list[float]]:
         """PROBES interleaved whole-gradient all-reduces of each of `comms`: every rank's mean per probe."""
