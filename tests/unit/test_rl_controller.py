@@ -43,6 +43,22 @@ def test_with_lending_only_a_training_bound_step_moves_a_process():
     assert c.decide(obs(5, rollout=2, train=2, rw=0.2, tw=3.0)).to_pool == "train"
 
 
+def test_on_policy_the_phases_add_up_so_lending_trainers_take_most_processes():
+    """Staleness 0: generation and training alternate. With lending every process generates, so
+    a step is rollout work / N + training work / trainers: more trainers are always better; without
+    lending the sum of the two pools' phases is balanced, not their maximum."""
+    c = Controller(gain=0.1, cooldown=1, overlap=False)
+    m = c.decide(obs(0, rw=3.0, tw=1.0))  # 2 trainers: 3/4 + 1/2; 1 rollout: 3/4 + 1/3
+    assert m.to_pool == "train" and "1 rollout processes predict 1.083" in m.reason
+    assert c.decide(obs(1, rollout=1, train=3, rw=3.0, tw=1.0)) is None  # at the best split already
+    overlapped = Controller(gain=0.1, cooldown=1)  # staleness 1, the same work: trainers lend, no move
+    assert overlapped.decide(obs(0, rw=3.0, tw=1.0)) is None
+    alone = Controller(gain=0.1, cooldown=1, lending=False, overlap=False)
+    # 3/r + 1/(4-r): r=2 gives 2.0, r=3 gives 2.0, r=1 gives 3.33: stay at the even split
+    assert alone.decide(obs(0, rw=3.0, tw=1.0)) is None
+    assert alone.decide(obs(1, rw=0.5, tw=3.0)).to_pool == "train"  # 0.5 + 1.5 vs 0.5/1 + 1.0
+
+
 def test_idle_fraction_and_sizes():
     tl = Timeline()
     tl.set_role(0, 0.0, "rollout")

@@ -4,12 +4,16 @@ fraction. It predicts the step time of a split r rollout / N-r training processe
 process toward the split with the shortest predicted step when that beats the current one by
 `gain`; at least one process stays in each pool, and at most one move every `cooldown` steps.
 
-The prediction: without lending, max(rollout work / r, training work / (N - r)): each pool
-works alone. With lending (the coordinator's dynamic mode: idle trainers generate groups of the
-step that training waits for), max(training work / (N - r), all work / N): the trainers must
-get through the training, and beyond that every process is busy. Among splits that predict
-the same step, the one with the fewest trainers is taken (a trainer can lend a hand to the
-rollout pool; a rollout worker cannot train)."""
+The prediction depends on whether the pools overlap. With staleness 1 they do (the rollout pool
+samples step s+1 while step s trains): without lending, max(rollout work / r, training work /
+(N - r)), each pool working alone; with lending (the coordinator's dynamic mode: idle trainers
+generate groups of the step that training waits for), max(training work / (N - r), all work / N):
+the trainers must get through the training, and beyond that every process is busy. On-policy
+(staleness 0) generation and training alternate, so a step is the sum of the two phases: rollout
+work / r + training work / (N - r), or with lending rollout work / N + training work / (N - r)
+(every process generates, then the trainers train). Among splits that predict the same step, the
+one with the fewest trainers is taken (a trainer can lend a hand to the rollout pool; a rollout
+worker cannot train)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,11 +37,15 @@ class Move:
     reason: str
 
 
-def predicted_step_s(obs: Observation, rollout: int, lending: bool = False) -> float:
+def predicted_step_s(obs: Observation, rollout: int, lending: bool = False, overlap: bool = True) -> float:
     n = obs.rollout + obs.train
+    generate = obs.rollout_work_s / (n if lending else rollout)
+    train = obs.train_work_s / (n - rollout)
+    if not overlap:
+        return generate + train
     if lending:
-        return max(obs.train_work_s / (n - rollout), (obs.rollout_work_s + obs.train_work_s) / n)
-    return max(obs.rollout_work_s / rollout, obs.train_work_s / (n - rollout))
+        return max(train, (obs.rollout_work_s + obs.train_work_s) / n)
+    return max(generate, train)
 
 
 @dataclass
@@ -45,6 +53,7 @@ class Controller:
     gain: float = 0.10
     cooldown: int = 2
     lending: bool = True
+    overlap: bool = True  # the pools work at once (staleness 1); False: on-policy, they alternate
     _last: int = -10**9
 
     def decide(self, obs: Observation) -> Move | None:
@@ -53,7 +62,7 @@ class Controller:
             return None
 
         def pred(r: int) -> float:
-            return predicted_step_s(obs, r, self.lending)
+            return predicted_step_s(obs, r, self.lending, self.overlap)
 
         now = pred(obs.rollout)
         best = min(range(1, n), key=lambda r: (pred(r), -r))

@@ -42,7 +42,7 @@ class Coordinator:
         self.ready: dict[int, list[list[grpo.Sample]]] = {}
         self.training: dict[int, tuple | None] | None = None  # member -> reply, while a step trains
         self.moving: set[int] = set()  # rollout workers that join the trainers when idle
-        self.controller = (controller or Controller()) if method == "dynamic" else None
+        self.controller = (controller or Controller(overlap=cfg.staleness > 0)) if method == "dynamic" else None
         self.progress = progress  # called with each step's record
         self.kill_rollout_at, self.kill_trainer_at = kill_rollout_at, kill_trainer_at  # fault injection
         self.tl, self.curve, self.moves, self.requeues, self.redos = Timeline(), [], [], [], []
