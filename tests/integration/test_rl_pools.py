@@ -125,3 +125,30 @@ def test_idle_trainers_lend_a_hand_without_changing_what_is_learned(pool, warm, 
     ev = [e for e in _events(tmp_path / "dyn") if e["kind"] == "rl_lend"]
     assert len(ev) == lent["lends"] and all(e["fields"]["from_pool"] == "train" for e in ev)
     assert all(c["rollout"] == 1 and c["train"] == 3 for c in lent["curve"])
+
+
+def test_idle_rollout_workers_help_train_and_a_lost_helper_share_is_computed_by_rank_0(pool, warm, tmp_path):
+    """Dynamic mode on-policy, two rollout workers and two trainers, no moves: while a step trains,
+    the rollout workers have nothing to generate and each computes a share of the gradient (`rl_help`),
+    which rank 0 adds before the all-reduce. The same steps as the static run (same rewards); a helper
+    SIGKILLed with its share in hand is an `rl_help_lost` event and rank 0 computes that share."""
+    cfg = RLConfig(**{**CFG.to_dict(), "steps": 3})
+    static = rlrun.run(pool, cfg, "static", policy.state_bytes(warm), tmp_path / "static", rollout=2)
+    helped = rlrun.run(pool, cfg, "dynamic", policy.state_bytes(warm), tmp_path / "dyn", rollout=2, controller=Never())
+    assert [c["reward"] for c in helped["curve"]] == [c["reward"] for c in static["curve"]]
+    assert static["helps"] == 0 and helped["helps"] == 2 * cfg.steps and not helped["moves"]
+    ev = [e for e in _events(tmp_path / "dyn") if e["kind"] == "rl_help"]
+    assert len(ev) == helped["helps"] and all(e["fields"]["to_pool"] == "train" for e in ev)
+    a = torch.load(io.BytesIO((tmp_path / "static" / "policy.pt").read_bytes()), weights_only=True)
+    b = torch.load(io.BytesIO((tmp_path / "dyn" / "policy.pt").read_bytes()), weights_only=True)
+    moved = max(float((a[k] - warm[k]).abs().max()) for k in warm)
+    for k in warm:  # the same update up to float summation order (see the first test)
+        assert torch.allclose(a[k], b[k], atol=0.1 * moved), k
+    with Pool(4) as p:
+        lost = rlrun.run(p, cfg, "dynamic", policy.state_bytes(warm), tmp_path / "lost", rollout=2,
+                         controller=Never(), kill_helper_at=1)
+        dead = [w for w in range(4) if not p.alive(w)]
+    assert len(dead) == 1 and [c["step"] for c in lost["curve"]] == list(range(cfg.steps))
+    assert [c["reward"] for c in lost["curve"]] == [c["reward"] for c in static["curve"]]
+    gone = [e for e in _events(tmp_path / "lost") if e["kind"] == "rl_help_lost"]
+    assert len(gone) == 1 and gone[0]["fields"]["proc"] == dead[0] and gone[0]["fields"]["step"] == 1

@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 @dataclass
 class Timeline:
     """roles[w]: [(t, role)] changes (role "rollout" | "train" | "both" | "gone"); busy[w]: [(t0, t1)];
-    lent[w]: the busy intervals in which a trainer generated for the rollout pool (dynamic mode)."""
+    lent[w]: the busy intervals in which a trainer generated for the rollout pool, helped[w]: those in
+    which a rollout worker computed a training share (dynamic mode)."""
     roles: dict[int, list[tuple[float, str]]] = field(default_factory=dict)
     busy: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
     lent: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
+    helped: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
 
     def set_role(self, wid: int, t: float, role: str) -> None:
         self.roles.setdefault(wid, []).append((t, role))
@@ -22,13 +24,15 @@ class Timeline:
     def add_busy(self, wid: int, t0: float, t1: float) -> None:
         self.busy.setdefault(wid, []).append((t0, t1))
 
-    def add_lent(self, wid: int, t0: float, t1: float) -> None:
-        """A trainer's rollout work: busy (it was not idle), and counted as rollout work."""
+    def add_lent(self, wid: int, t0: float, t1: float, to: str = "rollout") -> None:
+        """Work for the other pool (`to`: a trainer's rollout, a rollout worker's training share): busy
+        (it was not idle), and counted as that pool's work."""
         self.add_busy(wid, t0, t1)
-        self.lent.setdefault(wid, []).append((t0, t1))
+        (self.lent if to == "rollout" else self.helped).setdefault(wid, []).append((t0, t1))
 
-    def lent_seconds(self, t0: float, t1: float) -> float:
-        return sum(max(0.0, min(y, t1) - max(x, t0)) for spans in self.lent.values() for x, y in spans)
+    def lent_seconds(self, t0: float, t1: float, to: str = "rollout") -> float:
+        spans = (self.lent if to == "rollout" else self.helped).values()
+        return sum(max(0.0, min(y, t1) - max(x, t0)) for s in spans for x, y in s)
 
     def _spans(self, wid: int, t_end: float) -> list[tuple[float, float, str]]:
         r = self.roles.get(wid, [])

@@ -19,7 +19,7 @@ FINAL_WINDOW = 5
 
 def run(pool: Pool, cfg: RLConfig, method: str, init_state: bytes, out: Path, *, rollout: int | None = None,
         reward: str | None = None, kill_rollout_at: int | None = None, kill_trainer_at: int | None = None,
-        controller=None, progress=None) -> dict:
+        controller=None, progress=None, kill_helper_at: int | None = None) -> dict:
     """Run `method` ("static": cfg.rollout / rollout rollout workers, the rest trainers; "dynamic": starts
     there and moves processes; "colocated": every process generates, then every process trains)."""
     if method not in METHODS:
@@ -39,7 +39,8 @@ def run(pool: Pool, cfg: RLConfig, method: str, init_state: bytes, out: Path, *,
     events.emit("rl_pools", method=method, rollout=split[0], train=split[1], staleness=_staleness(cfg, method),
                 processes=pool.size)
     coord = Coordinator(pool, cfg, method, rollout, events, kill_rollout_at=kill_rollout_at,
-                        kill_trainer_at=kill_trainer_at, controller=controller, progress=progress)
+                        kill_trainer_at=kill_trainer_at, controller=controller, progress=progress, run_id=run_id,
+                        kill_helper_at=kill_helper_at)
     try:
         coord.run()
     finally:
@@ -66,5 +67,5 @@ def summarize(coord: Coordinator, cfg: RLConfig, method: str, split: tuple[int, 
             "reward_final": sum(rewards[-FINAL_WINDOW:]) / len(rewards[-FINAL_WINDOW:]),
             "idle": {p: coord.tl.idle_fraction(p, 0.0, wall) for p in pools},
             "pool_sizes": coord.tl.sizes(wall), "moves": coord.moves, "requeues": coord.requeues,
-            "redos": coord.redos, "lends": coord.lends, "lengths": length_stats(coord.lengths),
+            "redos": coord.redos, "lends": coord.lends, "helps": coord.helps, "lengths": length_stats(coord.lengths),
             "curve": coord.curve}

@@ -1,7 +1,11 @@
 """One generation of the training pool: a gloo group over a store prefix per generation, the state
 sync that brings a process that just joined up to date (rank 0 of the generation, always a process
 that holds the current state, sends the weights and the optimizer state), and the data-parallel
-update: every rank's gradient of its share of the step, summed by all-reduce, one identical step."""
+update: every rank's gradient of its share of the step, summed by all-reduce, one identical step.
+A rollout worker idle while the step trains may compute a share too (a *helper*): it puts its
+flat gradient in the store under `help_key`, and rank 0 adds it to its own before the all-reduce,
+helpers in a fixed order; a share whose helper was lost (the coordinator marks its key LOST) or
+did not answer in time rank 0 computes itself."""
 from __future__ import annotations
 
 import io
@@ -14,6 +18,40 @@ from unbroken.rl import grpo
 from unbroken.rl.config import RLConfig
 
 TIMEOUT_S = 60.0
+HELP_TIMEOUT_S = 30.0  # rank 0's wait for a helper's gradient before it computes the share itself
+LOST = b"lost"
+
+
+def help_key(run: str, gen: int, step: int, k: int) -> str:
+    """Where helper k of step `step`, training generation `gen`, leaves its gradient."""
+    return f"rl/{run}/help/{gen}/{step}/{k}"
+
+
+def share_gradient(model, samples: list[grpo.Sample], cfg: RLConfig, normalizer: float, ref=None) -> torch.Tensor:
+    """The flat gradient of one share of a step's samples (zeros for an empty share); grads reset first."""
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    if samples:
+        grpo.loss(model, samples, cfg, normalizer, ref).backward()
+    return _flat(params)
+
+
+def _flat(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+def helper_gradient(store: dist.Store, key: str, like: torch.Tensor, compute) -> torch.Tensor:
+    """A helper's gradient from the store; `compute()` when it was lost or is late (HELP_TIMEOUT_S)."""
+    try:
+        store.wait([key], timedelta(seconds=HELP_TIMEOUT_S))
+    except RuntimeError:  # late: the share is computed here; whatever the helper writes later is unused
+        return compute()
+    data = store.get(key)
+    store.delete_key(key)
+    if data == LOST:
+        return compute()
+    return torch.frombuffer(bytearray(data), dtype=like.dtype)
 
 
 class GroupError(RuntimeError):
@@ -57,8 +95,10 @@ class TrainGroup:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
 
-    def update(self, model, opt, samples: list[grpo.Sample], cfg: RLConfig, normalizer: float, ref=None) -> float:
-        """One optimizer step on the whole step's samples, of which this rank holds `samples`."""
+    def update(self, model, opt, samples: list[grpo.Sample], cfg: RLConfig, normalizer: float, ref=None,
+               helped: tuple = (), store: dist.Store | None = None) -> float:
+        """One optimizer step on the whole step's samples, of which this rank holds `samples` and, on
+        rank 0, `helped`: [(store key, share)] computed by helpers, added in this order."""
         opt.zero_grad(set_to_none=True)
         params = [p for p in model.parameters()]
         if samples:
@@ -67,7 +107,9 @@ class TrainGroup:
             value = float(loss.detach())
         else:  # more ranks than samples: contribute a zero gradient
             value = 0.0
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        flat = _flat(params)
+        for key, share in helped:
+            flat += helper_gradient(store, key, flat, lambda share=share: share_gradient(model, share, cfg, normalizer, ref))
         if self.world > 1:
             _wait(self.pg.allreduce([flat]), "the gradient all-reduce")
         offset = 0

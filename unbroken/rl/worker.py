@@ -16,7 +16,7 @@ import torch.distributed as dist
 from unbroken.rl import grpo, policy, task
 from unbroken.rl.config import RLConfig
 from unbroken.rl.errors import RLInputError
-from unbroken.rl.traingroup import GroupError, TrainGroup
+from unbroken.rl.traingroup import GroupError, TrainGroup, help_key, share_gradient
 
 IDLE_EXIT_S = 300.0
 
@@ -47,8 +47,20 @@ class Worker:
         samples = grpo.rollout_group(self.model, self.cfg, prompt, step, version, self.reward)
         return ("rollout_done", samples, time.perf_counter() - t0)
 
+    def help(self, step: int, gen: int, k: int, weights: bytes | None, samples: list, normalizer: float,
+             die: bool) -> tuple:
+        """A rollout worker's training share: its gradient goes to the store for rank 0 to add."""
+        t0 = time.perf_counter()
+        if weights is not None:
+            self.model.load_state_dict(policy.load_state(weights))
+        if die:  # fault injection (--kill-helper-at): a real SIGKILL with the share in hand
+            os.kill(os.getpid(), signal.SIGKILL)
+        g = share_gradient(self.model, samples, self.cfg, normalizer, self.ref)
+        self.store.set(help_key(self.run, gen, step, k), g.numpy().tobytes())
+        return ("helped", step, time.perf_counter() - t0)
+
     def train(self, step: int, gen: int, rank: int, world: int, samples: list, normalizer: float,
-              send_state: bool, die: bool) -> tuple:
+              send_state: bool, die: bool, helped: list | tuple = ()) -> tuple:
         t0 = time.perf_counter()
         if self.group is None or self.group.gen != gen:
             self.group = TrainGroup(self.store, self.run, gen, rank, world)
@@ -56,7 +68,8 @@ class Worker:
             self.group.sync_state(self.model, self.opt)
         if die:  # fault injection: a real SIGKILL mid-step, before this rank joins the all-reduce
             os.kill(os.getpid(), signal.SIGKILL)
-        loss = self.group.update(self.model, self.opt, samples, self.cfg, normalizer, self.ref)
+        keyed = [(help_key(self.run, gen, step, k), share) for k, share in helped]
+        loss = self.group.update(self.model, self.opt, samples, self.cfg, normalizer, self.ref, keyed, self.store)
         return ("trained", step, loss, time.perf_counter() - t0, policy.state_bytes(self.model.state_dict()) if send_state else None)
 
 
@@ -65,7 +78,7 @@ def main(conn, wid: int, host: str, port: int) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
     w = Worker(wid, store)
-    handlers = {"reset": w.reset, "rollout": w.rollout, "train": w.train}
+    handlers = {"reset": w.reset, "rollout": w.rollout, "train": w.train, "help": w.help}
     while True:
         try:
             if not conn.poll(IDLE_EXIT_S):
