@@ -22,6 +22,10 @@ from unbroken.rl.config import RLConfig
 from unbroken.rl.errors import RLInputError
 
 BEST_STATIC_GOAL, EVEN_GOAL, UNIFORM_SLACK = 1.3, 1.5, 0.05
+# The benchmark's policy: 0.8M parameters, so a step (~0.15 s) outweighs the coordinator's per-message
+# costs; with the default 0.1M-parameter policy a step is ~40 ms and the figures measure pipes and
+# wake-ups more than the pools' balance (docs/rl.md).
+BENCH_POLICY = {"n_embd": 128, "n_layer": 4, "n_head": 4}
 
 
 def methods(processes: int) -> list[tuple[str, str, int]]:
@@ -47,7 +51,8 @@ def run_mode(pool, cfg: RLConfig, init: bytes, work: Path, console: Console, rep
             r = rlrun.run(pool, cfg, method, init, work / cfg.lengths / f"{name}-{rep}", rollout=rollout)
             reps.setdefault(name, []).append(r)
             console.print(f"  {cfg.lengths:8s} {name:12s} #{rep}  {r['samples_per_s']:7.1f} samples/s  reward "
-                          f"{r['reward_initial']:.3f} -> {r['reward_final']:.3f}  moves {len(r['moves'])}  lends {r['lends']}")
+                          f"{r['reward_initial']:.3f} -> {r['reward_final']:.3f}  moves {len(r['moves'])}  lends {r['lends']}  "
+                          f"helps {r['helps']}")
     target = min(smoothed([c["reward"] for c in r["curve"]])[-1] for rs in reps.values() for r in rs)
     ttt = {n: [time_to_target(r["curve"], target) for r in rs] for n, rs in reps.items()}
     sps = {n: statistics.median(r["samples_per_s"] for r in rs) for n, rs in reps.items()}
@@ -61,6 +66,7 @@ def run_mode(pool, cfg: RLConfig, init: bytes, work: Path, console: Console, rep
                      for n, rs in reps.items()},
             "moves": {n: [len(r["moves"]) for r in rs] for n, rs in reps.items()},
             "lends": {n: [r["lends"] for r in rs] for n, rs in reps.items()},
+            "helps": {n: [r["helps"] for r in rs] for n, rs in reps.items()},
             "lengths": reps["dynamic"][-1]["lengths"]}
 
 
@@ -94,7 +100,8 @@ def measure(cfg: RLConfig, work: Path, console: Console, repeats: int = 1, slice
             "samples_per_s": sps, "reward_final": lt["reward_final"],
             "time_to_target_s": lt["time_to_target_s"], "target_reward": lt["target_reward"],
             "idle": lt["idle"], "lengths": {"longtail": lt["lengths"], "uniform": un["lengths"]},
-            "samples_per_s_each": lt["samples_per_s_each"], "moves": lt["moves"], "lends": lt["lends"], "repeats": repeats,
+            "samples_per_s_each": lt["samples_per_s_each"], "moves": lt["moves"], "lends": lt["lends"], "helps": lt["helps"],
+            "repeats": repeats,
             "uniform": {k: un[k] for k in ("samples_per_s", "samples_per_s_each", "reward_final", "time_to_target_s",
                                            "target_reward", "idle", "best_static", "moves")},
             "dynamic_pool_sizes": lt["runs"]["dynamic"]["pool_sizes"], "dynamic_moves": lt["runs"]["dynamic"]["moves"],
@@ -150,7 +157,10 @@ def rl(quick: bool = typer.Option(False, "--quick", help="smoke run: 1-digit tas
        processes: int = typer.Option(4, "--processes", help="worker processes in every method"),
        steps: int = typer.Option(40, "--steps", help="training steps of every run"),
        repeats: int = typer.Option(3, "--repeats", help="runs of every method (interleaved); medians reported"),
-       staleness: int = typer.Option(1, "--staleness", help="static and dynamic: 0 or 1 (colocated is always 0)"),
+       staleness: int = typer.Option(0, "--staleness", help="static and dynamic: 0 (on-policy, as colocated "
+                                     "always is) or 1"),
+       n_embd: int = typer.Option(BENCH_POLICY["n_embd"], "--n-embd", help="policy width"),
+       n_layer: int = typer.Option(BENCH_POLICY["n_layer"], "--n-layer", help="policy depth"),
        seed: int = typer.Option(0, "--seed"),
        slices: bool = typer.Option(True, "--cpu-slices/--shared-cpu", help="each worker in a CPU cgroup of its "
                                    "own (cores/processes; needs root), so idle time is lost as on a device"),
@@ -168,7 +178,7 @@ def rl(quick: bool = typer.Option(False, "--quick", help="smoke run: 1-digit tas
             raise RLInputError(f"--processes {processes}: the benchmark needs >= 2 (a rollout and a training pool)")
         base = dict(processes=processes, rollout=processes // 2, staleness=staleness, seed=seed)
         cfg = RLConfig(**base, steps=min(steps, 6), digits=1, prompts=4, group=4, pretrain_steps=60) if quick \
-            else RLConfig(**base, steps=steps)
+            else RLConfig(**base, steps=steps, n_embd=n_embd, n_layer=n_layer, n_head=BENCH_POLICY["n_head"])
     except RLInputError as e:
         fail(str(e))
     console = Console()

@@ -159,10 +159,9 @@ class Coordinator:
         if self.kill_trainer_at is not None and step >= self.kill_trainer_at and len(members) > 1:
             self.kill_trainer_at, victim = None, members[-1]
         for rank, w in enumerate(members):
-            # disaggregated: every rank returns its weights, so any rank that completes the step can
-            # feed the rollout pool; colocated: the processes sample with their own weights (rank 0's kept)
-            self._send(w, ("train", step, self.gen, rank, len(members), shares[rank], norm,
-                           self.method != "colocated" or rank == 0, w == victim,
+            # rank 0 returns its weights (the rollout pool's next, and what a run keeps); should it be
+            # lost after the update, another rank that applied it is asked (_resolve_step)
+            self._send(w, ("train", step, self.gen, rank, len(members), shares[rank], norm, rank == 0, w == victim,
                            list(enumerate(shares[len(members):])) if rank == 0 else ()))
             self.busy[w] = ("train", step, None, self.now(), False)
 
@@ -206,13 +205,22 @@ class Coordinator:
             self.members = tuple(done + [m for m in self.members if m not in done])
         if len(done) < len(replies):
             self.gen += 1  # ranks whose collective failed rejoin in a new generation and get rank 0's state
-        self.latest = next((replies[m][4] for m in done if replies[m][4] is not None), self.latest)
+        state = next((replies[m][4] for m in done if replies[m][4] is not None), None)
+        self.latest = state if state is not None else self._fetch_state(done[0])
         self.version += 1
         for m in done:
             self.wversion[m] = self.version
         self._record_step(step)
         if self.controller is not None:
             self._decide(step)
+
+    def _fetch_state(self, w: int) -> bytes:
+        """Rank 0 was lost after the update: `w`, which applied it too (and is idle now), sends its weights."""
+        self.events.emit("rl_state_from", proc=w, step=self.version, why="training rank 0 was lost after the update")
+        reply = self.pool.call(w, ("state",), timeout_s=PROGRESS_TIMEOUT_S)
+        if reply[0] != "state":
+            raise RunError(f"RL worker {w} answered {reply[0]!r} when asked for its weights")
+        return reply[1]
 
     def _record_step(self, step: int) -> None:
         samples = _in_prompt_order(self.ready.pop(step))

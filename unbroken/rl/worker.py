@@ -59,6 +59,10 @@ class Worker:
         self.store.set(help_key(self.run, gen, step, k), g.numpy().tobytes())
         return ("helped", step, time.perf_counter() - t0)
 
+    def state(self) -> tuple:
+        """This process's weights (asked for when training rank 0 was lost after an update)."""
+        return ("state", policy.state_bytes(self.model.state_dict()))
+
     def train(self, step: int, gen: int, rank: int, world: int, samples: list, normalizer: float,
               send_state: bool, die: bool, helped: list | tuple = ()) -> tuple:
         t0 = time.perf_counter()
@@ -78,7 +82,7 @@ def main(conn, wid: int, host: str, port: int) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
     w = Worker(wid, store)
-    handlers = {"reset": w.reset, "rollout": w.rollout, "train": w.train, "help": w.help}
+    handlers = {"reset": w.reset, "rollout": w.rollout, "train": w.train, "help": w.help, "state": w.state}
     while True:
         try:
             if not conn.poll(IDLE_EXIT_S):
