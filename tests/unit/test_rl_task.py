@@ -24,6 +24,18 @@ def test_longtail_lengths_are_heavy_tailed():
     assert ks.count(1) > 0.5 * len(ks) and 0 < ks.count(6) < 0.03 * len(ks)
 
 
+def test_requested_tokens_bounds_the_right_completion_and_orders_prompts_by_k():
+    """Read from the prompt alone: the right completion's length when each sum has a carry digit,
+    an upper bound otherwise; more answers asked for, more tokens."""
+    ps = task.step_prompts(1, 2, 200, 3, "longtail", 6)
+    for p in ps:
+        right, total = len(p.answer) + 1, int(p.answer.split(",")[0])
+        assert right <= task.requested_tokens(p)
+        assert (right == task.requested_tokens(p)) == (len(str(total)) == 4)
+    by_k = sorted(ps, key=lambda p: -task.requested_tokens(p))
+    assert [int(p.text[-2]) for p in by_k] == sorted((int(p.text[-2]) for p in ps), reverse=True)
+
+
 @pytest.mark.parametrize("completion,want", [("42,42;", 1.0), ("42;", 0.35), ("41,42;", 0.65),
                                              ("42,42,42;", 0.7 * 2 / 3), ("42,42", 0.7), ("", 0.0)])
 def test_default_reward(completion, want):

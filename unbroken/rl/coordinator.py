@@ -77,12 +77,14 @@ class Coordinator:
                                f"waiting on {waiting}")
 
     def _admit(self) -> None:
-        """Queue the prompts of every step the current weights may sample for (step <= version + staleness)."""
+        """Queue the prompts of every step the current weights may sample for (step <= version + staleness),
+        each step's longest requested completions first (what a group computes does not depend on when)."""
         stale = 0 if self.method == "colocated" else self.cfg.staleness
         while self.admitted < min(self.version + stale, self.cfg.steps - 1):
             self.admitted += 1
-            for p in task.step_prompts(self.cfg.seed, self.admitted, self.cfg.prompts, self.cfg.digits,
-                                       self.cfg.lengths, self.cfg.max_repeat):
+            prompts = task.step_prompts(self.cfg.seed, self.admitted, self.cfg.prompts, self.cfg.digits,
+                                        self.cfg.lengths, self.cfg.max_repeat)
+            for p in sorted(prompts, key=lambda p: -task.requested_tokens(p)):
                 self.queue.append((self.admitted, p))
 
     def _rollout_workers(self) -> list[int]:
@@ -94,12 +96,15 @@ class Coordinator:
     def _dispatch_rollouts(self) -> None:
         if self.training is not None and self.method == "colocated":
             return
+        lend = self.method == "dynamic" and self.training is None
+        if lend and any(self.wversion[w] < self.version for w in self._rollout_workers()):
+            self._lend_trainers()  # they hold the newest weights: the longest groups start without a load
         for w in self._rollout_workers():
             if not self.queue:
                 return
             if self.busy[w] is None:
                 self._give_group(w)
-        if self.method == "dynamic" and self.training is None:
+        if lend:
             self._lend_trainers()
 
     def _lend_trainers(self) -> None:

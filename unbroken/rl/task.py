@@ -66,6 +66,14 @@ def step_prompts(seed: int, step: int, n: int, digits: int, lengths: str, max_re
     return [make_prompt(rng, digits, lengths, max_repeat, i) for i in range(n)]
 
 
+def requested_tokens(p: Prompt) -> int:
+    """The completion length the prompt asks for (k answers of up to digits + 1 characters, each
+    followed by ',' or the EOS), read from the prompt alone: the coordinator hands out the longest
+    groups first, so the step's long tail starts early instead of last."""
+    left, k = p.text[:-1].split("x")
+    return int(k) * (len(left.split("+")[0]) + 2)
+
+
 def default_reward(prompt: str, completion: str) -> float:
     """0.7 x the fraction of the k requested answers that are right (extra answers count against)
     + 0.3 when the completion has exactly k answers and ends with the EOS."""
