@@ -3,8 +3,9 @@ rollout workers with the newest weights (the weight broadcast after every update
 step once all of its groups are in (its samples split over the training pool, a new training
 generation whenever the pool changed), and in "dynamic" mode asks the Controller after each step
 whether to move a process, lends idle trainers to generation and idle rollout workers to training
-(helpers: a share of the step's gradient each, left in the store for training rank 0). A lost rollout worker's in-flight group goes back to the queue; a lost
-trainer's step is redone by the survivors. It is the single decision point: every move, requeue
+(helpers: a share of the step's gradient each, left in the store for training rank 0). A lost
+rollout worker's in-flight group goes back to the queue (a lost helper's share is computed by rank
+0); a lost trainer's step is redone by the survivors. It is the single decision point: every move, requeue
 and redo is an event written before it acts."""
 from __future__ import annotations
 
