@@ -115,6 +115,18 @@ def test_heartbeat_silence_is_a_hang_within_two_intervals():
     assert found[0].evidence["why"] == "heartbeat silence"
 
 
+def test_a_finished_process_falling_silent_is_no_hang():
+    """A worker that reported "done" stops beating as it exits (a stop-37 test run flagged one
+    0.152 s after its last beat, with a 0.15 s limit, after the job's last step)."""
+    det = Detector(CFG)
+    t = run_steps(det, range(10))
+    for r in range(4):
+        det.observe(hb(r, 10, "done" if r == 2 else "forward", t + 0.1))
+    for r in (0, 1, 3):
+        det.observe(hb(r, 11, "forward", t + 0.3))
+    assert det.check(t + 0.32) == []
+
+
 def test_silence_of_a_running_process_is_given_more_time_but_a_stopped_one_is_not():
     det = Detector(CFG)
     t = run_steps(det, range(10))
