@@ -9,6 +9,7 @@ did not answer in time rank 0 computes itself."""
 from __future__ import annotations
 
 import io
+import time
 from datetime import timedelta
 
 import torch
@@ -19,6 +20,7 @@ from unbroken.rl.config import RLConfig
 
 TIMEOUT_S = 60.0
 HELP_TIMEOUT_S = 30.0  # rank 0's wait for a helper's gradient before it computes the share itself
+HELP_POLL_S = 0.0005
 LOST = b"lost"
 
 
@@ -42,11 +44,14 @@ def _flat(params: list[torch.Tensor]) -> torch.Tensor:
 
 
 def helper_gradient(store: dist.Store, key: str, like: torch.Tensor, compute) -> torch.Tensor:
-    """A helper's gradient from the store; `compute()` when it was lost or is late (HELP_TIMEOUT_S)."""
-    try:
-        store.wait([key], timedelta(seconds=HELP_TIMEOUT_S))
-    except RuntimeError:  # late: the share is computed here; whatever the helper writes later is unused
-        return compute()
+    """A helper's gradient from the store; `compute()` when it was lost or is late (HELP_TIMEOUT_S).
+    Polled with `check`, not a `wait` that times out: a timed-out wait leaves the store client
+    expecting an answer that comes later. What a late helper writes stays unused in the store."""
+    deadline = time.monotonic() + HELP_TIMEOUT_S
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            return compute()
+        time.sleep(HELP_POLL_S)
     data = store.get(key)
     store.delete_key(key)
     if data == LOST:

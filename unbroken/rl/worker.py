@@ -53,7 +53,7 @@ class Worker:
         t0 = time.perf_counter()
         if weights is not None:
             self.model.load_state_dict(policy.load_state(weights))
-        if die:  # fault injection (--kill-helper-at): a real SIGKILL with the share in hand
+        if die:  # fault injection (run(kill_helper_at=...)): a real SIGKILL with the share in hand
             os.kill(os.getpid(), signal.SIGKILL)
         g = share_gradient(self.model, samples, self.cfg, normalizer, self.ref)
         self.store.set(help_key(self.run, gen, step, k), g.numpy().tobytes())
