@@ -123,13 +123,18 @@ class Coordinator:
 
     def _give_group(self, w: int, lent: bool = False) -> None:
         step, prompt = self.queue.popleft()
-        weights = self.latest if self.wversion[w] < self.version else None
         die = self.kill_rollout_at is not None and step >= self.kill_rollout_at and not lent
         if die:  # the worker SIGKILLs itself once it holds the prompts: in flight for sure
             self.kill_rollout_at = None
-        self._send(w, ("rollout", step, prompt, self.version, weights, die))
-        self.wversion[w] = self.version
+        self._send(w, ("rollout", step, prompt, self.version, self._weights_for(w), die))
         self.busy[w] = ("rollout", step, prompt, self.now(), lent)
+
+    def _weights_for(self, w: int) -> bytes | None:
+        """The newest weights when `w` lacks them (the broadcast after an update), else None; `w`
+        holds them from the message that carries them on."""
+        weights = self.latest if self.wversion[w] < self.version else None
+        self.wversion[w] = self.version
+        return weights
 
     def _send(self, w: int, msg: tuple) -> None:
         try:
@@ -182,12 +187,10 @@ class Coordinator:
         self.events.emit("rl_help", proc=w, step=step, share=k, samples=len(share), from_pool="rollout",
                          to_pool="train", train_gen=self.gen)
         self.helps += 1
-        weights = self.latest if self.wversion[w] < self.version else None
         die = self.kill_helper_at is not None and step >= self.kill_helper_at
         if die:
             self.kill_helper_at = None
-        self._send(w, ("help", step, self.gen, k, weights, share, norm, die))
-        self.wversion[w] = self.version
+        self._send(w, ("help", step, self.gen, k, self._weights_for(w), share, norm, die))
         self.busy[w] = ("help", step, (self.gen, k), self.now(), True)
 
     def _on_train_reply(self, w: int, reply: tuple) -> None:
