@@ -125,6 +125,18 @@ def test_a_finished_process_falling_silent_is_no_hang():
     for r in (0, 1, 3):
         det.observe(hb(r, 11, "forward", t + 0.3))
     assert det.check(t + 0.32) == []
+    assert det.check(t + 0.32, states={"w2": None}) == []
+
+
+def test_a_finished_process_the_kernel_shows_stopped_is_a_hang():
+    """A SIGSTOP after the "done" beat: the kernel's 'T' is certain evidence, done or not (stranded
+    recovery's test stops rank 2 in finish(); ignoring its silence left the job waiting forever)."""
+    det = Detector(CFG)
+    t = run_steps(det, range(10))
+    for r in range(4):
+        det.observe(hb(r, 10, "done", t + 0.1))
+    found = det.check(t + 0.32, states={"w0": "S", "w1": "R", "w2": "T", "w3": None})
+    assert [(f.fault, f.rank, f.evidence["phase"]) for f in found] == [("hang", 2, "done")]
 
 
 def test_silence_of_a_running_process_is_given_more_time_but_a_stopped_one_is_not():

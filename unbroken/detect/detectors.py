@@ -344,7 +344,7 @@ class Detector:
     def _silence(self, p: _Proc, now: float, state: str | None) -> Finding | None:
         if state in _GONE or not p.heard:
             return None  # dead (its exit status is the better evidence), or not started yet
-        if p.phase == "done":
+        if p.phase == "done" and state not in _STOPPED:
             return None  # finished: it stops beating as it exits; its exit status tells the rest
         n = (self.config.running_silence_heartbeats if state is not None and state not in _STOPPED
              else self.config.silence_heartbeats)
