@@ -54,11 +54,23 @@ class Scripted:
         return {1: Move("rollout", "scripted"), 3: Move("train", "scripted")}.get(obs.step)
 
 
+def _final_trainers_hold_the_kept_weights(pool, res, out, trainers: set[int]) -> None:
+    """Every process that ends the run a trainer holds, bitwise, the weights the run kept: a joiner
+    got rank 0's weights and optimizer state (a stale or fresh optimizer would step elsewhere)."""
+    for m in res["moves"]:
+        (trainers.add if m["to"] == "train" else trainers.discard)(m["proc"])
+    kept = torch.load(io.BytesIO((out / "policy.pt").read_bytes()), weights_only=True)
+    for w in sorted(trainers):
+        mine = policy.load_state(pool.call(w, ("state",))[1])
+        assert all(torch.equal(mine[k], kept[k]) for k in kept), f"worker {w} holds other weights"
+
+
 def test_moves_form_new_generations_without_losing_a_step(pool, warm, tmp_path):
     cfg = RLConfig(**{**CFG.to_dict(), "steps": 6, "staleness": 1})
     res = rlrun.run(pool, cfg, "dynamic", policy.state_bytes(warm), tmp_path, rollout=2, controller=Scripted())
     assert [c["step"] for c in res["curve"]] == list(range(6))
     assert [m["to"] for m in res["moves"]] == ["rollout", "train"]
+    _final_trainers_hold_the_kept_weights(pool, res, tmp_path, {2, 3})
     by_step = {c["step"]: c for c in res["curve"]}
     assert by_step[2]["train"] == 1 and by_step[5]["train"] == 2
     assert by_step[2]["gen"] > by_step[1]["gen"] and by_step[5]["gen"] > by_step[2]["gen"]
@@ -71,6 +83,29 @@ def test_moves_form_new_generations_without_losing_a_step(pool, warm, tmp_path):
 
     shown = pool_changes(read_events(tmp_path))  # what `unbroken report` prints
     assert [(c["rollout"], c["train"]) for c in shown] == [(2, 2), (3, 1), (2, 2)]
+
+
+class AllTrain:
+    """On-policy, after step 1: both rollout workers join training in one generation (time-sharing)."""
+
+    def decide(self, obs):
+        return Move("train", "scripted", count=2) if obs.step == 1 else None
+
+
+def test_on_policy_every_process_may_train_and_the_trainers_generate(pool, warm, tmp_path):
+    """Both rollout workers move to training at once (one new generation, two joiners that get the
+    state from rank 0): from step 1 the rollout pool is empty, the trainers generate every group,
+    and the run learns what the static run learns."""
+    cfg = RLConfig(**{**CFG.to_dict(), "steps": 5})
+    static = rlrun.run(pool, cfg, "static", policy.state_bytes(warm), tmp_path / "static", rollout=2)
+    res = rlrun.run(pool, cfg, "dynamic", policy.state_bytes(warm), tmp_path / "dyn", rollout=2,
+                    controller=AllTrain())
+    assert [c["reward"] for c in res["curve"]] == [c["reward"] for c in static["curve"]]
+    assert sorted(m["proc"] for m in res["moves"]) == [0, 1] and {m["step"] for m in res["moves"]} == {1}
+    assert [(c["rollout"], c["train"]) for c in res["curve"]] == [(2, 2)] * 2 + [(0, 4)] * 3
+    assert len({c["gen"] for c in res["curve"][2:]}) == 1 and res["curve"][2]["gen"] > res["curve"][1]["gen"]
+    assert res["lends"] >= 3 * cfg.prompts and res["helps"] == 2 * 2  # steps 0 and 1: two helpers, none after
+    _final_trainers_hold_the_kept_weights(pool, res, tmp_path / "dyn", {2, 3})
 
 
 @pytest.mark.parametrize("rollout", [2, 1])  # 1: the rollout pool dies out and a trainer refills it

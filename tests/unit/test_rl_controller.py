@@ -40,17 +40,23 @@ def test_with_lending_only_a_training_bound_step_moves_a_process():
     assert m.to_pool == "train" and "2 rollout processes" not in m.reason  # 3 s/1 -> best is 1r3t
     assert "1 rollout processes predict 1.000" in m.reason
     assert c.decide(obs(3, rollout=1, train=3, rw=3.0, tw=1.0)) is None  # more trainers than needed: they lend
-    assert c.decide(obs(5, rollout=2, train=2, rw=0.2, tw=3.0)).to_pool == "train"
+    m = c.decide(obs(5, rollout=2, train=2, rw=0.2, tw=3.0))  # staleness 1: one rollout process stays
+    assert m.to_pool == "train" and m.count == 1 and "1 rollout processes predict 1.000" in m.reason
 
 
 def test_on_policy_the_phases_add_up_so_lending_trainers_take_most_processes():
     """Staleness 0: generation and training alternate. With lending every process generates, so
-    a step is rollout work / N + training work / trainers: more trainers are always better; without
-    lending the sum of the two pools' phases is balanced, not their maximum."""
+    a step is rollout work / N + training work / trainers: more trainers are always better, up to
+    every process (time-sharing), and both move in one generation; without lending the sum of the
+    two pools' phases is balanced, not their maximum."""
     c = Controller(gain=0.1, cooldown=1, overlap=False)
-    m = c.decide(obs(0, rw=3.0, tw=1.0))  # 2 trainers: 3/4 + 1/2; 1 rollout: 3/4 + 1/3
-    assert m.to_pool == "train" and "1 rollout processes predict 1.083" in m.reason
-    assert c.decide(obs(1, rollout=1, train=3, rw=3.0, tw=1.0)) is None  # at the best split already
+    m = c.decide(obs(0, rw=3.0, tw=1.0))  # 2 trainers: 3/4 + 1/2; every process: 3/4 + 1/4
+    assert m.to_pool == "train" and m.count == 2 and "0 rollout processes predict 1.000 s/step vs 1.250" in m.reason
+    assert c.decide(obs(1, rollout=0, train=4, rw=3.0, tw=1.0)) is None  # at the best split already
+    m = c.decide(obs(2, rollout=1, train=3, rw=3.0, tw=1.0))  # 3/4 + 1/3 = 1.083 vs 1.0: under 10 %
+    assert m is None
+    m = c.decide(obs(3, rollout=1, train=3, rw=1.0, tw=3.0))  # 1/4 + 3/3 = 1.25 vs 1/4 + 3/4 = 1.0
+    assert m.to_pool == "train" and m.count == 1
     overlapped = Controller(gain=0.1, cooldown=1)  # staleness 1, the same work: trainers lend, no move
     assert overlapped.decide(obs(0, rw=3.0, tw=1.0)) is None
     alone = Controller(gain=0.1, cooldown=1, lending=False, overlap=False)

@@ -1,8 +1,10 @@
 """The reallocation policy of the dynamic method. After each training step it looks at the last
 few steps: the busy process-seconds each pool spent per step (the work), and each pool's idle
-fraction. It predicts the step time of a split r rollout / N-r training processes and moves one
-process toward the split with the shortest predicted step when that beats the current one by
-`gain`; at least one process stays in each pool, and at most one move every `cooldown` steps.
+fraction. It predicts the step time of a split r rollout / N-r training processes and moves the
+processes to the split with the shortest predicted step when that beats the current one by
+`gain` (all in one move: one new training generation); at most one move every `cooldown` steps.
+At least one process stays in the training pool, and one in the rollout pool, except on-policy
+with lending (below), where the trainers can do all the generating.
 
 The prediction depends on whether the pools overlap. With staleness 1 they do (the rollout pool
 samples step s+1 while step s trains): without lending, max(rollout work / r, training work /
@@ -11,9 +13,11 @@ generate groups of the step that training waits for), max(training work / (N - r
 the trainers must get through the training, and beyond that every process is busy. On-policy
 (staleness 0) generation and training alternate, so a step is the sum of the two phases: rollout
 work / r + training work / (N - r), or with lending rollout work / N + training work / (N - r)
-(every process generates, then the trainers train). Among splits that predict the same step, the
-one with the fewest trainers is taken (a trainer can lend a hand to the rollout pool; a rollout
-worker cannot train)."""
+(every process generates, then the trainers train): every process a trainer (r = 0) predicts the
+shortest step, and it is what time-sharing does. It is allowed there alone: with staleness 1 an
+empty rollout pool would leave nobody generating ahead. Among splits that predict the same step,
+the one with the fewest trainers is taken (a trainer can lend a hand to the rollout pool; a
+rollout worker joins training only as a helper, through the store)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,6 +39,7 @@ class Observation:
 class Move:
     to_pool: str           # "train" | "rollout"
     reason: str
+    count: int = 1         # processes that move (into one new training generation)
 
 
 def predicted_step_s(obs: Observation, rollout: int, lending: bool = False, overlap: bool = True) -> float:
@@ -65,12 +70,13 @@ class Controller:
             return predicted_step_s(obs, r, self.lending, self.overlap)
 
         now = pred(obs.rollout)
-        best = min(range(1, n), key=lambda r: (pred(r), -r))
+        fewest = 0 if self.lending and not self.overlap else 1
+        best = min(range(fewest, n), key=lambda r: (pred(r), -r))
         if best == obs.rollout or pred(best) > (1 - self.gain) * now:
             return None
         self._last = obs.step
         to = "rollout" if best > obs.rollout else "train"
-        return Move(to, f"work per step: rollout {obs.rollout_work_s:.3f} s, training {obs.train_work_s:.3f} s; "
-                        f"{best} rollout processes predict {pred(best):.3f} s/step vs {now:.3f} "
-                        f"(idle: rollout {obs.rollout_idle:.2f}, training {obs.train_idle:.2f}; "
-                        f"{obs.queued} groups queued)")
+        why = (f"work per step: rollout {obs.rollout_work_s:.3f} s, training {obs.train_work_s:.3f} s; "
+               f"{best} rollout processes predict {pred(best):.3f} s/step vs {now:.3f} "
+               f"(idle: rollout {obs.rollout_idle:.2f}, training {obs.train_idle:.2f}; {obs.queued} groups queued)")
+        return Move(to, why, count=abs(best - obs.rollout))

@@ -40,6 +40,7 @@ class Coordinator:
         self.busy: dict[int, tuple | None] = {w: None for w in self.alive}
         self.version, self.gen, self.members = 0, 0, ()
         self.wversion = {w: 0 for w in self.alive}
+        self.holders = set(self.alive)  # weights and optimizer state at `version` (every reset one alike)
         self.queue: deque[tuple[int, task.Prompt]] = deque()
         self.admitted = -1  # the last step whose prompts are queued
         self.ready: dict[int, list[list[grpo.Sample]]] = {}
@@ -68,6 +69,7 @@ class Coordinator:
         while self.version < self.cfg.steps:
             self._admit()
             self._refill_rollout()
+            self._settle_moves()
             self._dispatch_rollouts()
             self._maybe_train()
             if self._handle(wait_s=TICK_S):
@@ -93,6 +95,14 @@ class Coordinator:
 
     def _trainers(self) -> list[int]:
         return sorted(w for w in self.alive if self.tl.role(w) in ("train", "both"))
+
+    def _settle_moves(self) -> None:
+        """A rollout worker moving to training becomes a trainer once its group is in (from then on
+        it may be lent back to generation like any trainer)."""
+        for w in sorted(self.moving):
+            if self.busy[w] is None:
+                self.moving.discard(w)
+                self.tl.set_role(w, self.now(), "train")
 
     def _dispatch_rollouts(self) -> None:
         if self.training is not None and self.method == "colocated":
@@ -147,18 +157,16 @@ class Coordinator:
         step = self.version
         if self.training is not None or len(self.ready.get(step, [])) < self.cfg.prompts:
             return
-        for w in sorted(self.moving):  # moving rollout workers join once their group is in
-            if self.busy[w] is None:
-                self.moving.discard(w)
-                self.tl.set_role(w, self.now(), "train")
         trainers = self._trainers()
         if any(self.busy[w] is not None for w in trainers):
             return  # colocated: every process finishes generating first
-        if not trainers:
-            raise RunError("the training pool is empty and no process holds the optimizer state: the run stops")
-        members = tuple([m for m in self.members if m in trainers] + [w for w in trainers if w not in self.members])
+        if not any(w in self.holders for w in trainers):
+            raise RunError("no training process holds the optimizer state: the run stops")
+        members = tuple(sorted(trainers, key=lambda w: (w not in self.holders,
+                                                        self.members.index(w) if w in self.members else len(trainers))))
         if members != self.members:
             self.gen, self.members = self.gen + 1, members
+        joiners = tuple(rank for rank, w in enumerate(members) if w not in self.holders)
         samples = _in_prompt_order(self.ready[step])
         helpers = self._helpers()
         shares = _split(samples, len(members) + len(helpers))
@@ -173,7 +181,7 @@ class Coordinator:
             # rank 0 returns its weights (the rollout pool's next, and what a run keeps); should it be
             # lost after the update, another rank that applied it is asked (_resolve_step)
             self._send(w, ("train", step, self.gen, rank, len(members), shares[rank], norm, rank == 0, w == victim,
-                           list(enumerate(shares[len(members):])) if rank == 0 else ()))
+                           list(enumerate(shares[len(members):])) if rank == 0 else (), joiners))
             self.busy[w] = ("train", step, None, self.now(), False)
 
     def _helpers(self) -> list[int]:
@@ -217,6 +225,7 @@ class Coordinator:
         state = next((replies[m][4] for m in done if replies[m][4] is not None), None)
         self.latest = state if state is not None else self._fetch_state(done[0])
         self.version += 1
+        self.holders = set(done)
         for m in done:
             self.wversion[m] = self.version
         self._record_step(step)
@@ -246,34 +255,46 @@ class Coordinator:
 
     def _decide(self, step: int) -> None:
         t1 = self.now()
+        obs = self._observe(step, t1)
+        move = self.controller.decide(obs) if obs is not None else None
+        for _ in range(move.count if move else 0):  # one event per process, all in the next generation
+            w = self._mover(move.to_pool)
+            if w is None:
+                return
+            if move.to_pool == "rollout":
+                self.tl.set_role(w, t1, "rollout")  # the next dispatch forms a generation without it
+            else:
+                self.moving.add(w)  # joins the next training generation once its group is in
+            self.moves.append({"t": t1, "step": step, "proc": w, "to": move.to_pool, "reason": move.reason})
+            self.events.emit("rl_move", proc=w, from_pool="train" if move.to_pool == "rollout" else "rollout",
+                             to_pool=move.to_pool, step=step, reason=move.reason,
+                             rollout=len(self._rollout_workers()), train=len(self._trainers()) + len(self.moving),
+                             train_gen=self.gen)
+
+    def _observe(self, step: int, t1: float) -> Observation | None:
+        """The pools' work per step and idle fractions over the steps since the last move (None: no whole step yet)."""
         since = [c for c in self.curve if not self.moves or c["step"] > self.moves[-1]["step"]]
         window = since[-WINDOW_STEPS - 1:]
         if len(window) < 2:
-            return  # no whole step since the last move yet
+            return None
         t0, steps = window[0]["t"], len(window) - 1
         (_, r_busy), (_, t_busy) = self.tl.pool_seconds("rollout", t0, t1), self.tl.pool_seconds("train", t0, t1)
         lent = self.tl.lent_seconds(t0, t1)  # trainers' rollout work
         helped = self.tl.lent_seconds(t0, t1, to="train")  # rollout workers' training shares
-        obs = Observation(step, len(self._rollout_workers()), len(self._trainers()), (r_busy + lent - helped) / steps,
-                          (t_busy - lent + helped) / steps,
-                          self.tl.idle_fraction("rollout", t0, t1) or 0.0,
-                          self.tl.idle_fraction("train", t0, t1) or 0.0,
-                          sum(len(g) for s, g in self.ready.items() if s > step))
-        move = self.controller.decide(obs)
-        if move is None:
-            return
-        if move.to_pool == "rollout":
-            w = self.members[-1]  # it holds the newest weights: no transfer needed
-            self.tl.set_role(w, t1, "rollout")  # the next dispatch forms a generation without it
-        else:
-            idle = [w for w in self._rollout_workers() if self.busy[w] is None]
-            w = (idle or self._rollout_workers())[-1]
-            self.moving.add(w)  # joins the next training generation once its group is in
-        self.moves.append({"t": t1, "step": step, "proc": w, "to": move.to_pool, "reason": move.reason})
-        self.events.emit("rl_move", proc=w, from_pool="train" if move.to_pool == "rollout" else "rollout",
-                         to_pool=move.to_pool, step=step, reason=move.reason,
-                         rollout=len(self._rollout_workers()), train=len(self._trainers()) + len(self.moving),
-                         train_gen=self.gen)
+        return Observation(step, len(self._rollout_workers()), len(self._trainers()), (r_busy + lent - helped) / steps,
+                           (t_busy - lent + helped) / steps,
+                           self.tl.idle_fraction("rollout", t0, t1) or 0.0,
+                           self.tl.idle_fraction("train", t0, t1) or 0.0,
+                           sum(len(g) for s, g in self.ready.items() if s > step))
+
+    def _mover(self, to_pool: str) -> int | None:
+        """Who moves: the last training rank (it holds the newest weights; one trainer always stays),
+        or an idle rollout worker (else the last one)."""
+        if to_pool == "rollout":
+            ranks = [m for m in self.members if m in self._trainers()]
+            return ranks[-1] if len(ranks) > 1 else None
+        idle = [w for w in self._rollout_workers() if self.busy[w] is None]
+        return (idle or self._rollout_workers() or [None])[-1]
 
     # -- messages and failures ----------------------------------------------------------------------
     def _handle(self, wait_s: float) -> bool:
@@ -323,6 +344,7 @@ class Coordinator:
     def _on_death(self, w: int) -> None:
         self.alive.discard(w)
         self.moving.discard(w)
+        self.holders.discard(w)
         task_ = self.busy[w]
         self.busy[w] = None
         self.tl.set_role(w, self.now(), "gone")
@@ -341,8 +363,9 @@ class Coordinator:
             self._resolve_step()
 
     def _refill_rollout(self) -> None:
-        """The rollout pool died out: between steps, a trainer takes its place."""
-        if self.method == "colocated" or self.training is not None or self._rollout_workers() \
+        """Static mode: the rollout pool died out; between steps, a trainer takes its place (dynamic
+        mode needs none: idle trainers generate, and the controller decides the pools)."""
+        if self.method != "static" or self.training is not None or self._rollout_workers() \
                 or len(self._trainers()) < 2:
             return
         t = self._trainers()[-1]

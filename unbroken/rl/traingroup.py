@@ -1,21 +1,20 @@
 """One generation of the training pool: a gloo group over a store prefix per generation, the state
-sync that brings a process that just joined up to date (rank 0 of the generation, always a process
-that holds the current state, sends the weights and the optimizer state), and the data-parallel
-update: every rank's gradient of its share of the step, summed by all-reduce, one identical step.
+sync that brings the processes that just joined up to date (rank 0 of the generation, always a
+process that holds the current state, sends them the weights and the optimizer state; the others
+hold them already), and the data-parallel update: every rank's gradient of its share of the step, summed by all-reduce, one identical step.
 A rollout worker idle while the step trains may compute a share too (a *helper*): it puts its
 flat gradient in the store under `help_key`, and rank 0 adds it to its own before the all-reduce,
 helpers in a fixed order; a share whose helper was lost (the coordinator marks its key LOST) or
 did not answer in time rank 0 computes itself."""
 from __future__ import annotations
 
-import io
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from unbroken.rl import grpo
+from unbroken.rl import grpo, statewire
 from unbroken.rl.config import RLConfig
 
 TIMEOUT_S = 60.0
@@ -81,24 +80,28 @@ class TrainGroup:
         except RuntimeError as e:
             raise GroupError(f"forming training generation {gen} (rank {rank} of {world}) failed: {e}") from None
 
-    def sync_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-        """Everyone leaves with rank 0's weights and optimizer state (bytes broadcast: size, then data)."""
-        if self.world == 1:
+    def sync_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer, joiners: tuple[int, ...] = ()) -> None:
+        """The ranks in `joiners` leave with rank 0's weights and optimizer state, sent to each (sizes,
+        then a statewire layout and flat tensor); the other ranks applied the same steps as rank 0
+        and hold them already."""
+        if not joiners:
             return
-        data = b""
+        if 0 in joiners:
+            raise ValueError("rank 0 of a training generation must hold the state it hands to the joiners")
         if self.rank == 0:
-            buf = io.BytesIO()
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-            data = buf.getvalue()
-        size = torch.tensor([len(data)], dtype=torch.long)
-        _wait(self.pg.broadcast([size], dist.BroadcastOptions()), "the state size broadcast")
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
-            torch.empty(int(size), dtype=torch.uint8)
-        _wait(self.pg.broadcast([payload], dist.BroadcastOptions()), "the state broadcast")
-        if self.rank != 0:
-            state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["opt"])
+            layout, flat = statewire.pack(model, opt)
+            parts = (torch.tensor([len(layout), flat.numel()], dtype=torch.long),
+                     torch.frombuffer(bytearray(layout), dtype=torch.uint8), flat)
+            sends = [self.pg.send([t], j, tag) for j in joiners for tag, t in enumerate(parts)]
+            for work in sends:
+                _wait(work, "sending the state to a joining rank")
+        elif self.rank in joiners:
+            sizes = torch.empty(2, dtype=torch.long)
+            _wait(self.pg.recv([sizes], 0, 0), "receiving the state's sizes")
+            layout, flat = (torch.empty(int(n), dtype=torch.uint8) for n in sizes)
+            _wait(self.pg.recv([layout], 0, 1), "receiving the state's layout")
+            _wait(self.pg.recv([flat], 0, 2), "receiving the state")
+            statewire.unpack_into(model, opt, layout.numpy().tobytes(), flat)
 
     def update(self, model, opt, samples: list[grpo.Sample], cfg: RLConfig, normalizer: float, ref=None,
                helped: tuple = (), store: dist.Store | None = None) -> float:

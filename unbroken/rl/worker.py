@@ -64,12 +64,13 @@ class Worker:
         return ("state", policy.state_bytes(self.model.state_dict()))
 
     def train(self, step: int, gen: int, rank: int, world: int, samples: list, normalizer: float,
-              send_state: bool, die: bool, helped: list | tuple = ()) -> tuple:
+              send_state: bool, die: bool, helped: list | tuple = (), joiners: tuple = ()) -> tuple:
+        """This rank's share of `step`; in a new generation `gen`, first the state to the `joiners`."""
         t0 = time.perf_counter()
         if self.group is None or self.group.gen != gen:
             self.group = TrainGroup(self.store, self.run, gen, rank, world)
             self.groups.append(self.group)
-            self.group.sync_state(self.model, self.opt)
+            self.group.sync_state(self.model, self.opt, tuple(joiners))
         if die:  # fault injection: a real SIGKILL mid-step, before this rank joins the all-reduce
             os.kill(os.getpid(), signal.SIGKILL)
         keyed = [(help_key(self.run, gen, step, k), share) for k, share in helped]
