@@ -1,38 +1,84 @@
 """The coordinator's bookkeeping without processes: where the newest weights come from."""
 from unbroken.events import EventLog
 from unbroken.rl.config import RLConfig
-from unbroken.rl.coordinator import Coordinator
+from unbroken.rl.coordinator import Coordinator, RunError
+
+import pytest
+
+
+class FakeConn:
+    def __init__(self, sent, w):
+        self.sent, self.w = sent, w
+
+    def send(self, msg):
+        self.sent.append((self.w, msg))
 
 
 class FakePool:
-    """Two workers that never run: `call` answers what a worker would."""
+    """Three workers that never run: what the coordinator sends them is recorded."""
 
-    size = 2
+    size = 3
 
     def __init__(self):
-        self.calls = []
-
-    def call(self, w, msg, timeout_s=0):
-        self.calls.append((w, msg))
-        return ("state", f"weights of {w}".encode())
+        self.sent = []
+        self.conns = {w: FakeConn(self.sent, w) for w in range(self.size)}
 
 
-def test_rank_0_lost_after_the_update_the_weights_come_from_a_rank_that_applied_it(tmp_path):
-    cfg = RLConfig(digits=1, prompts=1, group=2, steps=3, processes=2, rollout=1, pretrain_steps=0)
-    pool = FakePool()
+def _coordinator(tmp_path, pool):
+    cfg = RLConfig(digits=1, prompts=1, group=2, steps=3, processes=3, rollout=1, pretrain_steps=0)
     events = EventLog(tmp_path / "events.jsonl", source="rl")
-    c = Coordinator(pool, cfg, "static", 0, events)
-    c.ready[0] = [[]]
-    c._record_step = lambda step: None  # no samples in this fake step
-    c.members, c.training = (0, 1), {0: None, 1: ("trained", 0, 0.0, 0.1, None)}
-    c.alive.discard(0)  # rank 0 died after its update, before it replied
+    c = Coordinator(pool, cfg, "static", 1, events)
+    c._record_step = lambda step: None  # no samples in these fake steps
+    return c, events
+
+
+def _train_step(c, replies: dict):
+    c.ready[c.version] = [[]]
+    c.training = replies
     c._resolve_step()
-    assert pool.calls == [(1, ("state",))] and c.latest == b"weights of 1" and c.version == 1
-    assert c.members[0] == 1  # the rank that holds the update leads the next generation
-    c.training = {1: ("trained", 1, 0.0, 0.1, b"fresh")}  # rank 0 replies with its state: nobody is asked
-    c.members = (1,)
-    c._resolve_step()
-    assert len(pool.calls) == 1 and c.latest == b"fresh"
+
+
+def test_the_newest_weights_come_from_rank_0_or_from_a_rank_that_applied_the_update(tmp_path):
+    pool = FakePool()
+    c, events = _coordinator(tmp_path, pool)
+    c.members = (1, 2)
+    _train_step(c, {1: ("trained", 0, 0.0, 0.1), 2: ("trained", 0, 0.0, 0.1)})
+    assert c.version == 1 and c.latest_version == 0 and not pool.sent  # rank 0 sends them after its reply
+    assert not c._has_weights(0) and c._has_weights(1)  # the rollout worker waits for them, the trainers hold them
+    c._on_reply(1, ("weights", 0, b"w1"))
+    assert c.latest == b"w1" and c.latest_version == 1 and c._has_weights(0)
+    c._on_reply(1, ("weights", 1, b"early"))  # before the other rank's reply: kept until the step resolves
+    assert c.latest == b"w1"
+    _train_step(c, {1: ("trained", 1, 0.0, 0.1), 2: ("trained", 1, 0.0, 0.1)})
+    assert c.latest == b"early" and c.latest_version == c.version == 2
+
+    c.alive.discard(1)  # rank 0 dies after its update, before it replied: the other rank is asked
+    _train_step(c, {1: None, 2: ("trained", 2, 0.0, 0.1)})
+    assert pool.sent == [(2, ("state",))] and c.members[0] == 2 and c.busy[2][0] == "state"
+    c._on_reply(2, ("state", b"w2"))
+    assert c.latest == b"w2" and c.latest_version == 3 and c.busy[2] is None
+
+    _train_step(c, {2: ("trained", 3, 0.0, 0.1)})  # rank 0 is lost after its reply, before its weights
+    c.alive.discard(2)
+    with pytest.raises(RunError, match="no process holds the weights of update 4"):
+        c._ensure_state()
     events.close()
-    kinds = [line for line in (tmp_path / "events.jsonl").read_text().splitlines() if "rl_state_from" in line]
-    assert len(kinds) == 1
+    whys = [line for line in (tmp_path / "events.jsonl").read_text().splitlines() if "rl_state_from" in line]
+    assert len(whys) == 1 and "lost after the update" in whys[0]
+
+
+def test_a_sender_lost_before_the_weights_came_is_replaced_by_an_idle_holder(tmp_path):
+    pool = FakePool()
+    c, events = _coordinator(tmp_path, pool)
+    c.members = (1, 2)
+    _train_step(c, {1: ("trained", 0, 0.0, 0.1), 2: ("trained", 0, 0.0, 0.1)})
+    c.alive.discard(1)
+    c.busy[2] = ("rollout", 1, None, 0.0, True)
+    c._ensure_state()  # the holder is busy: nobody asked yet
+    assert not pool.sent
+    c.busy[2] = None
+    c._ensure_state()
+    assert pool.sent == [(2, ("state",))]
+    c._on_reply(2, ("state", b"w"))
+    assert c.latest_version == 1
+    events.close()

@@ -1,6 +1,7 @@
 """An RL worker process: it holds the policy and, while it is a trainer, the optimizer and its
 training-group generation; it executes the coordinator's commands one at a time (a group of
-rollouts, or its share of a training step) and exits when told to, or when the coordinator has
+rollouts, or its share of a training step; as training rank 0 it sends its new weights right after
+the step's reply, so that the next step need not wait for their serialization) and exits when told to, or when the coordinator has
 been silent for IDLE_EXIT_S (an orphan never lingers)."""
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class Worker:
         self.cfg: RLConfig | None = None
         self.group: TrainGroup | None = None
         self.groups: list[TrainGroup] = []  # old generations stay referenced: never destroy a group
+        self.after: tuple | None = None  # a message sent right after the reply (rank 0's new weights)
 
     def reset(self, run: str, cfg: dict, init_state: bytes, reward: str | None) -> tuple:
         self.run, self.cfg = run, RLConfig.from_dict(cfg)
@@ -75,7 +77,9 @@ class Worker:
             os.kill(os.getpid(), signal.SIGKILL)
         keyed = [(help_key(self.run, gen, step, k), share) for k, share in helped]
         loss = self.group.update(self.model, self.opt, samples, self.cfg, normalizer, self.ref, keyed, self.store)
-        return ("trained", step, loss, time.perf_counter() - t0, policy.state_bytes(self.model.state_dict()) if send_state else None)
+        if send_state:  # serialized after the reply: the next step need not wait for it
+            self.after = ("weights", step, self.model)
+        return ("trained", step, loss, time.perf_counter() - t0)
 
 
 def main(conn, wid: int, host: str, port: int) -> None:
@@ -102,6 +106,10 @@ def main(conn, wid: int, host: str, port: int) -> None:
             reply = ("group_failed", str(e))
         try:
             conn.send(reply)
+            if w.after is not None:
+                kind, step, model = w.after
+                w.after = None
+                conn.send((kind, step, policy.state_bytes(model.state_dict())))
         except (BrokenPipeError, OSError):
             break
     conn.close()
