@@ -61,7 +61,7 @@ KINDS: dict[str, str] = {
     "rl_move": "proc, from_pool, to_pool, step, reason, rollout, train, train_gen (the controller moved a process between the RL pools)",
     "rl_lend": "proc, step, from_pool, to_pool, queued (dynamic: an idle trainer generates a queued group of the step training waits for)",
     "rl_help": "proc, step, share, samples, from_pool, to_pool, train_gen (dynamic: a rollout worker with nothing to generate computes a share of the step's gradient for training rank 0)",
-    "rl_state_from": "proc, step, why (training rank 0 was lost after an update: the newest weights come from this rank)",
+    "rl_state_from": "proc, step, why (training rank 0 was lost after an update, or before its weights came: the newest weights come from this rank)",
     "rl_help_lost": "proc, step, share, why, rollout, train (a helper was lost with its share: training rank 0 computes it)",
     "rl_step": "step, reward, samples, tokens, rollout, train, train_gen, max_staleness, wall_s (an RL training step completed)",
     "rl_requeue": "proc, step, prompts, why, rollout, train (a lost rollout worker's in-flight prompts went back to the queue)",
