@@ -186,8 +186,8 @@ class Coordinator:
         if self.kill_trainer_at is not None and step >= self.kill_trainer_at and len(members) > 1:
             self.kill_trainer_at, victim = None, members[-1]
         for rank, w in enumerate(members):
-            # rank 0 returns its weights (the rollout pool's next, and what a run keeps); should it be
-            # lost after the update, another rank that applied it is asked (_resolve_step)
+            # rank 0 sends its weights after its reply (the rollout pool's next, and what a run keeps);
+            # should it be lost first, another rank that applied the update is asked (_ensure_state)
             self._send(w, ("train", step, self.gen, rank, len(members), shares[rank], norm, rank == 0, w == victim,
                            list(enumerate(shares[len(members):])) if rank == 0 else (), joiners))
             self.busy[w] = ("train", step, None, self.now(), False)
