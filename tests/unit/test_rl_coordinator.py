@@ -82,3 +82,29 @@ def test_a_sender_lost_before_the_weights_came_is_replaced_by_an_idle_holder(tmp
     c._on_reply(2, ("state", b"w"))
     assert c.latest_version == 1
     events.close()
+
+
+class FakeStore:
+    def __init__(self):
+        self.deleted = []
+
+    def delete_key(self, key):
+        self.deleted.append(key)
+        return False
+
+
+def test_a_helper_late_for_its_step_leaves_no_gradient_in_the_store(tmp_path):
+    """Rank 0 computed the share itself (the helper did not answer in time) and the step went on:
+    what the helper writes afterwards has no reader, so the coordinator removes it."""
+    pool = FakePool()
+    pool.store = FakeStore()
+    c, events = _coordinator(tmp_path, pool)
+    c.busy[0] = ("help", 0, (1, 0), 0.0, True)
+    c._on_reply(0, ("helped", 0, 0.1))  # in time: rank 0 reads (and deletes) it
+    assert pool.store.deleted == [] and c.busy[0] is None
+    c.members = (1, 2)
+    c.busy[0] = ("help", 0, (1, 0), 0.0, True)
+    _train_step(c, {1: ("trained", 0, 0.0, 0.1), 2: ("trained", 0, 0.0, 0.1)})
+    c._on_reply(0, ("helped", 0, 31.0))
+    assert pool.store.deleted == [f"rl/{c.run_id}/help/1/0/0"]
+    events.close()

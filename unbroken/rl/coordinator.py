@@ -359,6 +359,9 @@ class Coordinator:
             self._end_busy(w)
             self.ready.setdefault(step, []).append(reply[1])
         elif kind == "helped":
+            step, (gen, k) = self.busy[w][1], self.busy[w][2]
+            if step < self.version:  # the step went on without it (rank 0 computed the share): no reader left
+                self.pool.store.delete_key(help_key(self.run_id, gen, step, k))
             self._end_busy(w)
         elif kind == "weights":  # training rank 0's, right after its reply to the step
             self._on_weights(reply[1] + 1, reply[2])
