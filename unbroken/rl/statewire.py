@@ -8,6 +8,7 @@ a full core (docs/rl.md)."""
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 
@@ -53,7 +54,7 @@ def unpack_into(model: torch.nn.Module, opt: torch.optim.Optimizer, layout: byte
             dt = getattr(torch, dtype, None)
             if not isinstance(dt, torch.dtype):
                 raise ValueError(f"a training state names an unknown dtype {dtype!r}")
-            n = dt.itemsize * _numel(shape)
+            n = dt.itemsize * math.prod(shape)
             return flat[offset:offset + n].view(dt).view(shape)
         if tag == "D":
             return {k: fill(item) for k, item in v}
@@ -63,9 +64,3 @@ def unpack_into(model: torch.nn.Module, opt: torch.optim.Optimizer, layout: byte
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
 
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
