@@ -63,4 +63,3 @@ def unpack_into(model: torch.nn.Module, opt: torch.optim.Optimizer, layout: byte
     state = fill(json.loads(layout))
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
-
