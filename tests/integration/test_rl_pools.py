@@ -172,6 +172,8 @@ def test_idle_rollout_workers_help_train_and_a_lost_helper_share_is_computed_by_
     helped = rlrun.run(pool, cfg, "dynamic", policy.state_bytes(warm), tmp_path / "dyn", rollout=2, controller=Never())
     assert [c["reward"] for c in helped["curve"]] == [c["reward"] for c in static["curve"]]
     assert static["helps"] == 0 and helped["helps"] == 2 * cfg.steps and not helped["moves"]
+    # the run ended with every command answered: nothing comes late for the next run to misread
+    assert not any(pool.conns[w].poll(0.2) for w in range(pool.size))
     ev = [e for e in _events(tmp_path / "dyn") if e["kind"] == "rl_help"]
     assert len(ev) == helped["helps"] and all(e["fields"]["to_pool"] == "train" for e in ev)
     a = torch.load(io.BytesIO((tmp_path / "static" / "policy.pt").read_bytes()), weights_only=True)

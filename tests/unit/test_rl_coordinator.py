@@ -105,6 +105,7 @@ def test_a_helper_late_for_its_step_leaves_no_gradient_in_the_store(tmp_path):
     c.members = (1, 2)
     c.busy[0] = ("help", 0, (1, 0), 0.0, True)
     _train_step(c, {1: ("trained", 0, 0.0, 0.1), 2: ("trained", 0, 0.0, 0.1)})
+    assert c._in_flight()  # the run does not end with the helper's reply on its way
     c._on_reply(0, ("helped", 0, 31.0))
-    assert pool.store.deleted == [f"rl/{c.run_id}/help/1/0/0"]
+    assert pool.store.deleted == [f"rl/{c.run_id}/help/1/0/0"] and not c._in_flight()
     events.close()

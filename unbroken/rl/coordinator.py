@@ -69,7 +69,7 @@ class Coordinator:
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
         last = time.monotonic()
-        while self.version < self.cfg.steps or self.latest_version < self.version:
+        while self.version < self.cfg.steps or self.latest_version < self.version or self._in_flight():
             self._ensure_state()
             self._admit()
             self._refill_rollout()
@@ -82,6 +82,11 @@ class Coordinator:
                 waiting = {w: (t[0] if t else None) for w, t in self.busy.items() if w in self.alive}
                 raise RunError(f"no RL worker answered for {PROGRESS_TIMEOUT_S:.0f} s at step {self.version}; "
                                f"waiting on {waiting}")
+
+    def _in_flight(self) -> bool:
+        """A command still unanswered (a helper's reply may come after the last step resolved): the
+        run ends without it, or the next run on this pool would read it as its own."""
+        return any(self.busy[w] is not None for w in self.alive)
 
     def _admit(self) -> None:
         """Queue the prompts of every step the current weights may sample for (step <= version + staleness),

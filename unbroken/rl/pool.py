@@ -48,8 +48,11 @@ class Pool:
         return self.procs[wid].is_alive()
 
     def call(self, wid: int, msg: tuple, timeout_s: float = START_TIMEOUT_S) -> tuple:
-        """Send one command and wait for its reply (used for `reset`, when nothing else is in flight)."""
+        """Send one command and wait for its reply (used between runs, when nothing is in flight;
+        what a run that stopped on an error left unread is dropped first)."""
         conn = self.conns[wid]
+        while conn.poll(0):
+            conn.recv()
         conn.send(msg)
         if not conn.poll(timeout_s):
             raise TimeoutError(f"RL worker {wid} did not answer {msg[0]!r} within {timeout_s:.0f} s")
