@@ -1,9 +1,9 @@
 """The coordinator's bookkeeping without processes: where the newest weights come from."""
+import pytest
+
 from unbroken.events import EventLog
 from unbroken.rl.config import RLConfig
 from unbroken.rl.coordinator import Coordinator, RunError
-
-import pytest
 
 
 class FakeConn:
@@ -109,3 +109,13 @@ def test_a_helper_late_for_its_step_leaves_no_gradient_in_the_store(tmp_path):
     c._on_reply(0, ("helped", 0, 31.0))
     assert pool.store.deleted == [f"rl/{c.run_id}/help/1/0/0"] and not c._in_flight()
     events.close()
+
+
+def test_a_pooled_run_refuses_several_epochs_instead_of_taking_one(tmp_path):
+    """The pools take one optimizer step per step: epochs=2 would silently train as epochs=1."""
+    from unbroken.rl import run as rlrun
+    from unbroken.rl.errors import RLInputError
+
+    cfg = RLConfig(digits=1, prompts=1, group=2, steps=1, epochs=2, pretrain_steps=0)
+    with pytest.raises(RLInputError, match="epochs=2: pooled runs take one optimizer step per step"):
+        rlrun.run(FakePool(), cfg, "dynamic", b"", tmp_path)

@@ -24,6 +24,9 @@ def run(pool: Pool, cfg: RLConfig, method: str, init_state: bytes, out: Path, *,
     there and moves processes; "colocated": every process generates, then every process trains)."""
     if method not in METHODS:
         raise RLInputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if cfg.epochs != 1:  # the pools' update is one optimizer step per step (helpers' gradients are of its weights)
+        raise RLInputError(f"epochs={cfg.epochs}: pooled runs take one optimizer step per step; use epochs=1, or "
+                           f"the single-process loop (--processes 1) for several")
     rollout = cfg.rollout if rollout is None else rollout
     if method != "colocated":
         RLConfig.check_pools(pool.size, rollout)

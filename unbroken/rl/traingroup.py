@@ -1,7 +1,8 @@
 """One generation of the training pool: a gloo group over a store prefix per generation, the state
 sync that brings the processes that just joined up to date (rank 0 of the generation, always a
 process that holds the current state, sends them the weights and the optimizer state; the others
-hold them already), and the data-parallel update: every rank's gradient of its share of the step, summed by all-reduce, one identical step.
+hold them already), and the data-parallel update: every rank's gradient of its share of the
+step, summed by all-reduce, one identical step.
 A rollout worker idle while the step trains may compute a share too (a *helper*): it puts its
 flat gradient in the store under `help_key`, and rank 0 adds it to its own before the all-reduce,
 helpers in a fixed order; a share whose helper was lost (the coordinator marks its key LOST) or

@@ -1,8 +1,8 @@
 """An RL worker process: it holds the policy and, while it is a trainer, the optimizer and its
 training-group generation; it executes the coordinator's commands one at a time (a group of
-rollouts, or its share of a training step; as training rank 0 it sends its new weights right after
-the step's reply, so that the next step need not wait for their serialization) and exits when told to, or when the coordinator has
-been silent for IDLE_EXIT_S (an orphan never lingers)."""
+rollouts, or its share of a training step; as training rank 0 it sends its new weights right
+after the step's reply, so that the next step need not wait for their serialization) and exits
+when told to, or when the coordinator has been silent for IDLE_EXIT_S (an orphan never lingers)."""
 from __future__ import annotations
 
 import copy
