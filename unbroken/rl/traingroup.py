@@ -46,7 +46,7 @@ def _flat(params: list[torch.Tensor]) -> torch.Tensor:
 def helper_gradient(store: dist.Store, key: str, like: torch.Tensor, compute) -> torch.Tensor:
     """A helper's gradient from the store; `compute()` when it was lost or is late (HELP_TIMEOUT_S).
     Polled with `check`, not a `wait` that times out: a timed-out wait leaves the store client
-    expecting an answer that comes later. What a late helper writes stays unused in the store."""
+    expecting an answer that comes later. What a late helper writes the coordinator removes."""
     deadline = time.monotonic() + HELP_TIMEOUT_S
     while not store.check([key]):
         if time.monotonic() > deadline:

@@ -28,7 +28,7 @@ class Worker:
         self.cfg: RLConfig | None = None
         self.group: TrainGroup | None = None
         self.groups: list[TrainGroup] = []  # old generations stay referenced: never destroy a group
-        self.after: tuple | None = None  # a message sent right after the reply (rank 0's new weights)
+        self.weights_after: int | None = None  # as training rank 0: the step whose weights follow the reply
 
     def reset(self, run: str, cfg: dict, init_state: bytes, reward: str | None) -> tuple:
         self.run, self.cfg = run, RLConfig.from_dict(cfg)
@@ -78,7 +78,7 @@ class Worker:
         keyed = [(help_key(self.run, gen, step, k), share) for k, share in helped]
         loss = self.group.update(self.model, self.opt, samples, self.cfg, normalizer, self.ref, keyed, self.store)
         if send_state:  # serialized after the reply: the next step need not wait for it
-            self.after = ("weights", step, self.model)
+            self.weights_after = step
         return ("trained", step, loss, time.perf_counter() - t0)
 
 
@@ -106,10 +106,9 @@ def main(conn, wid: int, host: str, port: int) -> None:
             reply = ("group_failed", str(e))
         try:
             conn.send(reply)
-            if w.after is not None:
-                kind, step, model = w.after
-                w.after = None
-                conn.send((kind, step, policy.state_bytes(model.state_dict())))
+            if w.weights_after is not None:
+                conn.send(("weights", w.weights_after, *w.state()[1:]))
+                w.weights_after = None
         except (BrokenPipeError, OSError):
             break
     conn.close()
