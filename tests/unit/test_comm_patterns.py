@@ -53,7 +53,8 @@ def patterns(draw, world: int) -> Pattern:
     split = tuple(draw(st.lists(st.integers(0, 5), min_size=world, max_size=world)))
     if not sum(split):
         split = (1,) * world
-    return Pattern(kind=kind, order=order, split=split, pieces=draw(st.integers(1, 4)))
+    window = draw(st.integers(0, 5)) if kind == "ring" else 0  # a ring paced with 1..5 sends in flight
+    return Pattern(kind=kind, order=order, split=split, pieces=draw(st.integers(1, 4)), window=window)
 
 
 @settings(max_examples=40)
@@ -99,7 +100,8 @@ def test_bounds_and_pieces_cover_the_tensor_once(n, split, pieces):
 @pytest.mark.parametrize("bad", [dict(kind="star"), dict(order=(0, 0, 1)), dict(split=(0, 0, 0)),
                                  dict(pieces=0), dict(kind="tree", aggregators=()),
                                  dict(kind="tree", aggregators=(0,), split=(1, 1, 0)),
-                                 dict(kind="chain", order=(1, 0, 2))])
+                                 dict(kind="chain", order=(1, 0, 2)), dict(window=-1),
+                                 dict(kind="pipelined", window=2)])
 def test_bad_patterns_are_refused(bad):
     base = dict(kind="ring", order=(0, 1, 2), split=(1, 1, 1))
     with pytest.raises(ValueError):
@@ -114,3 +116,24 @@ def test_the_chain_gives_the_reference_bits(world, pieces):
     got = _run(world, xs, Pattern(kind="chain", order=tuple(range(world)), split=(1,) * world, pieces=pieces))
     for r in range(world):
         assert torch.equal(got[r].view(torch.uint8), want[r].view(torch.uint8)), r
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 7])
+@pytest.mark.parametrize("window", [1, 2, 4])
+def test_a_paced_ring_gives_the_reference_bits(world, window):
+    """Paced, a rank sends rows and all-gather pieces in schedule order with `window` in flight and
+    its peers' receives are posted in that order: with 1 in flight every send waits for the last."""
+    xs = _inputs(world, 2000, torch.float32, world * 10 + window)
+    want = _run(world, xs, None)
+    ring = Pattern(kind="ring", order=tuple(reversed(range(world))), split=(3,) + (1,) * (world - 1), pieces=9,
+                   window=window)
+    got = _run(world, xs, ring)
+    for r in range(world):
+        assert torch.equal(got[r].view(torch.uint8), want[r].view(torch.uint8)), r
+
+
+def test_a_pattern_keeps_its_window_through_json():
+    p = Pattern(kind="ring", order=(2, 0, 1), split=(1, 2, 0), pieces=5, window=3)
+    assert Pattern.from_json(p.to_json()) == p
+    old = {k: v for k, v in p.to_json().items() if k != "window"}  # a plan recorded before windows
+    assert Pattern.from_json(old).window == 0

@@ -209,3 +209,23 @@ def test_a_contended_link_moves_the_rings_chunks_by_the_direct_exchange_and_back
     _feed(ad, {})  # the stream ended
     ad.decide(64 * MB)
     assert ad.plan.kind == "ring"
+
+
+def test_with_no_slow_link_the_ring_is_paced_and_a_slow_link_unpaces_it():
+    from unbroken.comm.planner import PACED_WINDOW, paced, paced_pieces
+
+    ring = Pattern.static_ring(4, 8)
+    assert paced(ring, 256 * MB) == Pattern(kind="ring", order=(0, 1, 2, 3), split=(1, 1, 1, 1), pieces=128,
+                                             window=PACED_WINDOW)
+    assert paced_pieces(1) == 1 and paced_pieces(1 << 40) == 1024
+    tree = Pattern(kind="tree", order=(0, 1, 2, 3), split=(1, 0, 0, 0), pieces=2, aggregators=(0,))
+    assert paced(tree, 64 * MB) == tree
+    ad = _fed(4, {})
+    ad.decide(256 * MB)
+    assert ad.plan == paced(Pattern.static_ring(4, 32), 256 * MB)
+    _feed(ad, {("up", 1): FAST * 0.5})  # a paced ring would move at the slow hop's pace
+    ad.decide(256 * MB)
+    assert ad.plan.window == 0 and ad.plan.split[1] < max(ad.plan.split)
+    _feed(ad, {})
+    ad.decide(256 * MB)
+    assert ad.plan.window == PACED_WINDOW and ad.plan.kind == "ring"

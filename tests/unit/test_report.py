@@ -172,3 +172,7 @@ def test_a_replanned_all_reduce_is_listed_with_its_pattern_and_links(cli, tmp_pa
     res = cli(run, "--out", tmp_path / "out")
     assert res.exit_code == 0 and "All-reduce re-plans" in res.stdout and "up:1, down:1" in res.stdout
     assert p["contended"] == ["up:3"]
+    paced = {**plan, "kind": "ring", "split": [1, 1, 1, 1], "window": 4}  # the links cleared: the ring, paced
+    back = _write(tmp_path / "back", [ev(0, "run_start"), ev(2, "collective_plan", rank=0, seq=9, plan=paced),
+                                      ev(3, "run_end", steps=5)])
+    assert analyze(load_runs([back]))["collective_plans"][0]["kind"] == "ring paced"

@@ -55,7 +55,8 @@ class AdaptiveAllreduce:
         self.table = flows.FlowTable(flow_cfg)
         self.plan: Pattern | None = Pattern.static_ring(world) if mode == "static" else None  # the last one used
         # per all-reduce size: the links' picture its plan was made for, the planner's choice, and the
-        # plan run (the choice, or `planner.direct` of it while a link is contended)
+        # plan run (the choice; `planner.direct` of it while a link is contended, `planner.paced` while
+        # no link is slow either)
         self._sizes: dict[int, tuple[tuple, Pattern, Pattern]] = {}
         self.seq = 0
         self.history: deque[dict] = deque(maxlen=1024)  # the last collectives: seq, plan, seconds, estimates
@@ -212,7 +213,7 @@ class AdaptiveAllreduce:
             self.plan = current
             return
         chosen, predicted = planner.choose(chosen, rates, nbytes, min_gain=self.min_gain)
-        plan = planner.direct(chosen) if contended else chosen
+        plan = planner.direct(chosen) if contended else planner.paced(chosen, nbytes) if not slow else chosen
         # a size's first plan is an event only when made around slow links (not a mere size change)
         previous = current if current is not None else (self.plan if self._slow else None)
         if self.emit and previous is not None and plan != previous:

@@ -11,7 +11,10 @@ in rank order) bit for bit, for floats as for integers.
     ring       reduce-scatter along `order` (my contribution to the chunk of the rank s places
                ahead, s = 1..N-1), then a ring all-gather along `order`; with `pieces` > 1 each
                chunk goes piece by piece and a piece's all-gather overlaps the next piece's
-               reduce-scatter (the static baseline: even split, identity order)
+               reduce-scatter (the static baseline: even split, identity order). With `window`
+               0 every rank's rows leave at once; with `window` w > 0 (paced) every send, rows
+               and all-gather alike, goes in schedule order with w in flight, as gloo's own ring
+               moves: a link carries one or two of our flows at a time instead of N
     pipelined  every transfer in flight at once, each owner chunk cut in `pieces`: a piece's
                all-gather starts as soon as it is reduced, so a rank's sending (reduce-scatter)
                overlaps its receiving (all-gather); `split` sets each rank's share
@@ -52,6 +55,7 @@ class Pattern:
     split: tuple[int, ...]
     pieces: int = 1
     aggregators: tuple[int, ...] = ()
+    window: int = 0  # a ring's sends in flight when paced (0: every row at once)
 
     def __post_init__(self) -> None:
         n = len(self.order)
@@ -70,6 +74,9 @@ class Pattern:
             if any(w and r not in self.aggregators for r, w in enumerate(self.split)):
                 raise ValueError(f"a tree's chunks belong to aggregators {self.aggregators}; split {self.split} "
                                  "gives weight to another rank")
+        if not isinstance(self.window, int) or self.window < 0 or (self.window and self.kind != "ring"):
+            raise ValueError(f"pattern window must be an integer >= 0, and > 0 only for a ring; got {self.window!r} "
+                             f"for a {self.kind}")
         if self.kind == "chain" and self.order != tuple(range(n)):
             raise ValueError(f"a chain runs in rank order (its running sum is the rank-order reduction); "
                              f"order must be 0..{n - 1}, got {self.order}")
@@ -85,12 +92,12 @@ class Pattern:
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "order": list(self.order), "split": list(self.split), "pieces": self.pieces,
-                "aggregators": list(self.aggregators)}
+                "aggregators": list(self.aggregators), "window": self.window}
 
     @classmethod
     def from_json(cls, d: dict) -> "Pattern":
         return cls(kind=d["kind"], order=tuple(d["order"]), split=tuple(d["split"]), pieces=int(d["pieces"]),
-                   aggregators=tuple(d.get("aggregators", ())))
+                   aggregators=tuple(d.get("aggregators", ())), window=int(d.get("window", 0)))
 
 
 def bounds(n: int, split: Sequence[int]) -> list[tuple[int, int]]:
@@ -157,24 +164,55 @@ RING_WINDOW = 2  # all-gather sends a ring rank keeps in flight: the next is on 
 
 
 def _ring(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) -> None:
-    """Reduce-scatter then all-gather along `order`, each chunk cut in `pieces` (`_ring_schedule`):
-    every rank's rows go to their owners at once, piece by piece; a piece's all-gather along the
-    ring starts as soon as its rows are reduced, overlapping the rows of the next pieces, with
-    RING_WINDOW all-gather sends in flight (a rank never waits for a round to end)."""
+    """Reduce-scatter then all-gather along `order`, each chunk cut in `pieces` (`_ring_schedule`);
+    a piece's all-gather along the ring starts as soon as its rows are reduced, overlapping the rows
+    of the next pieces. Unpaced (`window` 0), every rank's rows go to their owners at once, piece by
+    piece, with RING_WINDOW all-gather sends in flight (a rank never waits for a round to end);
+    paced, every send waits its turn in schedule order with `window` in flight."""
     n, me = tp.world, tp.rank
     b = bounds(flat.numel(), p.split)
     cut = [pieces_of(*b[r], p.pieces) for r in range(n)]
     lo, hi = b[me]
-    npieces = [len(c) for c in cut]
     rows = {src: torch.empty(hi - lo, dtype=flat.dtype) for src in range(n) if src != me}
-    # every receive is posted at once, each into its own place (raw rows for my pieces, finished
-    # pieces of the other chunks), from each peer in the order it sends them: a pair's works are
-    # waited for in the order they were posted (transport.py)
+    rs_in, ag_in = _ring_receives(tp, flat, p, seq, cut, rows, lo)
+    mine = _ring_schedule(p, me, [len(c) for c in cut])
+    if p.window:
+        sends, window, row_sends = [], p.window, []
+    else:  # rows depend on nothing: all of them leave at once, each flow at its own links' pace (a
+        # slow owner does not hold up the rows for a fast one, and flows.py can read every link)
+        row_sends = [tp.send(flat[cut[o][i][0]:cut[o][i][1]], peer, tag(seq, PHASE_ROWS, me, i))
+                     for _, kind, peer, o, i in mine if kind == "rows"]
+        mine, sends, window = [x for x in mine if x[1] != "rows"], [], RING_WINDOW
+    waited = 0
+    for _, kind, peer, owner, i in mine:
+        if len(sends) - waited >= window:
+            tp.wait([sends[waited]], f"{what} (send {waited} of the ring)")
+            waited += 1
+        a, z = cut[owner][i]
+        if kind == "rows":
+            sends.append(tp.send(flat[a:z], peer, tag(seq, PHASE_ROWS, me, i)))
+            continue
+        if kind == "own":  # my piece i: every rank's rows are in; reduce in rank order, pass it on
+            tp.wait(rs_in[i], f"{what} (reduce-scatter piece {i})")
+            flat[a:z] = reduce_rows([flat[a:z] if r == me else rows[r][a - lo:z - lo] for r in range(n)])
+        else:
+            tp.wait([ag_in.pop((owner, i))], f"{what} (all-gather of rank {owner}'s piece {i})")
+        sends.append(tp.send(flat[a:z], peer, tag(seq, PHASE_RING_GATHER, owner, i)))
+    tp.wait([*row_sends, *sends[waited:], *ag_in.values()], f"{what} (all-gather)")
+
+
+def _ring_receives(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, cut: list, rows: dict,
+                   lo: int) -> tuple:
+    """Every receive of the ring posted at once, each into its own place (raw rows for my pieces,
+    finished pieces of the other chunks), from each peer in the order that peer sends them (rows
+    first when unpaced, schedule order when paced): a pair's works are waited for in the order they
+    were posted (transport.py), so any other order would make a wait hang on a later message."""
+    me, npieces = tp.rank, [len(c) for c in cut]
     rs_in: list[list[Transfer]] = [[] for _ in cut[me]]
     ag_in: dict[tuple[int, int], Transfer] = {}
     for src in rows:
-        theirs = _ring_schedule(p, src, npieces)  # issued rows first (below), then the all-gather
-        for _, kind, peer, o, i in sorted(theirs, key=lambda x: x[1] != "rows"):
+        theirs = _ring_schedule(p, src, npieces)
+        for _, kind, peer, o, i in (theirs if p.window else sorted(theirs, key=lambda x: x[1] != "rows")):
             if peer != me:
                 continue
             if kind == "rows":
@@ -183,24 +221,7 @@ def _ring(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) ->
             else:
                 a, z = cut[o][i]
                 ag_in[(o, i)] = tp.recv(flat[a:z], src, tag(seq, PHASE_RING_GATHER, o, i))
-    mine = _ring_schedule(p, me, npieces)
-    # rows depend on nothing: all of them leave at once, each flow at its own links' pace (a slow
-    # owner does not hold up the rows for a fast one, and flows.py can read every link)
-    row_sends = [tp.send(flat[cut[o][i][0]:cut[o][i][1]], peer, tag(seq, PHASE_ROWS, me, i))
-                 for _, kind, peer, o, i in mine if kind == "rows"]
-    sends, waited = [], 0
-    for _, kind, peer, owner, i in (x for x in mine if x[1] != "rows"):
-        if len(sends) - waited >= RING_WINDOW:
-            tp.wait([sends[waited]], f"{what} (all-gather send {waited})")
-            waited += 1
-        a, z = cut[owner][i]
-        if kind == "own":  # my piece i: every rank's rows are in; reduce in rank order, pass it on
-            tp.wait(rs_in[i], f"{what} (reduce-scatter piece {i})")
-            flat[a:z] = reduce_rows([flat[a:z] if r == me else rows[r][a - lo:z - lo] for r in range(n)])
-        else:
-            tp.wait([ag_in.pop((owner, i))], f"{what} (all-gather of rank {owner}'s piece {i})")
-        sends.append(tp.send(flat[a:z], peer, tag(seq, PHASE_RING_GATHER, owner, i)))
-    tp.wait([*row_sends, *sends[waited:], *ag_in.values()], f"{what} (all-gather)")
+    return rs_in, ag_in
 
 
 def _ring_schedule(p: Pattern, me: int, npieces: list[int]) -> list[tuple[int, int, int, int, int]]:

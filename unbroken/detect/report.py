@@ -287,7 +287,8 @@ def _analyze_run(run: RunLog, window_s: float) -> dict[str, Any]:
 def _plan(ev: Event, start: float, run: str) -> dict[str, Any]:
     """A re-planned all-reduce (comm/adaptive.py): from which collective, what pattern, around which links."""
     plan = ev.fields.get("plan") if isinstance(ev.fields.get("plan"), dict) else {}
-    return {"run": run, "time_s": ev.time - start, "seq": as_int(ev.fields.get("seq")), "kind": plan.get("kind"),
+    kind = f"{plan.get('kind')} paced" if plan.get("window") else plan.get("kind")  # every send in turn
+    return {"run": run, "time_s": ev.time - start, "seq": as_int(ev.fields.get("seq")), "kind": kind,
             "split": plan.get("split"), "congested": ev.fields.get("congested") or [],
             "contended": ev.fields.get("contended") or []}
 
