@@ -21,6 +21,7 @@ are kept per size (a step's buckets differ in size; each keeps its plan until th
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from datetime import timedelta
@@ -34,6 +35,7 @@ from unbroken.comm.patterns import PHASE_RESULTS, Pattern, allreduce
 from unbroken.comm.transport import Transport
 
 MODES = ("adaptive", "static", "chain")  # chain: the rank-order chain, for ranks in node blocks
+PROBE_EVERY = 16  # paced collectives between two that run unpaced to read the links
 PHASES = 4  # tag phases: reduce-scatter rows, all-gather results, tree up, tree down
 Emit = Callable[..., object]  # EventLog.emit
 
@@ -64,6 +66,10 @@ class AdaptiveAllreduce:
         self._slow: set[flows.Link] = set()  # the links the current plan was made around (hysteresis)
         self._estimates: dict | None = None  # the link estimates the current plan was chosen from
         self._pending: tuple | None = None  # the flow exchange in flight: (work, output, input)
+        self._ran: tuple[Pattern, int] | None = None  # the plan and size of the collective that exchange is of
+        self._measured = False  # some collective's flows were read
+        self._paced_best: dict[int, float] = {}  # per size: the fastest paced ring so far (slowest rank's s)
+        self._paced_runs = 0
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
         nbytes = t.numel() * t.element_size()
@@ -75,18 +81,21 @@ class AdaptiveAllreduce:
                                 pieces=planner.chain_pieces(nbytes))
         elif self._pending is not None:  # the last flow exchange: fold it in, re-plan
             t1 = time.perf_counter()
-            self._replan(self._finish_gather(what), nbytes)
+            self._replan(*self._finish_gather(what), nbytes)
             sync_s = time.perf_counter() - t1  # learning's cost here: the wait for it and the planner
         else:
             self.decide(nbytes)  # a new size gets its plan (a no-op while size and links hold)
+            self._probe_if(not self._measured, nbytes)  # nothing measured yet: measure first
         self.seq += 1
         plan, t0 = self.plan, time.perf_counter()
         self._slots = self._empty_slots()
         allreduce(self.tp, t, plan, self.seq, what)
-        self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": time.perf_counter() - t0,
+        seconds = time.perf_counter() - t0
+        self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": seconds,
                              "sync_s": sync_s, "estimates": self._estimates})
         if self.mode == "adaptive" and self.world > 1 and nbytes >= self.learn_bytes:
-            self._start_gather(what)
+            self._ran = (plan, nbytes)
+            self._start_gather(what, seconds)
 
     def close(self) -> None:
         """The group is retired: its transport's waiter threads may end (a flow exchange still in
@@ -110,27 +119,29 @@ class AdaptiveAllreduce:
         s[2] = max(s[2], ended)
         s[0] += nbytes
 
-    def _start_gather(self, what: str) -> None:
-        """Issue the all-gather of every rank's slots (world, world, PHASES, 4) and return: it travels
-        while the caller computes, and the next call waits for it (every rank issues it at the same
-        point of the group's op sequence, so other collectives on the group keep their order)."""
-        mine = torch.tensor(self._slots, dtype=torch.float64)
-        out = torch.empty((self.world, *mine.shape), dtype=torch.float64)
+    def _start_gather(self, what: str, seconds: float) -> None:
+        """Issue the all-gather of every rank's slots (world, PHASES, 4) and the collective's seconds on
+        it, and return: it travels while the caller computes, and the next call waits for it (every
+        rank issues it at the same point of the group's op sequence, so other collectives on the group
+        keep their order)."""
+        mine = torch.tensor([*(x for peer in self._slots for ph in peer for x in ph), seconds], dtype=torch.float64)
+        out = torch.empty((self.world, mine.numel()), dtype=torch.float64)
         try:
             work = self.pg.allgather([[out[r] for r in range(self.world)]], [mine])
         except RuntimeError as e:
             self._gather_failed(what, e)
         self._pending = (work, out, mine)
 
-    def _finish_gather(self, what: str) -> torch.Tensor:
-        """The slots of the exchange `_start_gather` issued; bounded by the transport's timeout."""
+    def _finish_gather(self, what: str) -> tuple[torch.Tensor, float]:
+        """The slots (world, world, PHASES, 4) of the exchange `_start_gather` issued and the slowest
+        rank's seconds; bounded by the transport's timeout."""
         work, out, _ = self._pending
         self._pending = None
         try:
             work.wait(timedelta(seconds=self.tp.timeout_s))
         except RuntimeError as e:
             self._gather_failed(what, e)
-        return out
+        return out[:, :-1].reshape(self.world, self.world, PHASES, 4), float(out[:, -1].max())
 
     def _gather_failed(self, what: str, e: RuntimeError) -> None:
         self.tp.broken = f"{what} (flow statistics): {str(e).splitlines()[0][:160]}"
@@ -189,11 +200,32 @@ class AdaptiveAllreduce:
         return planner.Rates(up=tuple(slow.get(("up", r), fleet) for r in range(self.world)),
                              down=tuple(slow.get(("down", r), fleet) for r in range(self.world)))
 
-    def _replan(self, slots: torch.Tensor, nbytes: int) -> None:
-        """Fold the last collective's flows in; the plan for this one (of `nbytes`)."""
+    def _replan(self, slots: torch.Tensor, slowest_s: float, nbytes: int) -> None:
+        """Fold the last collective's flows in; the plan for this one (of `nbytes`). A paced ring's
+        flows are not folded in: every send waits its turn, so each pair's bytes spread over the whole
+        collective at its slowest hop's pace and no link stands out (a slow rank went unseen in a
+        trial). Its time is the evidence instead: when it is 1 / `clear_above` slower than the fastest
+        paced ring of its size, and every PROBE_EVERY paced collectives, this collective runs the
+        ring unpaced and its flows are read."""
+        ran, ran_bytes = self._ran
+        if ran.window:
+            best = self._paced_best.get(ran_bytes, slowest_s)
+            self._paced_best[ran_bytes] = min(best, slowest_s)
+            self._paced_runs += 1
+            self.decide(nbytes)
+            self._probe_if(slowest_s * self.table.cfg.clear_above > best or self._paced_runs % PROBE_EVERY == 0,
+                           nbytes)
+            return
+        self._measured = True
         self.table.observe_flows(self.flows_of(slots))
         self._estimates = {f"{k}:{r}": round(v.rate) for (k, r), v in sorted(self.table.links.items())}
         self.decide(nbytes)
+
+    def _probe_if(self, cond: bool, nbytes: int) -> None:
+        """When `cond` and the plan is a paced ring, run that ring unpaced (no event: the same chunks,
+        every row at once), so that this collective, if it is learned from, measures every link."""
+        if cond and self.plan is not None and self.plan.window and nbytes >= self.learn_bytes:
+            self.plan = dataclasses.replace(self.plan, window=0, pieces=planner.pieces_for(nbytes))
 
     def decide(self, nbytes: int) -> None:
         """The plan for the next collective of `nbytes`, from the current estimates (the planner runs
