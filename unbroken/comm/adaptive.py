@@ -18,6 +18,11 @@ ones (a step's gradient buckets) into one observation was tried and dropped: bet
 token bucket refills, so the slow link read well above its rate and cleared, fast links jittered
 below the threshold, and plans flapped from step to step (a trial with 2 MB buckets). Plans
 are kept per size (a step's buckets differ in size; each keeps its plan until the links change).
+
+With no slow link the ring runs paced (`planner.paced`). A paced ring says nothing about single
+links (each pair's bytes spread over the whole collective at the slowest hop's pace), so its flows
+are not read; its time is, and the first learned collective, one whose time jumps, and every
+PROBE_EVERY-th run the ring unpaced (a probe) and are read as before.
 """
 from __future__ import annotations
 

@@ -10,7 +10,9 @@ then only sends its rows and receives results: S bytes each way instead of 2(N-1
 the ring ordered fastest-first with that split; two-level trees whose aggregators are the
 fastest 1..N-1 ranks. A plan is kept unless another is predicted `min_gain` faster (no flapping).
 `direct` turns a ring into the direct exchange of the same chunks, for links that another job's
-traffic shares (the model's links are fixed capacities; TCP shares a link per flow).
+traffic shares (the model's links are fixed capacities; TCP shares a link per flow); `paced`
+makes a ring send one piece after another with a few in flight, for links none of which is slow
+(N-1 flows at once through a token bucket move less than one at a time, which the model does not see).
 Pure: the same estimates give the same plan on every rank.
 """
 from __future__ import annotations

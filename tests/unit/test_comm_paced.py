@@ -1,0 +1,85 @@
+"""The paced ring in the adaptive all-reduce (comm/adaptive.py): its flows are not read, its time is,
+and a slow one makes the next collective run unpaced and measure the links."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.commgroups import groups, on_ranks
+from unbroken.comm import adaptive
+from unbroken.comm.adaptive import AdaptiveAllreduce
+from unbroken.comm.flows import FlowConfig
+from unbroken.comm.patterns import Pattern
+from unbroken.comm.planner import PACED_WINDOW, paced, pieces_for
+
+MB = 1 << 20
+FAST = 125e6
+SIZE = 64 * MB
+
+
+def _uniform(ad: AdaptiveAllreduce) -> None:
+    for _ in range(3):
+        for r in range(ad.world):
+            for way in ("up", "down"):
+                ad.table.observe((way, r), FAST)
+
+
+def _after_paced(ad: AdaptiveAllreduce, seconds: float) -> None:
+    """As if a paced ring of SIZE just ran in `seconds` (slowest rank) and its exchange came back."""
+    ad._ran = (ad.plan, SIZE)
+    slots = torch.zeros(ad.world, ad.world, adaptive.PHASES, 4, dtype=torch.float64)
+    ad._replan(slots, seconds, SIZE)
+
+
+@pytest.fixture
+def ad() -> AdaptiveAllreduce:
+    a = AdaptiveAllreduce(None, rank=0, world=4, timeout_s=5)  # planning only: no group
+    _uniform(a)
+    a._measured = True
+    a.decide(SIZE)
+    assert a.plan == paced(Pattern.static_ring(4), SIZE)
+    return a
+
+
+def test_a_paced_rings_flows_are_not_read_and_its_usual_time_keeps_it(ad):
+    ticks = ad.table.tick
+    for s in (1.00, 0.97, 1.05, 1.2):  # within 1 / clear_above (1.25x) of the fastest so far
+        _after_paced(ad, s)
+        assert ad.plan.window == PACED_WINDOW
+    assert ad.table.tick == ticks  # nothing folded into the link estimates
+
+
+def test_a_paced_ring_slower_than_its_best_makes_the_next_one_measure(ad):
+    _after_paced(ad, 1.0)
+    _after_paced(ad, 1.4)  # a link got slow: the ring moves at its pace
+    assert ad.plan == Pattern.static_ring(4, pieces_for(SIZE))  # unpaced, the ring's own pieces
+    assert ad.plan.window == 0
+
+
+def test_every_sixteenth_paced_ring_measures_even_when_nothing_changed(ad):
+    probes = []
+    for i in range(2 * adaptive.PROBE_EVERY):
+        ad.decide(SIZE)
+        _after_paced(ad, 1.0)
+        probes.append(ad.plan.window == 0)
+    assert [i + 1 for i, p in enumerate(probes) if p] == [adaptive.PROBE_EVERY, 2 * adaptive.PROBE_EVERY]
+
+
+def test_the_first_learned_collective_runs_unpaced_then_the_ring_is_paced():
+    world, n = 3, (8 * MB) // 4
+
+    def body(tp, r):
+        # flows on loopback threads say nothing about links: none is read (min_bytes), so noise
+        # cannot flag a link and the uniform plan stays
+        a = AdaptiveAllreduce(groups(world)[r], rank=r, world=world, timeout_s=20,
+                              flow_cfg=FlowConfig(min_bytes=1 << 40))
+        for _ in range(3):
+            a(torch.ones(n))
+        a._finish_gather("test")
+        small = AdaptiveAllreduce(groups(world)[r], rank=r, world=world, timeout_s=20)
+        small(torch.ones(1024))  # too small to learn from: no probe, the plan as decided
+        return [h["plan"]["window"] for h in a.history], small.history[-1]["plan"]["window"]
+
+    for windows, small in on_ranks(world, body, timeout_s=60):
+        assert windows[0] == 0 and windows[1] == windows[2] == PACED_WINDOW
+        assert small == PACED_WINDOW
