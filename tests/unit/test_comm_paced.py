@@ -56,6 +56,16 @@ def test_a_paced_ring_slower_than_its_best_makes_the_next_one_measure(ad):
     assert ad.plan.window == 0
 
 
+def test_a_paced_ring_slower_than_an_earlier_plan_of_its_size_makes_the_next_one_measure(ad):
+    """The first paced ring of a size ran while another job's stream shared a link: the plan before
+    it (here a probe's unpaced ring) was faster, and that is the yardstick, not the paced ring itself."""
+    ad._ran = (Pattern.static_ring(4, pieces_for(SIZE)), SIZE)
+    ad._replan(torch.zeros(4, 4, adaptive.PHASES, 4, dtype=torch.float64), 1.0, SIZE)
+    assert ad.plan.window == PACED_WINDOW
+    _after_paced(ad, 1.5)
+    assert ad.plan.window == 0
+
+
 def test_every_sixteenth_paced_ring_measures_even_when_nothing_changed(ad):
     probes = []
     for i in range(2 * adaptive.PROBE_EVERY):
@@ -77,7 +87,7 @@ def test_the_first_learned_collective_runs_unpaced_then_the_ring_is_paced():
             a(torch.ones(n))
         a._finish_gather("test")
         small = AdaptiveAllreduce(groups(world)[r], rank=r, world=world, timeout_s=20)
-        small(torch.ones(1024))  # too small to learn from: no probe, the plan as decided
+        small(torch.ones(n // 2))  # 4 MB: too small to learn from, so no probe: the paced ring as decided
         return [h["plan"]["window"] for h in a.history], small.history[-1]["plan"]["window"]
 
     for windows, small in on_ranks(world, body, timeout_s=60):

@@ -73,7 +73,7 @@ class AdaptiveAllreduce:
         self._pending: tuple | None = None  # the flow exchange in flight: (work, output, input)
         self._ran: tuple[Pattern, int] | None = None  # the plan and size of the collective that exchange is of
         self._measured = False  # some collective's flows were read
-        self._paced_best: dict[int, float] = {}  # per size: the fastest paced ring so far (slowest rank's s)
+        self._best: dict[int, float] = {}  # per size: the fastest learned collective so far (slowest rank's s)
         self._paced_runs = 0
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
@@ -190,7 +190,8 @@ class AdaptiveAllreduce:
         """Links under `contended_below` x the fleet's rate that are not slow: a stream of another job
         shares them (in the background scenario rank 2's link read ~3/4 of the others': its three
         row flows against the stream's one). No plan routes around them, but the direct exchange
-        keeps N-1 of our flows on each where the ring's all-gather has one (`planner.direct`)."""
+        keeps N-1 of our flows on each where the ring's all-gather has one (`planner.direct`), and
+        they are planned at the share they get (their estimate), so their ranks own less."""
         cfg = self.table.cfg
         return sorted(k for k, v in self.table.links.items()
                       if v.rate and k not in self._slow and v.rate < cfg.contended_below * fleet)
@@ -210,12 +211,13 @@ class AdaptiveAllreduce:
         flows are not folded in: every send waits its turn, so each pair's bytes spread over the whole
         collective at its slowest hop's pace and no link stands out (a slow rank went unseen in a
         trial). Its time is the evidence instead: when it is 1 / `clear_above` slower than the fastest
-        paced ring of its size, and every PROBE_EVERY paced collectives, this collective runs the
-        ring unpaced and its flows are read."""
+        collective of its size so far, whatever its plan (a paced ring first run while another job's
+        stream shared a link would otherwise be its own yardstick), and every PROBE_EVERY paced
+        collectives, this collective runs the ring unpaced and its flows are read."""
         ran, ran_bytes = self._ran
+        best = self._best.get(ran_bytes, slowest_s)
+        self._best[ran_bytes] = min(best, slowest_s)
         if ran.window:
-            best = self._paced_best.get(ran_bytes, slowest_s)
-            self._paced_best[ran_bytes] = min(best, slowest_s)
             self._paced_runs += 1
             self.decide(nbytes)
             self._probe_if(slowest_s * self.table.cfg.clear_above > best or self._paced_runs % PROBE_EVERY == 0,
@@ -242,7 +244,8 @@ class AdaptiveAllreduce:
                 self.emit("link_congestion", link=f"{link[0]}:{link[1]}", congested=link in slow, seq=self.seq,
                           rate_Bps=est.rate if est else None, reference_Bps=fleet)
         self._slow = set(slow)
-        rates, contended = self._rates(slow, fleet), self.contended(fleet)
+        contended = self.contended(fleet)
+        rates = self._rates({**slow, **{k: self.table.links[k].rate for k in contended}}, fleet)
         ref = max(rates.up + rates.down)
         key = (tuple(round(x / ref * 20) for x in rates.up + rates.down), bool(contended))
         known, chosen, current = self._sizes.get(nbytes, (None, None, None))
