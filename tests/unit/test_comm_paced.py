@@ -43,7 +43,7 @@ def ad() -> AdaptiveAllreduce:
 
 def test_a_paced_rings_flows_are_not_read_and_its_usual_time_keeps_it(ad):
     ticks = ad.table.tick
-    for s in (1.00, 0.97, 1.05, 1.2):  # within 1 / clear_above (1.25x) of the fastest so far
+    for s in (1.00, 0.97, 1.05, 1.06):  # within PROBE_SLOWER (1.1x) of the fastest so far
         _after_paced(ad, s)
         assert ad.plan.window == PACED_WINDOW
     assert ad.table.tick == ticks  # nothing folded into the link estimates
@@ -51,7 +51,7 @@ def test_a_paced_rings_flows_are_not_read_and_its_usual_time_keeps_it(ad):
 
 def test_a_paced_ring_slower_than_its_best_makes_the_next_one_measure(ad):
     _after_paced(ad, 1.0)
-    _after_paced(ad, 1.4)  # a link got slow: the ring moves at its pace
+    _after_paced(ad, 1.15)  # a link got slow, or another job's stream shares one
     assert ad.plan == Pattern.static_ring(4, pieces_for(SIZE))  # unpaced, the ring's own pieces
     assert ad.plan.window == 0
 
@@ -66,7 +66,7 @@ def test_a_paced_ring_slower_than_an_earlier_plan_of_its_size_makes_the_next_one
     assert ad.plan.window == 0
 
 
-def test_every_sixteenth_paced_ring_measures_even_when_nothing_changed(ad):
+def test_every_eighth_paced_ring_measures_even_when_nothing_changed(ad):
     probes = []
     for i in range(2 * adaptive.PROBE_EVERY):
         ad.decide(SIZE)

@@ -40,7 +40,8 @@ from unbroken.comm.patterns import PHASE_RESULTS, Pattern, allreduce
 from unbroken.comm.transport import Transport
 
 MODES = ("adaptive", "static", "chain")  # chain: the rank-order chain, for ranks in node blocks
-PROBE_EVERY = 16  # paced collectives between two that run unpaced to read the links
+PROBE_EVERY = 8  # paced collectives between two that run unpaced to read the links
+PROBE_SLOWER = 1.1  # a paced ring this much slower than the fastest collective of its size: the next one probes
 PHASES = 4  # tag phases: reduce-scatter rows, all-gather results, tree up, tree down
 Emit = Callable[..., object]  # EventLog.emit
 
@@ -210,7 +211,7 @@ class AdaptiveAllreduce:
         """Fold the last collective's flows in; the plan for this one (of `nbytes`). A paced ring's
         flows are not folded in: every send waits its turn, so each pair's bytes spread over the whole
         collective at its slowest hop's pace and no link stands out (a slow rank went unseen in a
-        trial). Its time is the evidence instead: when it is 1 / `clear_above` slower than the fastest
+        trial). Its time is the evidence instead: when it is PROBE_SLOWER times slower than the fastest
         collective of its size so far, whatever its plan (a paced ring first run while another job's
         stream shared a link would otherwise be its own yardstick), and every PROBE_EVERY paced
         collectives, this collective runs the ring unpaced and its flows are read."""
@@ -220,7 +221,7 @@ class AdaptiveAllreduce:
         if ran.window:
             self._paced_runs += 1
             self.decide(nbytes)
-            self._probe_if(slowest_s * self.table.cfg.clear_above > best or self._paced_runs % PROBE_EVERY == 0,
+            self._probe_if(slowest_s > PROBE_SLOWER * best or self._paced_runs % PROBE_EVERY == 0,
                            nbytes)
             return
         self._measured = True
