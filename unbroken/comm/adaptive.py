@@ -21,8 +21,9 @@ are kept per size (a step's buckets differ in size; each keeps its plan until th
 
 With no slow link the ring runs paced (`planner.paced`). A paced ring says nothing about single
 links (each pair's bytes spread over the whole collective at the slowest hop's pace), so its flows
-are not read; its time is, and the first learned collective, one whose time jumps, and every
-PROBE_EVERY-th run the ring unpaced (a probe) and are read as before.
+are not read, only its time. The first learned collective, one after a paced ring PROBE_SLOWER
+times slower than the fastest of its size, and every PROBE_EVERY-th paced one run the ring
+unpaced (a probe), and their flows are read as before.
 """
 from __future__ import annotations
 
