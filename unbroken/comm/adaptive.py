@@ -255,7 +255,12 @@ class AdaptiveAllreduce:
             self.plan = current
             return
         chosen, predicted = planner.choose(chosen, rates, nbytes, min_gain=self.min_gain)
-        plan = planner.direct(chosen) if contended else planner.paced(chosen, nbytes) if not slow else chosen
+        if contended:  # another job's stream shares a link: our flows spread over the direct exchange
+            plan = planner.direct(chosen)
+        elif not slow:  # nothing to plan around: the ring one send at a time
+            plan = planner.paced(chosen, nbytes)
+        else:
+            plan = chosen
         # a size's first plan is an event only when made around slow links (not a mere size change)
         previous = current if current is not None else (self.plan if self._slow else None)
         if self.emit and previous is not None and plan != previous:
