@@ -20,7 +20,7 @@ from unbroken.rl.config import RLConfig
 
 TIMEOUT_S = 60.0
 HELP_TIMEOUT_S = 30.0  # rank 0's wait for a helper's gradient before it computes the share itself
-HELP_POLL_S = 0.0005
+HELP_POLL_S = (0.0005, 0.005)  # rank 0 looks for a helper's gradient every 0.5 ms at first, doubling to 5 ms
 LOST = b"lost"
 
 
@@ -46,12 +46,15 @@ def _flat(params: list[torch.Tensor]) -> torch.Tensor:
 def helper_gradient(store: dist.Store, key: str, like: torch.Tensor, compute) -> torch.Tensor:
     """A helper's gradient from the store; `compute()` when it was lost or is late (HELP_TIMEOUT_S).
     Polled with `check`, not a `wait` that times out: a timed-out wait leaves the store client
-    expecting an answer that comes later. What a late helper writes the coordinator removes."""
-    deadline = time.monotonic() + HELP_TIMEOUT_S
+    expecting an answer that comes later. The pause between looks doubles (HELP_POLL_S): a share that
+    is nearly done is picked up at once, and a slow one does not cost a store round trip every 0.5 ms.
+    What a late helper writes the coordinator removes."""
+    deadline, pause = time.monotonic() + HELP_TIMEOUT_S, HELP_POLL_S[0]
     while not store.check([key]):
         if time.monotonic() > deadline:
             return compute()
-        time.sleep(HELP_POLL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, HELP_POLL_S[1])
     data = store.get(key)
     store.delete_key(key)
     if data == LOST:

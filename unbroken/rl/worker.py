@@ -22,6 +22,12 @@ from unbroken.rl.traingroup import GroupError, TrainGroup, help_key, share_gradi
 IDLE_EXIT_S = 300.0
 
 
+def _die_if(die: bool) -> None:
+    """Fault injection the coordinator asked for: a real SIGKILL of this process, here."""
+    if die:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Worker:
     def __init__(self, wid: int, store: dist.Store) -> None:
         self.wid, self.store = wid, store
@@ -43,8 +49,7 @@ class Worker:
     def rollout(self, step: int, prompt: task.Prompt, version: int, weights: bytes | None, die: bool) -> tuple:
         if weights is not None:
             self.model.load_state_dict(policy.load_state(weights))
-        if die:  # fault injection (--kill-rollout-at): a real SIGKILL with the group in flight
-            os.kill(os.getpid(), signal.SIGKILL)
+        _die_if(die)  # fault injection (--kill-rollout-at): the group in flight
         t0 = time.perf_counter()
         samples = grpo.rollout_group(self.model, self.cfg, prompt, step, version, self.reward)
         return ("rollout_done", samples, time.perf_counter() - t0)
@@ -55,8 +60,7 @@ class Worker:
         t0 = time.perf_counter()
         if weights is not None:
             self.model.load_state_dict(policy.load_state(weights))
-        if die:  # fault injection (run(kill_helper_at=...)): a real SIGKILL with the share in hand
-            os.kill(os.getpid(), signal.SIGKILL)
+        _die_if(die)  # fault injection (run(kill_helper_at=...)): the share in hand
         g = share_gradient(self.model, samples, self.cfg, normalizer, self.ref)
         self.store.set(help_key(self.run, gen, step, k), g.numpy().tobytes())
         return ("helped", step, time.perf_counter() - t0)
@@ -73,8 +77,7 @@ class Worker:
             self.group = TrainGroup(self.store, self.run, gen, rank, world)
             self.groups.append(self.group)
             self.group.sync_state(self.model, self.opt, tuple(joiners))
-        if die:  # fault injection: a real SIGKILL mid-step, before this rank joins the all-reduce
-            os.kill(os.getpid(), signal.SIGKILL)
+        _die_if(die)  # fault injection: mid-step, before this rank joins the all-reduce
         keyed = [(help_key(self.run, gen, step, k), share) for k, share in helped]
         loss = self.group.update(self.model, self.opt, samples, self.cfg, normalizer, self.ref, keyed, self.store)
         if send_state:  # serialized after the reply: the next step need not wait for it
