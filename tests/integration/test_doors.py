@@ -59,7 +59,7 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(kv.decode(errors="replace").split("=", 1) for kv in raw if b"=" in kv)
 
 
-@pytest.mark.parametrize("fork_server", ["1", "0"])
+@pytest.mark.parametrize("fork_server", ["1", pytest.param("0", marks=pytest.mark.slow)])  # "1": the default start
 def test_the_store_listens_on_loopback_only_and_workers_never_see_the_token(tmp_path, fork_server):
     """With the fork server (the default) a child's /proc/PID/environ is the server's start
     environment: the token must be in no process of the job. Started the exec way, each child's

@@ -112,7 +112,7 @@ def test_a_shadow_taking_a_rank_uses_the_plan_file_its_peers_agreed_on(tmp_path)
     assert given["weights_sha256"] == clean["weights_sha256"]
 
 
-@pytest.mark.parametrize("collectives", ["chain", "shm"])
+@pytest.mark.parametrize("collectives", [pytest.param("chain", marks=pytest.mark.slow), "shm"])  # chain: test_chain_collectives
 def test_a_plan_naming_our_collectives_switches_every_rank_and_a_shadow_to_them(tmp_path, collectives):
     """A plan file's `collectives` replaces the job's gloo all-reduce with the chain (or shared
     memory) on every rank, before step 1; the shadow replacing a rank killed at step 3 adopts it
