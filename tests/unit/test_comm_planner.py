@@ -214,6 +214,18 @@ def test_a_contended_link_moves_the_rings_chunks_by_the_direct_exchange_and_back
     assert ad.plan.kind == "ring"
 
 
+def test_beside_a_slow_link_fast_links_reading_low_are_planned_at_the_fleets_rate():
+    """Noise on fast links (0.7-0.85 of the fleet) must not skew a plan made around a slow link."""
+    ad = _fed(4, {("up", 1): FAST / 4, ("down", 1): FAST / 4, ("up", 0): FAST * 0.72, ("down", 2): FAST * 0.7})
+    ad.decide(16 * MB)
+    assert set(ad.slow_links()[0]) == {("up", 1), ("down", 1)}
+    assert ad.plan.kind == "pipelined" and ad.plan.split[1] == 0
+    assert ad.plan.split[0] == ad.plan.split[2] == ad.plan.split[3]  # the fast ranks own alike
+    alone = _fed(4, {("up", 0): FAST * 0.72, ("down", 2): FAST * 0.7})  # no slow link: contended, as before
+    alone.decide(16 * MB)
+    assert alone.contended(FAST) == [("down", 2), ("up", 0)] and alone.plan.split[0] < alone.plan.split[1]
+
+
 def test_with_no_slow_link_the_ring_is_paced_and_a_slow_link_unpaces_it():
     from unbroken.comm.planner import PACED_WINDOW, paced, paced_pieces
 
