@@ -12,7 +12,7 @@ from .conftest import SMALL, run_job
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.mark.parametrize("collectives", ["chain", pytest.param("static", marks=pytest.mark.slow)])  # static: the ring every other recovery test runs
+@pytest.mark.parametrize("collectives", ["chain", pytest.param("static", marks=pytest.mark.slow)])  # static: test_collectives_job kills a rank under adaptive (same patterns code)
 def test_buckets_with_a_kill_equal_the_static_ring_whole(tmp_path, collectives):
     """Reference: static, the whole gradient after backward, no failure. Then 16 KiB buckets issued
     while backward runs, and rank 1 killed at step 5. Same reduction order, so the same bits."""

@@ -195,9 +195,9 @@ class AdaptiveAllreduce:
         keeps N-1 of our flows on each where the ring's all-gather has one (`planner.direct`), and
         they are planned at the share they get (their estimate), so their ranks own less.
         `decide` reads them only while no link is slow: beside a slow link the plan is a direct
-        exchange already, and fast links read 0.7-0.85 of the fleet on noise alone (three flows
-        share each); planned at those readings, a one-slow-link plan gave one fast rank 53 % of the
-        tensor and ran 1.18x static at 16 MB where the even split runs 1.45x."""
+        exchange already, and fast links read under 0.85x the fleet on noise alone (three of our
+        flows share each); planned at those readings, the fast ranks got uneven chunks (docs/design.md,
+        "Shared links count only while no link is slow")."""
         cfg = self.table.cfg
         return sorted(k for k, v in self.table.links.items()
                       if v.rate and k not in self._slow and v.rate < cfg.contended_below * fleet)
