@@ -95,7 +95,8 @@ def test_table_reports_flag_changes_per_link():
     assert t.congested() == [("down", 1), ("up", 0)]
 
 
-@pytest.mark.parametrize("kw", [dict(window=0), dict(congested_below=0.9, clear_above=0.8), dict(min_bytes=-1)])
+@pytest.mark.parametrize("kw", [dict(window=0), dict(congested_below=0.9, clear_above=0.8), dict(min_bytes=-1),
+                                dict(contended_below=0.9, uncontended_above=0.9)])
 def test_bad_config_is_refused(kw):
     with pytest.raises(ValueError):
         FlowConfig(**kw)

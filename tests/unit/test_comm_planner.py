@@ -214,6 +214,23 @@ def test_a_contended_link_moves_the_rings_chunks_by_the_direct_exchange_and_back
     assert ad.plan.kind == "ring"
 
 
+def test_a_contended_link_clears_only_near_the_fleets_rate_and_small_wobbles_keep_the_plan():
+    ad = _fed(4, {("up", 2): FAST * 0.74, ("down", 3): FAST * 0.74})
+    ad.decide(64 * MB)
+    first = ad.plan
+    assert first.kind == "pipelined" and ad.contended(FAST) == [("down", 3), ("up", 2)]
+    _feed(ad, {("up", 2): FAST * 0.76, ("down", 3): FAST * 0.72})  # the same tenths: the same plan
+    ad.decide(64 * MB)
+    assert ad.plan == first
+    _feed(ad, {("up", 2): FAST * 0.9, ("down", 3): FAST * 0.9})  # above 0.85, under 0.95: still shared
+    ad.decide(64 * MB)
+    assert ad.contended(FAST) == [("down", 3), ("up", 2)] and ad.plan.kind == "pipelined"
+    assert _fed(4, {("up", 2): FAST * 0.9}).contended(FAST) == []  # never shared before: not shared
+    _feed(ad, {})
+    ad.decide(64 * MB)
+    assert ad.contended(FAST) == [] and ad.plan.kind == "ring"
+
+
 def test_beside_a_slow_link_fast_links_reading_low_are_planned_at_the_fleets_rate():
     """Noise on fast links (0.7-0.85 of the fleet) must not skew a plan made around a slow link."""
     ad = _fed(4, {("up", 1): FAST / 4, ("down", 1): FAST / 4, ("up", 0): FAST * 0.72, ("down", 2): FAST * 0.7})

@@ -42,6 +42,7 @@ from unbroken.comm.transport import Transport
 
 MODES = ("adaptive", "static", "chain")  # chain: the rank-order chain, for ranks in node blocks
 PROBE_EVERY = 8  # paced collectives between two that run unpaced to read the links
+CONTENDED_STEPS = 10  # a contended link is planned at a whole number of tenths of the fleet's rate
 PROBE_SLOWER = 1.1  # a paced ring this much slower than the fastest collective of its size: the next one probes
 PHASES = 4  # tag phases: reduce-scatter rows, all-gather results, tree up, tree down
 Emit = Callable[..., object]  # EventLog.emit
@@ -71,6 +72,7 @@ class AdaptiveAllreduce:
         self.history: deque[dict] = deque(maxlen=1024)  # the last collectives: seq, plan, seconds, estimates
         self._slots = self._empty_slots()  # per peer, phase: bytes, posted, ended (receives), posted (sends)
         self._slow: set[flows.Link] = set()  # the links the current plan was made around (hysteresis)
+        self._contended: set[flows.Link] = set()  # the links the current plan saw as shared (hysteresis)
         self._estimates: dict | None = None  # the link estimates the current plan was chosen from
         self._pending: tuple | None = None  # the flow exchange in flight: (work, output, input)
         self._ran: tuple[Pattern, int] | None = None  # the plan and size of the collective that exchange is of
@@ -194,13 +196,23 @@ class AdaptiveAllreduce:
         row flows against the stream's one). No plan routes around them, but the direct exchange
         keeps N-1 of our flows on each where the ring's all-gather has one (`planner.direct`), and
         they are planned at the share they get (their estimate), so their ranks own less.
+        Once contended, a link stays so until it reads above `uncontended_above` x the fleet (0.95;
+        hysteresis, as for slow links), and is planned at its estimate in tenths of the fleet's rate
+        (`_share`): in the stop 41 record the background scenario ran 3-4 splits per payload in 5
+        collectives, one of them a paced ring at 256 MB whose collective took 1.5x the others.
         `decide` reads them only while no link is slow: beside a slow link the plan is a direct
         exchange already, and fast links read under 0.85x the fleet on noise alone (three of our
         flows share each); planned at those readings, the fast ranks got uneven chunks (docs/design.md,
         "Shared links count only while no link is slow")."""
         cfg = self.table.cfg
+        bar = {k: cfg.uncontended_above if k in self._contended else cfg.contended_below for k in self.table.links}
         return sorted(k for k, v in self.table.links.items()
-                      if v.rate and k not in self._slow and v.rate < cfg.contended_below * fleet)
+                      if v.rate and k not in self._slow and v.rate < bar[k] * fleet)
+
+    def _share(self, link: flows.Link, fleet: float) -> float:
+        """A contended link's rate as planned: its estimate in tenths of the fleet's rate, so that
+        the split does not follow every wobble of the estimate (each change is a new plan)."""
+        return max(1, round(self.table.links[link].rate / fleet * CONTENDED_STEPS)) * fleet / CONTENDED_STEPS
 
     def rates(self) -> planner.Rates:
         """The links as the planner sees them: a slow link (`slow_links`) at its estimate, every other
@@ -251,7 +263,8 @@ class AdaptiveAllreduce:
                           rate_Bps=est.rate if est else None, reference_Bps=fleet)
         self._slow = set(slow)
         contended = [] if slow else self.contended(fleet)
-        rates = self._rates({**slow, **{k: self.table.links[k].rate for k in contended}}, fleet)
+        self._contended = set(contended)
+        rates = self._rates({**slow, **{k: self._share(k, fleet) for k in contended}}, fleet)
         ref = max(rates.up + rates.down)
         key = (tuple(round(x / ref * 20) for x in rates.up + rates.down), bool(contended))
         known, chosen, current = self._sizes.get(nbytes, (None, None, None))

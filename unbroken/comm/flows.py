@@ -34,6 +34,7 @@ class FlowConfig:
     # a link under this x the fleet's rate but not congested: shared with traffic of another job,
     # the adaptive all-reduce spreads its bytes over direct flows (comm/adaptive.py `contended`)
     contended_below: float = 0.85
+    uncontended_above: float = 0.95  # a contended link is not contended again only above this x the fleet's rate
     # Smaller flows say more about buffers (a token bucket's burst, socket buffers) than about the
     # link: 1.4 MB flows measured 161..638 MB/s on 125 MB/s links. Short flows are kept: a flow
     # that ended fast is the evidence that its two links are fast (dropping them left only the
@@ -51,6 +52,9 @@ class FlowConfig:
         if not self.congested_below < self.contended_below <= 1:
             raise ValueError(f"FlowConfig needs congested_below < contended_below <= 1, got {self.congested_below!r} "
                              f"and {self.contended_below!r}")
+        if not self.contended_below < self.uncontended_above <= 1:
+            raise ValueError("FlowConfig needs contended_below < uncontended_above <= 1 (hysteresis), got "
+                             f"{self.contended_below!r} and {self.uncontended_above!r}")
         if not isinstance(self.stale_after, int) or self.stale_after < 1:
             raise ValueError(f"FlowConfig stale_after must be an integer >= 1 (collectives), got {self.stale_after!r}")
         if self.min_bytes < 0 or self.min_seconds < 0:
