@@ -198,8 +198,8 @@ class AdaptiveAllreduce:
         they are planned at the share they get (their estimate), so their ranks own less.
         Once contended, a link stays so until it reads above `uncontended_above` x the fleet (0.95;
         hysteresis, as for slow links), and is planned at its estimate in tenths of the fleet's rate
-        (`_share`): in the stop 41 record the background scenario ran 3-4 splits per payload in 5
-        collectives, one of them a paced ring at 256 MB whose collective took 1.5x the others.
+        (`_share`), so that the plan does not change at every wobble of the estimate
+        (docs/design.md, "Shared links with hysteresis, planned in tenths").
         `decide` reads them only while no link is slow: beside a slow link the plan is a direct
         exchange already, and fast links read under 0.85x the fleet on noise alone (three of our
         flows share each); planned at those readings, the fast ranks got uneven chunks (docs/design.md,
