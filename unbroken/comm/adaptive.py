@@ -42,8 +42,8 @@ from unbroken.comm.transport import Transport
 
 MODES = ("adaptive", "static", "chain")  # chain: the rank-order chain, for ranks in node blocks
 PROBE_EVERY = 8  # paced collectives between two that run unpaced to read the links
-CONTENDED_STEPS = 10  # a contended link is planned at a whole number of tenths of the fleet's rate
 PROBE_SLOWER = 1.1  # a paced ring this much slower than the fastest collective of its size: the next one probes
+CONTENDED_STEPS = 10  # a contended link is planned at a whole number of tenths of the fleet's rate
 PHASES = 4  # tag phases: reduce-scatter rows, all-gather results, tree up, tree down
 Emit = Callable[..., object]  # EventLog.emit
 
@@ -205,9 +205,8 @@ class AdaptiveAllreduce:
         flows share each); planned at those readings, the fast ranks got uneven chunks (docs/design.md,
         "Shared links count only while no link is slow")."""
         cfg = self.table.cfg
-        bar = {k: cfg.uncontended_above if k in self._contended else cfg.contended_below for k in self.table.links}
-        return sorted(k for k, v in self.table.links.items()
-                      if v.rate and k not in self._slow and v.rate < bar[k] * fleet)
+        return sorted(k for k, v in self.table.links.items() if v.rate and k not in self._slow
+                      and v.rate < (cfg.uncontended_above if k in self._contended else cfg.contended_below) * fleet)
 
     def _share(self, link: flows.Link, fleet: float) -> float:
         """A contended link's rate as planned: its estimate in tenths of the fleet's rate, so that
