@@ -192,25 +192,30 @@ def test_a_slow_link_clears_only_past_the_upper_threshold():
     assert ad.slow_links()[0] == {} and len(set(ad.plan.split)) == 1
 
 
-def test_a_contended_link_moves_the_rings_chunks_by_the_direct_exchange_and_back():
-    """Another job's stream shares two links: the direct exchange, planned at the share they get."""
-    from unbroken.comm.planner import direct
+def test_choose_held_to_some_kinds_picks_among_them_alone():
+    rates = Rates(up=(FAST, FAST, FAST * 0.75, FAST), down=(FAST, FAST, FAST, FAST * 0.75))
+    assert choose(None, rates, MB)[0].kind == "ring"  # the model alone: small, latency-bound
+    plan, _ = choose(Pattern.static_ring(4), rates, MB, kinds=("pipelined",))  # a ring is no plan to keep
+    assert plan.kind == "pipelined" and max(plan.split[2:]) < min(plan.split[:2])
+    with pytest.raises(ValueError, match="no candidate plan of kinds"):
+        choose(None, rates, MB, kinds=("nonesuch",))
 
-    ring = Pattern.static_ring(4, 8)
-    assert direct(ring) == Pattern(kind="pipelined", order=(0, 1, 2, 3), split=(1, 1, 1, 1), pieces=8)
-    tree = Pattern(kind="tree", order=(0, 1, 2, 3), split=(1, 0, 0, 0), pieces=2, aggregators=(0,))
-    assert direct(tree) == tree
+
+@pytest.mark.parametrize("nbytes", [MB, 4 * MB, 64 * MB])
+def test_a_contended_link_moves_the_chunks_by_the_direct_exchange_at_every_size_and_back(nbytes):
+    """Another job's stream shares two links: the direct exchange, planned at the share they get,
+    at every size (at 1 MB the model alone picks the ring, whose all-gather flow gets half a shared link)."""
     ad = _fed(4, {})
-    ad.decide(64 * MB)
+    ad.decide(nbytes)
     assert ad.plan.kind == "ring" and ad.contended(FAST) == []
     _feed(ad, {("up", 2): FAST * 0.75, ("down", 3): FAST * 0.75})  # another job's stream from 2 to 3
-    ad.decide(64 * MB)
+    ad.decide(nbytes)
     assert ad.slow_links()[0] == {} and ad.contended(FAST) == [("down", 3), ("up", 2)]
     # the direct exchange, the two ranks whose links the stream shares owning less (their links at the
     # share they get)
     assert ad.plan.kind == "pipelined" and max(ad.plan.split[2:]) < min(ad.plan.split[:2])
     _feed(ad, {})  # the stream ended
-    ad.decide(64 * MB)
+    ad.decide(nbytes)
     assert ad.plan.kind == "ring"
 
 

@@ -65,8 +65,7 @@ class AdaptiveAllreduce:
         self.table = flows.FlowTable(flow_cfg)
         self.plan: Pattern | None = Pattern.static_ring(world) if mode == "static" else None  # the last one used
         # per all-reduce size: the links' picture its plan was made for, the planner's choice, and the
-        # plan run (the choice; `planner.direct` of it while a link is contended, `planner.paced` while
-        # no link is slow either)
+        # plan run (the choice; `planner.paced` of it while no link is slow or contended)
         self._sizes: dict[int, tuple[tuple, Pattern, Pattern]] = {}
         self.seq = 0
         self.history: deque[dict] = deque(maxlen=1024)  # the last collectives: seq, plan, seconds, estimates
@@ -194,8 +193,9 @@ class AdaptiveAllreduce:
         """Links under `contended_below` x the fleet's rate that are not slow: a stream of another job
         shares them (in the background scenario rank 2's link read ~3/4 of the others': its three
         row flows against the stream's one). No plan routes around them, but the direct exchange
-        keeps N-1 of our flows on each where the ring's all-gather has one (`planner.direct`), and
-        they are planned at the share they get (their estimate), so their ranks own less.
+        keeps N-1 of our flows on each where the ring's all-gather has one (`decide` plans only
+        direct exchanges then), and they are planned at the share they get (their estimate), so
+        their ranks own less.
         Once contended, a link stays so until it reads above `uncontended_above` x the fleet (0.95;
         hysteresis, as for slow links), and is planned at its estimate in tenths of the fleet's rate
         (`_share`), so that the plan does not change at every wobble of the estimate
@@ -270,13 +270,12 @@ class AdaptiveAllreduce:
         if known == key:
             self.plan = current
             return
-        chosen, predicted = planner.choose(chosen, rates, nbytes, min_gain=self.min_gain)
-        if contended:  # another job's stream shares a link: our flows spread over the direct exchange
-            plan = planner.direct(chosen)
-        elif not slow:  # nothing to plan around: the ring one send at a time
-            plan = planner.paced(chosen, nbytes)
-        else:
-            plan = chosen
+        # another job's stream shares a link: only the direct exchange, whose flows spread over it
+        # (a plan chosen among other kinds is no `current` to keep: the choice starts afresh)
+        kinds = ("pipelined",) if contended else None
+        prior = chosen if known is not None and known[1] == key[1] else None
+        chosen, predicted = planner.choose(prior, rates, nbytes, min_gain=self.min_gain, kinds=kinds)
+        plan = chosen if slow or contended else planner.paced(chosen, nbytes)  # nothing to plan around: paced
         # a size's first plan is an event only when made around slow links (not a mere size change)
         previous = current if current is not None else (self.plan if self._slow else None)
         if self.emit and previous is not None and plan != previous:

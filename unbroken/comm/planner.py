@@ -9,8 +9,9 @@ that balances every rank's bytes against its link (a slow rank owns less, or not
 then only sends its rows and receives results: S bytes each way instead of 2(N-1)/N x S);
 the ring ordered fastest-first with that split; two-level trees whose aggregators are the
 fastest 1..N-1 ranks. A plan is kept unless another is predicted `min_gain` faster (no flapping).
-`direct` turns a ring into the direct exchange of the same chunks, for links that another job's
-traffic shares (the model's links are fixed capacities; TCP shares a link per flow); `paced`
+`choose` can be held to some kinds: while another job's traffic shares a link, only the direct
+exchange (the model's links are fixed capacities; TCP shares a link per flow, and a ring's one
+all-gather flow per hop gets less of a shared link than the exchange's N-1); `paced`
 makes a ring send one piece after another with a few in flight, for links none of which is slow
 (N-1 flows at once through a token bucket move less than one at a time, which the model does not see).
 Pure: the same estimates give the same plan on every rank.
@@ -31,7 +32,10 @@ class Rates:
     up: tuple[float, ...]
     down: tuple[float, ...]
     latency_s: float = 2e-4
-    op_s: float = 3e-5
+    # each transfer's own cost: gloo moved a 64 KB message for 40-90 us of CPU on this 2-core host,
+    # and in the 4-rank exchange each extra piece cost an owner ~100 us per transfer (docs/design.md,
+    # "A transfer costs 100 us": at 3e-5 the planner cut 1-16 MB into too many pieces)
+    op_s: float = 1e-4
     reduce_Bps: float = 1e9  # one rank summing rows (bytes of rows per second, a loaded core): what is not overlapped
 
     def __post_init__(self) -> None:
@@ -229,16 +233,6 @@ def candidates(rates: Rates, nbytes: int) -> list[Pattern]:
     return out
 
 
-def direct(p: Pattern) -> Pattern:
-    """`p`'s chunks and pieces moved by the direct exchange: a ring's all-gather hop is one flow per
-    link, which a link shared with another job's stream splits with it (TCP shares a link per
-    flow: half of it); the direct exchange keeps N-1 flows on every link ((N-1)/N of it). The
-    same bits: every pattern reduces each element in rank order. Non-rings are returned as they are."""
-    if p.kind != "ring":
-        return p
-    return Pattern(kind="pipelined", order=tuple(range(p.world)), split=p.split, pieces=p.pieces)
-
-
 PACED_WINDOW = 4  # sends a paced ring keeps in flight
 PACED_PIECE_BYTES = 2 << 20  # a paced ring's pieces: ~2 MB of the whole tensor each, however many
 
@@ -260,14 +254,18 @@ def paced(p: Pattern, nbytes: int) -> Pattern:
     return dataclasses.replace(p, pieces=paced_pieces(nbytes), window=PACED_WINDOW)
 
 
-def choose(current: Pattern | None, rates: Rates, nbytes: int, *, min_gain: float = 0.05) -> tuple[Pattern, float]:
-    """The plan for the next collectives and its predicted seconds; `current` stays unless another
-    is predicted at least `min_gain` (a fraction) faster."""
+def choose(current: Pattern | None, rates: Rates, nbytes: int, *, min_gain: float = 0.05,
+           kinds: tuple[str, ...] | None = None) -> tuple[Pattern, float]:
+    """The plan for the next collectives and its predicted seconds, among the candidates of `kinds`
+    (all when None); `current` stays unless another is predicted at least `min_gain` (a fraction) faster."""
     if not 0 <= min_gain < 1:
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
-    scored = [(predict(p, nbytes, rates), i, p) for i, p in enumerate(candidates(rates, nbytes))]
+    pool = [p for p in candidates(rates, nbytes) if kinds is None or p.kind in kinds]
+    if not pool:
+        raise ValueError(f"no candidate plan of kinds {kinds}; pick from {sorted({p.kind for p in candidates(rates, 1)})}")
+    scored = [(predict(p, nbytes, rates), i, p) for i, p in enumerate(pool)]
     t_best, _, best = min(scored, key=lambda x: (x[0], x[1]))
-    if current is not None and current.world == rates.world:
+    if current is not None and current.world == rates.world and (kinds is None or current.kind in kinds):
         t_cur = predict(current, nbytes, rates)
         if t_best > (1 - min_gain) * t_cur:
             return current, t_cur
