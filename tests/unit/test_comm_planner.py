@@ -192,6 +192,14 @@ def test_a_slow_link_clears_only_past_the_upper_threshold():
     assert ad.slow_links()[0] == {} and len(set(ad.plan.split)) == 1
 
 
+@pytest.mark.parametrize("nbytes,pieces", [(MB, 4), (4 * MB, 8), (16 * MB, 16), (64 * MB, 32)])
+def test_small_all_reduces_are_cut_in_no_more_pieces_than_their_messages_pay_for(nbytes, pieces):
+    """With one slow rank of four, the pieces a sweep on this host ran fastest (docs/design.md,
+    "A transfer costs 100 us"); at 30 us a transfer the planner took 8, 16, 32 and 32."""
+    plan, _ = choose(None, _rates(4, {1}), nbytes)
+    assert plan.kind == "pipelined" and plan.split[1] == 0 and plan.pieces == pieces
+
+
 def test_choose_held_to_some_kinds_picks_among_them_alone():
     rates = Rates(up=(FAST, FAST, FAST * 0.75, FAST), down=(FAST, FAST, FAST, FAST * 0.75))
     assert choose(None, rates, MB)[0].kind == "ring"  # the model alone: small, latency-bound
