@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from unbroken.comm.patterns import Pattern
+from unbroken.comm.patterns import KINDS, Pattern
 
 SPLIT_SCALE = 1000  # splits are integers: the same plan on every rank, exactly, and in JSON
 
@@ -262,7 +262,7 @@ def choose(current: Pattern | None, rates: Rates, nbytes: int, *, min_gain: floa
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
     pool = [p for p in candidates(rates, nbytes) if kinds is None or p.kind in kinds]
     if not pool:
-        raise ValueError(f"no candidate plan of kinds {kinds}; pick from {sorted({p.kind for p in candidates(rates, 1)})}")
+        raise ValueError(f"no candidate plan of kinds {kinds} for {rates.world} ranks; pick from {', '.join(KINDS)}")
     scored = [(predict(p, nbytes, rates), i, p) for i, p in enumerate(pool)]
     t_best, _, best = min(scored, key=lambda x: (x[0], x[1]))
     if current is not None and current.world == rates.world and (kinds is None or current.kind in kinds):
