@@ -75,7 +75,10 @@ def test_every_eighth_paced_ring_measures_even_when_nothing_changed(ad):
     assert [i + 1 for i, p in enumerate(probes) if p] == [adaptive.PROBE_EVERY, 2 * adaptive.PROBE_EVERY]
 
 
-def test_the_first_learned_collective_runs_unpaced_then_the_ring_is_paced():
+def test_the_first_learned_collective_runs_unpaced_then_the_ring_is_paced(monkeypatch):
+    # a shared CI machine can make one paced ring 10% slower than the one before, which rightly
+    # makes the next one probe (tested above on planning alone); here only the order is checked
+    monkeypatch.setattr(adaptive, "PROBE_SLOWER", float("inf"))
     world, n = 3, (8 * MB) // 4
 
     def body(tp, r):
