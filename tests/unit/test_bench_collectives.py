@@ -47,6 +47,15 @@ def test_replan_counts_collectives_on_the_old_plan_after_each_change():
     assert cb.replan_counts(run) == [None, 1]
 
 
+def test_a_probe_after_a_change_is_not_its_new_plan():
+    paced, probe, around = {"kind": "ring", "window": 4}, {"kind": "ring", "window": 0}, {"kind": "pipelined"}
+    recs = [_rec("adaptive", 1.0, start=s, plan=p) for s, p in ((0, paced), (2, paced), (4, probe), (6, around))]
+    recs[2]["probe"] = "slower"  # the even ring, run to read the links
+    assert cb.replan_counts({"records": recs, "changes": [{"time": 1.5}]}) == [2]
+    del recs[2]["probe"]  # the same pattern run as a plan is a new plan
+    assert cb.replan_counts({"records": recs, "changes": [{"time": 1.5}]}) == [1]
+
+
 def test_a_last_change_too_close_to_the_end_is_not_judged():
     a = {"kind": "ring"}
     recs = [_rec("adaptive", 1.0, start=s, plan=a) for s in (0, 2, 4)]

@@ -212,7 +212,8 @@ JUDGED_AFTER = 3  # the goal's window: a last change the run ended sooner after,
 
 def replan_counts(run: dict) -> list[int | None]:
     """Per rate change: adaptive collectives that ended after it on the old plan before a new plan
-    ran; None when none ran before the next change, or before the run ended when at least
+    ran (a probe, the even ring run to read the links, counts as the old plan: it re-plans nothing);
+    None when none ran before the next change, or before the run ended when at least
     JUDGED_AFTER collectives followed it (a 5-round record had one collective between the last
     change and the end of its series, which said nothing about the goal's three)."""
     ad = sorted((r for r in run["records"] if r["method"] == "adaptive" and r["phase"] == "measure"),
@@ -226,7 +227,7 @@ def replan_counts(run: dict) -> list[int | None]:
             continue
         old, n = before[-1]["plan"], None
         for k, r in enumerate(after):
-            if r["plan"] != old:
+            if r["plan"] != old and not r.get("probe"):
                 n = k
                 break
         if n is None and i + 1 == len(run["changes"]) and len(after) < JUDGED_AFTER:

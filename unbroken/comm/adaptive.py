@@ -78,6 +78,8 @@ class AdaptiveAllreduce:
         self._measured = False  # some collective's flows were read
         self._best: dict[int, float] = {}  # per size: the fastest learned collective so far (slowest rank's s)
         self._paced_runs = 0
+        self._probe: str | None = None  # why the next collective runs a probe: "first", "every", "slower"
+        self._plan_best: dict[tuple[int, Pattern], float] = {}  # per size and uneven plan: its fastest run
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
         nbytes = t.numel() * t.element_size()
@@ -93,14 +95,14 @@ class AdaptiveAllreduce:
             sync_s = time.perf_counter() - t1  # learning's cost here: the wait for it and the planner
         else:
             self.decide(nbytes)  # a new size gets its plan (a no-op while size and links hold)
-            self._probe_if(not self._measured, nbytes)  # nothing measured yet: measure first
+            self._probe_if(not self._measured, nbytes, "first")  # nothing measured yet: measure first
         self.seq += 1
         plan, t0 = self.plan, time.perf_counter()
         self._slots = self._empty_slots()
         allreduce(self.tp, t, plan, self.seq, what)
         seconds = time.perf_counter() - t0
         self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": seconds,
-                             "sync_s": sync_s, "estimates": self._estimates})
+                             "sync_s": sync_s, "estimates": self._estimates, "probe": self._probe})
         if self.mode == "adaptive" and self.world > 1 and nbytes >= self.learn_bytes:
             self._ran = (plan, nbytes)
             self._start_gather(what, seconds)
@@ -230,26 +232,54 @@ class AdaptiveAllreduce:
         trial). Its time is the evidence instead: when it is PROBE_SLOWER times slower than the fastest
         collective of its size so far, whatever its plan (a paced ring first run while another job's
         stream shared a link would otherwise be its own yardstick), and every PROBE_EVERY paced
-        collectives, this collective runs the ring unpaced and its flows are read."""
+        collectives, this collective runs the ring unpaced and its flows are read. A probe run because
+        the plan ran slower counts its readings twice: the time already says something changed, and
+        the median of three then moves at once (with one reading it took a second probe, four
+        collectives after a link got slow instead of two)."""
         ran, ran_bytes = self._ran
+        probe, self._probe = self._probe, None  # why the collective that ran was a probe, if it was
         best = self._best.get(ran_bytes, slowest_s)
         self._best[ran_bytes] = min(best, slowest_s)
         if ran.window:
             self._paced_runs += 1
             self.decide(nbytes)
-            self._probe_if(slowest_s > PROBE_SLOWER * best or self._paced_runs % PROBE_EVERY == 0,
-                           nbytes)
+            if slowest_s > PROBE_SLOWER * best:
+                self._probe_if(True, nbytes, "slower")
+            else:
+                self._probe_if(self._paced_runs % PROBE_EVERY == 0, nbytes, "every")
             return
         self._measured = True
-        self.table.observe_flows(self.flows_of(slots))
+        even = len(set(ran.split)) == 1
+        flagged = self._slow | self._contended
+        self.table.observe_flows(self.flows_of(slots), read=None if even else flagged.__contains__,
+                                 weight=2 if probe == "slower" else 1)
         self._estimates = {f"{k}:{r}": round(v.rate) for (k, r), v in sorted(self.table.links.items())}
         self.decide(nbytes)
+        if not even:
+            self._probe_if_slower(ran, ran_bytes, slowest_s, nbytes)
 
-    def _probe_if(self, cond: bool, nbytes: int) -> None:
+    def _probe_if_slower(self, ran: Pattern, ran_bytes: int, slowest_s: float, nbytes: int) -> None:
+        """An uneven plan's flows re-estimate only the links it was made around (slow or shared: that
+        is how they clear). Another link reads its flows' summed rates, which measure it only where it
+        limited them: with every chunk on ranks 2 and 3 (`[0, 0, 1, 1]`), rank 0's flows ran at a third
+        of their owners' links, its fast link read a third of its rate and was planned as slow. That a
+        link it spares got slow or shared shows in the plan's time instead: when it ran PROBE_SLOWER
+        times slower than its fastest run at this size and is still the plan, this collective runs
+        the even ring unpaced (a probe: every link carries alike) and its flows are read whole."""
+        key = (ran_bytes, ran)
+        best = self._plan_best.get(key, slowest_s)
+        if len(self._plan_best) >= 256:  # bounded: plans come and go with the links
+            self._plan_best.clear()
+        self._plan_best[key] = min(best, slowest_s)
+        if slowest_s > PROBE_SLOWER * best and self.plan == ran and nbytes >= self.learn_bytes:
+            self.plan, self._probe = Pattern.static_ring(self.world, planner.pieces_for(nbytes)), "slower"
+
+    def _probe_if(self, cond: bool, nbytes: int, why: str) -> None:
         """When `cond` and the plan is a paced ring, run that ring unpaced (no event: the same chunks,
         every row at once), so that this collective, if it is learned from, measures every link."""
         if cond and self.plan is not None and self.plan.window and nbytes >= self.learn_bytes:
             self.plan = dataclasses.replace(self.plan, window=0, pieces=planner.pieces_for(nbytes))
+            self._probe = why
 
     def decide(self, nbytes: int) -> None:
         """The plan for the next collective of `nbytes`, from the current estimates (the planner runs

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 Link = tuple[str, int]  # ("up" | "down", rank)
 
@@ -80,11 +80,13 @@ class LinkEstimate:
         self.congested = False
         self.samples = 0
 
-    def observe(self, rate: float) -> bool:
-        """Fold in one observation; True when the congestion flag changed."""
+    def observe(self, rate: float, weight: int = 1) -> bool:
+        """Fold in one observation, counted `weight` times; True when the congestion flag changed."""
         if not rate > 0:
             raise ValueError(f"a link observation must be a rate > 0 bytes/s, got {rate!r}")
-        self.recent = [*self.recent, rate][-self.cfg.window:]
+        if not isinstance(weight, int) or weight < 1:
+            raise ValueError(f"an observation's weight must be an integer >= 1, got {weight!r}")
+        self.recent = [*self.recent, *[rate] * weight][-self.cfg.window:]
         self.rate = statistics.median(self.recent)
         self.baseline = max(self.baseline, self.rate)
         self.samples += 1
@@ -107,18 +109,24 @@ class FlowTable:
         self.tick = 0  # collectives observed
         self._seen: dict[Link, int] = {}
 
-    def observe(self, link: Link, rate: float) -> bool:
+    def observe(self, link: Link, rate: float, weight: int = 1) -> bool:
         est = self.links.setdefault(link, LinkEstimate(self.cfg))
         self._seen[link] = self.tick
-        return est.observe(rate)
+        return est.observe(rate, weight)
 
-    def observe_flows(self, flows: Iterable[Flow]) -> list[tuple[Link, bool]]:
-        """Fold in one collective's flows; the links whose congestion flag changed, with the new flag
-        (a forgotten congested link counts as cleared)."""
+    def observe_flows(self, flows: Iterable[Flow], *, read: Callable[[Link], bool] | None = None,
+                      weight: int = 1) -> list[tuple[Link, bool]]:
+        """Fold in one collective's flows, each link's reading counted `weight` times; the links whose
+        congestion flag changed, with the new flag (a forgotten congested link counts as cleared).
+        With `read`, only the links it accepts take their reading; the others carried flows (they do
+        not go stale) but keep their estimate."""
         self.tick += 1
         changed = []
         for link, rate in sorted(peak_rates(flows, self.cfg).items()):
-            if self.observe(link, rate):
+            if read is not None and not read(link):
+                self._seen[link] = self.tick
+                continue
+            if self.observe(link, rate, weight):
                 changed.append((link, self.links[link].congested))
         for link in sorted(k for k, t in self._seen.items() if self.tick - t >= self.cfg.stale_after):
             del self._seen[link]
