@@ -139,3 +139,13 @@ def test_one_inflated_link_is_no_fleet():
     assert fleet_rate([100e6] * 7 + [170e6], 0.6) == 100e6
     with pytest.raises(ValueError, match="at least one"):
         fleet_rate([], 0.6)
+
+
+def test_a_reading_of_weight_two_moves_the_median_of_three_at_once():
+    t = FlowTable(FlowConfig())
+    for _ in range(3):
+        t.observe(("up", 0), 125e6)
+    t.observe_flows([Flow(0, 1, 16 << 20, 0.0, 16 / 31.25)], weight=2)
+    assert t.rate(("up", 0)) == pytest.approx((16 << 20) / (16 / 31.25))
+    with pytest.raises(ValueError, match="weight"):
+        t.observe(("up", 0), 125e6, weight=0)

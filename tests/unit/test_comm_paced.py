@@ -66,6 +66,38 @@ def test_a_paced_ring_slower_than_an_earlier_plan_of_its_size_makes_the_next_one
     assert ad.plan.window == 0
 
 
+def _probe_ran(ad: AdaptiveAllreduce, cap: dict[int, float]) -> None:
+    """As if the probe (the even ring, unpaced) just ran with each rank's links at `cap` bytes/s, every
+    link shared by its three row flows."""
+    ad._ran = (ad.plan, SIZE)
+    slots = torch.zeros(ad.world, ad.world, adaptive.PHASES, 4, dtype=torch.float64)
+    for i in range(ad.world):
+        for j in range(ad.world):
+            if i != j:
+                slots[j, i, 0, :3] = torch.tensor([8 * MB, 100.0, 100.0 + 8 * MB / (min(cap[i], cap[j]) / 3)],
+                                                  dtype=torch.float64)
+                slots[i, j, 0, 3] = 100.0
+    ad._replan(slots, 2.0, SIZE)
+
+
+def test_a_probe_called_by_a_slower_ring_counts_its_readings_twice(ad):
+    _after_paced(ad, 1.0)
+    _after_paced(ad, 1.3)  # rank 1's link got slow
+    assert ad.plan.window == 0 and ad._probe == "slower"
+    _probe_ran(ad, {0: FAST, 1: FAST / 4, 2: FAST, 3: FAST})  # one reading, counted twice: slow at once
+    assert {("up", 1), ("down", 1)} <= set(ad.slow_links()[0])
+    assert ad.plan.split[1] == 0 and ad._probe is None
+
+
+def test_a_routine_probe_counts_its_readings_once(ad):
+    for _ in range(adaptive.PROBE_EVERY):
+        ad.decide(SIZE)
+        _after_paced(ad, 1.0)
+    assert ad.plan.window == 0 and ad._probe == "every"
+    _probe_ran(ad, {0: FAST, 1: FAST / 4, 2: FAST, 3: FAST})  # one low reading of three: noise, so far
+    assert ad.slow_links()[0] == {} and ad.plan.window == PACED_WINDOW
+
+
 def test_every_eighth_paced_ring_measures_even_when_nothing_changed(ad):
     probes = []
     for i in range(2 * adaptive.PROBE_EVERY):

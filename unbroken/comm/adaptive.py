@@ -79,7 +79,6 @@ class AdaptiveAllreduce:
         self._best: dict[int, float] = {}  # per size: the fastest learned collective so far (slowest rank's s)
         self._paced_runs = 0
         self._probe: str | None = None  # why the next collective runs a probe: "first", "every", "slower"
-        self._plan_best: dict[tuple[int, Pattern], float] = {}  # per size and uneven plan: its fastest run
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
         nbytes = t.numel() * t.element_size()
@@ -249,47 +248,9 @@ class AdaptiveAllreduce:
                 self._probe_if(self._paced_runs % PROBE_EVERY == 0, nbytes, "every")
             return
         self._measured = True
-        seen, even = self.flows_of(slots), len(set(ran.split)) == 1
-        twice = probe == "slower"
-        self.table.observe_flows(seen, judge=(lambda link, rate: (rate, 2 if twice else 1)) if even
-                                 else self._uneven_judge(seen))
+        self.table.observe_flows(self.flows_of(slots), weight=2 if probe == "slower" else 1)
         self._estimates = {f"{k}:{r}": round(v.rate) for (k, r), v in sorted(self.table.links.items())}
         self.decide(nbytes)
-        if not even:
-            self._probe_if_slower(ran, ran_bytes, slowest_s, nbytes)
-
-    def _uneven_judge(self, seen: list[flows.Flow]) -> flows.Judge:
-        """How an uneven plan's flows re-estimate links. A link reads its flows' summed rates, which
-        measure it only where it limited them: with every chunk on ranks 2 and 3 (`[0, 0, 1, 1]`),
-        rank 0's flows ran at a third of their owners' links, its fast link read a third of its rate
-        and was planned as slow. So a link the plan was not made around keeps its estimate (what
-        happens to it shows in the plan's time: `_probe_if_slower`). One it was made around (slow or
-        shared) takes its reading where it limited a flow of its own (`flows.self_limited`: its flows
-        ran slower than the others at their far ends); where it did not, it ran as fast as the
-        others, and reads at least the fleet's rate, counted twice: it clears at once (a recovered
-        link took four collectives to clear on readings of its flows' sum, a link read slow on noise
-        never cleared against a fleet rate read under an even plan)."""
-        told, flagged = flows.self_limited(seen, self.table.cfg), self._slow | self._contended
-        fleet = self.slow_links()[1]
-
-        def judge(link: flows.Link, rate: float) -> tuple[float | None, int]:
-            if link not in flagged:
-                return None, 0
-            return (rate, 1) if link in told else (max(rate, fleet), 2)
-        return judge
-
-    def _probe_if_slower(self, ran: Pattern, ran_bytes: int, slowest_s: float, nbytes: int) -> None:
-        """An uneven plan's flows re-estimate only the links it was made around (`_uneven_judge`); that
-        another link got slow or shared shows in the plan's time: when it ran PROBE_SLOWER times slower
-        than its fastest run at this size and is still the plan, this collective runs the even ring
-        unpaced (a probe: every link carries alike) and its flows are read whole, counted twice."""
-        key = (ran_bytes, ran)
-        best = self._plan_best.get(key, slowest_s)
-        if len(self._plan_best) >= 256:  # bounded: plans come and go with the links
-            self._plan_best.clear()
-        self._plan_best[key] = min(best, slowest_s)
-        if slowest_s > PROBE_SLOWER * best and self.plan == ran and nbytes >= self.learn_bytes:
-            self.plan, self._probe = Pattern.static_ring(self.world, planner.pieces_for(nbytes)), "slower"
 
     def _probe_if(self, cond: bool, nbytes: int, why: str) -> None:
         """When `cond` and the plan is a paced ring, run that ring unpaced (no event: the same chunks,

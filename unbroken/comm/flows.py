@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Callable, Iterable, NamedTuple
+from typing import Iterable, NamedTuple
 
 Link = tuple[str, int]  # ("up" | "down", rank)
-Judge = Callable[[Link, float], tuple[float | None, int]]  # (link, reading) -> (rate or None, weight)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,18 +114,12 @@ class FlowTable:
         self._seen[link] = self.tick
         return est.observe(rate, weight)
 
-    def observe_flows(self, flows: Iterable[Flow], *, judge: Judge | None = None) -> list[tuple[Link, bool]]:
-        """Fold in one collective's flows; the links whose congestion flag changed, with the new flag
-        (a forgotten congested link counts as cleared). `judge(link, reading)` says what each link's
-        reading becomes: (rate, times it counts), or (None, 0) when it says nothing about the link
-        (which carried flows, so does not go stale, and keeps its estimate); without it, each counts once."""
+    def observe_flows(self, flows: Iterable[Flow], *, weight: int = 1) -> list[tuple[Link, bool]]:
+        """Fold in one collective's flows, each link's reading counted `weight` times; the links whose
+        congestion flag changed, with the new flag (a forgotten congested link counts as cleared)."""
         self.tick += 1
         changed = []
-        for link, reading in sorted(peak_rates(flows, self.cfg).items()):
-            rate, weight = judge(link, reading) if judge is not None else (reading, 1)
-            if rate is None:
-                self._seen[link] = self.tick
-                continue
+        for link, rate in sorted(peak_rates(flows, self.cfg).items()):
             if self.observe(link, rate, weight):
                 changed.append((link, self.links[link].congested))
         for link in sorted(k for k, t in self._seen.items() if self.tick - t >= self.cfg.stale_after):
@@ -173,26 +166,6 @@ def peak_rates(flows: Iterable[Flow], cfg: FlowConfig) -> dict[Link, float]:
         per.setdefault(("up", f.src), []).append((f.start, f.end, rate))
         per.setdefault(("down", f.dst), []).append((f.start, f.end, rate))
     return {link: _peak(spans) for link, spans in per.items()}
-
-
-def self_limited(flows: Iterable[Flow], cfg: FlowConfig, below: float = 0.8) -> set[Link]:
-    """The links that limited some flow of theirs, as far as one collective shows. A flow i -> j that
-    ran under `below` x the fastest other flow into j was not held back by j's link: it speaks of
-    `up:i`; one under `below` x the fastest other flow out of i speaks of `down:j`; a flow with no
-    other at one end speaks of the link at its other end. A flow at its fair share of a busy far
-    end says nothing about its near one (under a plan that gives two ranks every chunk, each
-    sender's flows to them ran at a third of their links, and its own link read a third of its rate)."""
-    rated = [(f.src, f.dst, f.nbytes / (f.end - f.start)) for f in flows
-             if f.nbytes >= cfg.min_bytes and f.end - f.start >= cfg.min_seconds]
-    out: set[Link] = set()
-    for s, d, r in rated:
-        into = [x for s2, d2, x in rated if d2 == d and s2 != s]
-        outof = [x for s2, d2, x in rated if s2 == s and d2 != d]
-        if not into or r < below * max(into):
-            out.add(("up", s))
-        if not outof or r < below * max(outof):
-            out.add(("down", d))
-    return out
 
 
 def _peak(spans: list[tuple[float, float, float]]) -> float:
