@@ -54,6 +54,9 @@ def test_a_probe_after_a_change_is_not_its_new_plan():
     assert cb.replan_counts({"records": recs, "changes": [{"time": 1.5}]}) == [2]
     del recs[2]["probe"]  # the same pattern run as a plan is a new plan
     assert cb.replan_counts({"records": recs, "changes": [{"time": 1.5}]}) == [1]
+    recs = [_rec("adaptive", 1.0, start=s, plan=p) for s, p in ((0, paced), (2, probe), (4, paced), (6, around))]
+    recs[1]["probe"] = "every"  # the last collective before the change was a routine probe
+    assert cb.replan_counts({"records": recs, "changes": [{"time": 3.5}]}) == [1]  # old plan: the paced ring
 
 
 def test_a_last_change_too_close_to_the_end_is_not_judged():

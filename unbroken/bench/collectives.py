@@ -212,7 +212,8 @@ JUDGED_AFTER = 3  # the goal's window: a last change the run ended sooner after,
 
 def replan_counts(run: dict) -> list[int | None]:
     """Per rate change: adaptive collectives that ended after it on the old plan before a new plan
-    ran (a probe, the even ring run to read the links, counts as the old plan: it re-plans nothing);
+    ran (a probe, the even ring run to read the links, counts as the old plan: it re-plans nothing,
+    and the old plan is the last one before the change that was not a probe);
     None when none ran before the next change, or before the run ended when at least
     JUDGED_AFTER collectives followed it (a 5-round record had one collective between the last
     change and the end of its series, which said nothing about the goal's three)."""
@@ -221,7 +222,7 @@ def replan_counts(run: dict) -> list[int | None]:
     out = []
     for i, ch in enumerate(run["changes"]):
         until = run["changes"][i + 1]["time"] if i + 1 < len(run["changes"]) else float("inf")
-        before = [r for r in ad if r["start"] < ch["time"]]
+        before = [r for r in ad if r["start"] < ch["time"] and not r.get("probe")]
         after = [r for r in ad if r["start"] + r["seconds"] > ch["time"] and r["start"] < until]
         if not before or not after:
             continue
@@ -259,7 +260,7 @@ def result(runs: dict, *, world: int, fast: float, slow: float, rounds: int, per
         res["replan_collectives_per_change"] = counts
         res["changing"] = {"period_s": period, "changes": runs["changing"]["changes"],
                            "series": [{k: r[k] for k in ("method", "start", "seconds", "bytes")} | (
-                               {"plan": r["plan"]} if "plan" in r else {})
+                               {"plan": r["plan"], "probe": r.get("probe")} if "plan" in r else {})
                                for r in runs["changing"]["records"] if r["phase"] == "measure"]}
     return res
 
