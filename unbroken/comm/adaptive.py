@@ -94,7 +94,7 @@ class AdaptiveAllreduce:
             sync_s = time.perf_counter() - t1  # learning's cost here: the wait for it and the planner
         else:
             self.decide(nbytes)  # a new size gets its plan (a no-op while size and links hold)
-            self._probe_if(not self._measured, nbytes, "first")  # nothing measured yet: measure first
+            self._probe_if(None if self._measured else "first", nbytes)  # nothing measured yet: measure first
         self.seq += 1
         plan, t0 = self.plan, time.perf_counter()
         self._slots = self._empty_slots()
@@ -242,20 +242,19 @@ class AdaptiveAllreduce:
         if ran.window:
             self._paced_runs += 1
             self.decide(nbytes)
-            if slowest_s > PROBE_SLOWER * best:
-                self._probe_if(True, nbytes, "slower")
-            else:
-                self._probe_if(self._paced_runs % PROBE_EVERY == 0, nbytes, "every")
+            self._probe_if("slower" if slowest_s > PROBE_SLOWER * best
+                           else "every" if self._paced_runs % PROBE_EVERY == 0 else None, nbytes)
             return
         self._measured = True
         self.table.observe_flows(self.flows_of(slots), weight=2 if probe == "slower" else 1)
         self._estimates = {f"{k}:{r}": round(v.rate) for (k, r), v in sorted(self.table.links.items())}
         self.decide(nbytes)
 
-    def _probe_if(self, cond: bool, nbytes: int, why: str) -> None:
-        """When `cond` and the plan is a paced ring, run that ring unpaced (no event: the same chunks,
-        every row at once), so that this collective, if it is learned from, measures every link."""
-        if cond and self.plan is not None and self.plan.window and nbytes >= self.learn_bytes:
+    def _probe_if(self, why: str | None, nbytes: int) -> None:
+        """When there is a reason (`why`: "first", "every", "slower") and the plan is a paced ring, run
+        that ring unpaced (no event: the same chunks, every row at once), so that this collective, if
+        it is learned from, measures every link."""
+        if why and self.plan is not None and self.plan.window and nbytes >= self.learn_bytes:
             self.plan = dataclasses.replace(self.plan, window=0, pieces=planner.pieces_for(nbytes))
             self._probe = why
 
