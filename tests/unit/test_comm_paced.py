@@ -128,3 +128,79 @@ def test_the_first_learned_collective_runs_unpaced_then_the_ring_is_paced(monkey
     for windows, small in on_ranks(world, body, timeout_s=60):
         assert windows[0] == 0 and windows[1] == windows[2] == PACED_WINDOW
         assert small == PACED_WINDOW
+
+
+def test_with_nothing_to_plan_around_the_ring_is_paced_where_the_model_scores_the_exchange_faster():
+    """On 8 ranks with no reading yet (every link at the placeholder rate) the model scores the
+    direct exchange faster at 16 MB; it puts N-1 of our flows on every link: the paced ring runs."""
+    a = AdaptiveAllreduce(None, rank=0, world=8, timeout_s=5)
+    a.decide(16 * MB)
+    assert a.plan.kind == "ring" and a.plan.window == PACED_WINDOW and a.plan.split == (1,) * 8
+
+
+def _read_shared(ad: AdaptiveAllreduce) -> None:
+    """Readings of every link, rank 2's at 0.7x the others' (another job's stream, or noise)."""
+    for _ in range(3):
+        for r in range(ad.world):
+            for way in ("up", "down"):
+                ad.table.observe((way, r), (0.7 if r == 2 else 1.0) * FAST)
+
+
+def _ran(ad: AdaptiveAllreduce, plan: Pattern, seconds: float) -> None:
+    """As if `plan` of SIZE just ran in `seconds` and its exchange came back (no flows in it)."""
+    ad._ran = (plan, SIZE)
+    ad._replan(torch.zeros(ad.world, ad.world, adaptive.PHASES, 4, dtype=torch.float64), seconds, SIZE)
+
+
+def _shared_probe(ad: AdaptiveAllreduce, seconds: float) -> None:
+    """As if the probe (the even ring, unpaced) ran in `seconds` and read rank 2's links shared."""
+    _read_shared(ad)
+    _ran(ad, Pattern.static_ring(4, pieces_for(SIZE)), seconds)
+
+
+def _uneven_ran(ad: AdaptiveAllreduce, seconds: float) -> None:
+    """As if the plan made around rank 2's links ran in `seconds`."""
+    assert ad.plan.kind == "pipelined" and ad.plan.split[2] < ad.plan.split[0]
+    _read_shared(ad)
+    _ran(ad, ad.plan, seconds)
+
+
+@pytest.fixture
+def events() -> list[tuple[str, dict]]:
+    return []
+
+
+def test_a_plan_around_flagged_links_that_loses_to_the_even_ring_is_rejected(events):
+    ad = AdaptiveAllreduce(None, rank=0, world=4, timeout_s=5, emit=lambda kind, **f: events.append((kind, f)))
+    _uniform(ad)
+    ad._measured = True
+    ad.decide(SIZE)
+    _shared_probe(ad, 1.0)
+    assert ad.contended(FAST) == [("down", 2), ("up", 2)] and ad.plan.kind == "pipelined"
+    _uneven_ran(ad, 1.2)  # the split exchange ran slower than the even ring it was made from
+    assert ad.plan == paced(Pattern.static_ring(4), SIZE)
+    (kind, f), = [e for e in events if e[0] == "collective_plan_rejected"]
+    assert f["seconds"] == 1.2 and f["even_seconds"] == 1.0 and f["contended"] == ["down:2", "up:2"]
+    for _ in range(adaptive.VETO_FOR - 1):  # the same readings again: still not planned around
+        _read_shared(ad)
+        _ran(ad, ad.plan, 1.0)  # paced rings, and every eighth a probe
+        assert ad.plan.kind == "ring" and ad.plan.split == (1,) * 4
+    _read_shared(ad)
+    _ran(ad, ad.plan, 1.0)  # the rejection ran out: planned around again
+    assert ad.plan.kind == "pipelined"
+
+
+def test_a_plan_around_flagged_links_that_beats_the_even_ring_stays(ad):
+    _shared_probe(ad, 1.0)
+    _uneven_ran(ad, 0.8)
+    _uneven_ran(ad, 1.3)  # judged once, against the ring it replaced: later times are the links'
+    assert ad.plan.kind == "pipelined" and ad._vetoed_until == 0
+
+
+def test_a_slower_paced_ring_lifts_a_rejection(ad):
+    _shared_probe(ad, 1.0)
+    _uneven_ran(ad, 1.2)
+    _after_paced(ad, 0.9)
+    assert ad._vetoed_until > ad._learned and ad.plan.window == PACED_WINDOW
+    _after_paced(ad, 1.1)  # over PROBE_SLOWER x the best (0.9): the links changed
+    assert ad._vetoed_until == 0 and ad.plan.window == 0 and ad._probe == "slower"

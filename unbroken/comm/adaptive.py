@@ -44,6 +44,7 @@ MODES = ("adaptive", "static", "chain")  # chain: the rank-order chain, for rank
 PROBE_EVERY = 8  # paced collectives between two that run unpaced to read the links
 PROBE_SLOWER = 1.1  # a paced ring this much slower than the fastest collective of its size: the next one probes
 CONTENDED_STEPS = 10  # a contended link is planned at a whole number of tenths of the fleet's rate
+VETO_FOR = 32  # learned collectives during which a rejected picture of the links is not planned around
 PHASES = 4  # tag phases: reduce-scatter rows, all-gather results, tree up, tree down
 Emit = Callable[..., object]  # EventLog.emit
 
@@ -79,6 +80,9 @@ class AdaptiveAllreduce:
         self._best: dict[int, float] = {}  # per size: the fastest learned collective so far (slowest rank's s)
         self._paced_runs = 0
         self._probe: str | None = None  # why the next collective runs a probe: "first", "every", "slower"
+        self._yard: dict[int, float | None] = {}  # per size: seconds of its last collective if that ran the even ring
+        self._learned = 0  # collectives whose exchange was folded in
+        self._vetoed_until = 0  # until this many learned collectives no link is planned around (`_judge`)
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
         nbytes = t.numel() * t.element_size()
@@ -239,16 +243,42 @@ class AdaptiveAllreduce:
         probe, self._probe = self._probe, None  # why the collective that ran was a probe, if it was
         best = self._best.get(ran_bytes, slowest_s)
         self._best[ran_bytes] = min(best, slowest_s)
+        self._learned += 1
+        self._judge(ran, ran_bytes, slowest_s)
         if ran.window:
             self._paced_runs += 1
+            why = "slower" if slowest_s > PROBE_SLOWER * best else "every" if self._paced_runs % PROBE_EVERY == 0 \
+                else None
             self.decide(nbytes)
-            self._probe_if("slower" if slowest_s > PROBE_SLOWER * best
-                           else "every" if self._paced_runs % PROBE_EVERY == 0 else None, nbytes)
+            self._probe_if(why, nbytes)
+            if why == "slower":  # the links changed: a rejected picture may hold now (read by this probe)
+                self._vetoed_until = 0
             return
         self._measured = True
         self.table.observe_flows(self.flows_of(slots), weight=2 if probe == "slower" else 1)
         self._estimates = {f"{k}:{r}": round(v.rate) for (k, r), v in sorted(self.table.links.items())}
         self.decide(nbytes)
+
+    def _judge(self, ran: Pattern, nbytes: int, seconds: float) -> None:
+        """A plan made around flagged links must beat the even ring it replaced. The first collective of
+        an uneven plan after an even ring of its size (the probe whose readings made it, or a paced
+        ring) that ran slower than that ring rejects the picture of the links it was made from: for
+        VETO_FOR learned collectives, or until a paced ring runs PROBE_SLOWER slower than its best
+        (the links changed), no link is planned around. On 8 ranks sharing 2 cores the unpaced
+        ring's readings of healthy 125 MB/s links ran from 107 to 418 MB/s, several links read as
+        shared, and the split exchanges planned around them ran 1.1-1.4x the even ring's time for
+        the whole scenario (docs/design.md, "A plan around flagged links must beat the even ring")."""
+        yard = self._yard.get(nbytes)
+        even = ran.kind == "ring" and len(set(ran.split)) == 1 and ran.order == tuple(range(self.world))
+        self._yard[nbytes] = seconds if even else None
+        if even or yard is None or seconds <= yard:
+            return
+        self._vetoed_until = self._learned + VETO_FOR
+        if self.emit:
+            self.emit("collective_plan_rejected", seq=self.seq, plan=ran.to_json(), seconds=seconds,
+                      even_seconds=yard, congested=[f"{k}:{r}" for k, r in sorted(self._slow)],
+                      contended=[f"{k}:{r}" for k, r in sorted(self._contended)], bytes=nbytes,
+                      for_collectives=VETO_FOR)
 
     def _probe_if(self, why: str | None, nbytes: int) -> None:
         """When there is a reason (`why`: "first", "every", "slower") and the plan is a paced ring, run
@@ -262,13 +292,16 @@ class AdaptiveAllreduce:
         """The plan for the next collective of `nbytes`, from the current estimates (the planner runs
         only when the links' picture changed: which links are slow and by how much, to 5%)."""
         slow, fleet = self.slow_links()
+        vetoed = self._learned < self._vetoed_until  # a plan around these links lost to the even ring
+        if vetoed:
+            slow = {}
         if self.emit:
             for link in sorted(set(slow) ^ self._slow):
                 est = self.table.links.get(link)
                 self.emit("link_congestion", link=f"{link[0]}:{link[1]}", congested=link in slow, seq=self.seq,
                           rate_Bps=est.rate if est else None, reference_Bps=fleet)
         self._slow = set(slow)
-        contended = [] if slow else self.contended(fleet)
+        contended = [] if slow or vetoed else self.contended(fleet)
         self._contended = set(contended)
         rates = self._rates({**slow, **{k: self._share(k, fleet) for k in contended}}, fleet)
         ref = max(rates.up + rates.down)
@@ -278,8 +311,10 @@ class AdaptiveAllreduce:
             self.plan = current
             return
         # another job's stream shares a link: only the direct exchange, whose flows spread over it
-        # (a plan chosen among other kinds is no `current` to keep: the choice starts afresh)
-        kinds = ("pipelined",) if contended else None
+        # (a plan chosen among other kinds is no `current` to keep: the choice starts afresh); nothing
+        # to plan around: the ring, paced (the model sees no flow counts: on 8 ranks it scored the
+        # direct exchange, N-1 flows per link, faster at 16-64 MB, and it ran 1.2x the paced ring)
+        kinds = ("pipelined",) if contended else None if slow else ("ring",)
         prior = chosen if known is not None and known[1] == key[1] else None
         chosen, predicted = planner.choose(prior, rates, nbytes, min_gain=self.min_gain, kinds=kinds)
         plan = chosen if slow or contended else planner.paced(chosen, nbytes)  # nothing to plan around: paced
