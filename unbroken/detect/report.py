@@ -281,16 +281,25 @@ def _analyze_run(run: RunLog, window_s: float) -> dict[str, Any]:
             "excluded": sorted({n for e in run.events if e.kind == "node_excluded" and (n := _node(e)) is not None}),
             "retry_events": [e for e in run.events if e.kind == "retry"],
             "stragglers": [_straggler(e, start) for e in run.events if e.kind == "straggler"],
-            "collective_plans": [_plan(e, start, run.name) for e in run.events if e.kind == "collective_plan"]}
+            "collective_plans": [_plan(e, start, run.name) for e in run.events
+                                 if e.kind in ("collective_plan", "collective_plan_rejected")]}
 
 
 def _plan(ev: Event, start: float, run: str) -> dict[str, Any]:
-    """A re-planned all-reduce (comm/adaptive.py): from which collective, what pattern, around which links."""
+    """A re-planned all-reduce (comm/adaptive.py): from which collective, what pattern, around which links;
+    or a plan rejected because it ran slower than the even ring it replaced ("rejected ...")."""
     plan = ev.fields.get("plan") if isinstance(ev.fields.get("plan"), dict) else {}
     kind = f"{plan.get('kind')} paced" if plan.get("window") else plan.get("kind")  # every send in turn
+    if ev.kind == "collective_plan_rejected":
+        kind = f"rejected {kind} ({_secs(ev.fields.get('seconds'))} vs ring {_secs(ev.fields.get('even_seconds'))})"
     return {"run": run, "time_s": ev.time - start, "seq": as_int(ev.fields.get("seq")), "kind": kind,
             "split": plan.get("split"), "congested": ev.fields.get("congested") or [],
             "contended": ev.fields.get("contended") or []}
+
+
+def _secs(x: Any) -> str:
+    v = as_num(x)
+    return f"{v:.3f} s" if v is not None else "?"
 
 
 def _straggler(ev: Event, start: float) -> dict[str, Any]:
