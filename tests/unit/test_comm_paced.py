@@ -66,9 +66,9 @@ def test_a_paced_ring_slower_than_an_earlier_plan_of_its_size_makes_the_next_one
     assert ad.plan.window == 0
 
 
-def _probe_ran(ad: AdaptiveAllreduce, cap: dict[int, float]) -> None:
-    """As if the probe (the even ring, unpaced) just ran with each rank's links at `cap` bytes/s, every
-    link shared by its three row flows."""
+def _probe_ran(ad: AdaptiveAllreduce, cap: dict[int, float], seconds: float = 1.0) -> None:
+    """As if the probe (the even ring, unpaced) just ran in `seconds` with each rank's links at `cap`
+    bytes/s, every link shared by its three row flows."""
     ad._ran = (ad.plan, SIZE)
     slots = torch.zeros(ad.world, ad.world, adaptive.PHASES, 4, dtype=torch.float64)
     for i in range(ad.world):
@@ -77,7 +77,7 @@ def _probe_ran(ad: AdaptiveAllreduce, cap: dict[int, float]) -> None:
                 slots[j, i, 0, :3] = torch.tensor([8 * MB, 100.0, 100.0 + 8 * MB / (min(cap[i], cap[j]) / 3)],
                                                   dtype=torch.float64)
                 slots[i, j, 0, 3] = 100.0
-    ad._replan(slots, 2.0, SIZE)
+    ad._replan(slots, seconds, SIZE)
 
 
 def test_a_probe_called_by_a_slower_ring_counts_its_readings_twice(ad):
@@ -96,6 +96,15 @@ def test_a_routine_probe_counts_its_readings_once(ad):
     assert ad.plan.window == 0 and ad._probe == "every"
     _probe_ran(ad, {0: FAST, 1: FAST / 4, 2: FAST, 3: FAST})  # one low reading of three: noise, so far
     assert ad.slow_links()[0] == {} and ad.plan.window == PACED_WINDOW
+
+
+def test_a_routine_probe_that_ran_slower_itself_counts_its_readings_twice(ad):
+    for _ in range(adaptive.PROBE_EVERY):
+        ad.decide(SIZE)
+        _after_paced(ad, 1.0)
+    assert ad._probe == "every"
+    _probe_ran(ad, {0: FAST, 1: FAST / 4, 2: FAST, 3: FAST}, seconds=2.0)  # the link got slow meanwhile
+    assert {("up", 1), ("down", 1)} <= set(ad.slow_links()[0]) and ad.plan.split[1] == 0
 
 
 def test_every_eighth_paced_ring_measures_even_when_nothing_changed(ad):
@@ -138,12 +147,12 @@ def test_with_nothing_to_plan_around_the_ring_is_paced_where_the_model_scores_th
     assert a.plan.kind == "ring" and a.plan.window == PACED_WINDOW and a.plan.split == (1,) * 8
 
 
-def _read_shared(ad: AdaptiveAllreduce) -> None:
-    """Readings of every link, rank 2's at 0.7x the others' (another job's stream, or noise)."""
+def _read_shared(ad: AdaptiveAllreduce, shared: int = 2) -> None:
+    """Readings of every link, rank `shared`'s at 0.7x the others' (another job's stream, or noise)."""
     for _ in range(3):
         for r in range(ad.world):
             for way in ("up", "down"):
-                ad.table.observe((way, r), (0.7 if r == 2 else 1.0) * FAST)
+                ad.table.observe((way, r), (0.7 if r == shared else 1.0) * FAST)
 
 
 def _ran(ad: AdaptiveAllreduce, plan: Pattern, seconds: float) -> None:
@@ -180,7 +189,7 @@ def test_a_plan_around_flagged_links_that_loses_to_the_even_ring_is_rejected(eve
     _uneven_ran(ad, 1.2)  # the split exchange ran slower than the even ring it was made from
     assert ad.plan == paced(Pattern.static_ring(4), SIZE)
     (kind, f), = [e for e in events if e[0] == "collective_plan_rejected"]
-    assert f["seconds"] == 1.2 and f["even_seconds"] == 1.0 and f["contended"] == ["down:2", "up:2"]
+    assert f["seconds"] == 1.2 and f["previous_seconds"] == 1.0 and f["contended"] == ["down:2", "up:2"]
     for _ in range(adaptive.VETO_FOR - 1):  # the same readings again: still not planned around
         _read_shared(ad)
         _ran(ad, ad.plan, 1.0)  # paced rings, and every eighth a probe
@@ -204,3 +213,26 @@ def test_a_slower_paced_ring_lifts_a_rejection(ad):
     assert ad._vetoed_until > ad._learned and ad.plan.window == PACED_WINDOW
     _after_paced(ad, 1.1)  # over PROBE_SLOWER x the best (0.9): the links changed
     assert ad._vetoed_until == 0 and ad.plan.window == 0 and ad._probe == "slower"
+
+
+@pytest.mark.parametrize("seconds, rejected", [(1.1, True), (1.04, False)])
+def test_a_new_plan_slower_than_the_uneven_plan_it_replaced_is_rejected(events, seconds, rejected):
+    """After a slow link recovers, readings under the plan around it made plans that ran slower than
+    it; the first run of such a plan judges it against the plan before, with 5% for noise."""
+    ad = AdaptiveAllreduce(None, rank=0, world=4, timeout_s=5, emit=lambda kind, **f: events.append((kind, f)))
+    _uniform(ad)
+    ad._measured = True
+    ad.decide(SIZE)
+    _shared_probe(ad, 1.2)
+    _uneven_ran(ad, 1.0)  # the plan around rank 2: faster than the probe, kept
+    around_2 = ad.plan
+    _read_shared(ad, shared=1)
+    _ran(ad, ad.plan, 1.0)  # its second run (not judged) reads rank 1's links shared instead
+    assert ad.plan.kind == "pipelined" and ad.plan.split[1] < ad.plan.split[0] and ad.plan != around_2
+    _ran(ad, ad.plan, seconds)
+    if rejected:
+        assert ad.plan == paced(Pattern.static_ring(4), SIZE)
+        (kind, f), = [e for e in events if e[0] == "collective_plan_rejected"]
+        assert f["previous_seconds"] == 1.0 and f["previous"] == around_2.to_json()
+    else:
+        assert ad.plan.kind == "pipelined" and not [e for e in events if e[0] == "collective_plan_rejected"]

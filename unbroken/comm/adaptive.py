@@ -45,6 +45,7 @@ PROBE_EVERY = 8  # paced collectives between two that run unpaced to read the li
 PROBE_SLOWER = 1.1  # a paced ring this much slower than the fastest collective of its size: the next one probes
 CONTENDED_STEPS = 10  # a contended link is planned at a whole number of tenths of the fleet's rate
 VETO_FOR = 32  # learned collectives during which a rejected picture of the links is not planned around
+REJECT_SLOWER = 1.05  # a new plan around flagged links this much slower than the plan it replaced is rejected
 PHASES = 4  # tag phases: reduce-scatter rows, all-gather results, tree up, tree down
 Emit = Callable[..., object]  # EventLog.emit
 
@@ -80,7 +81,7 @@ class AdaptiveAllreduce:
         self._best: dict[int, float] = {}  # per size: the fastest learned collective so far (slowest rank's s)
         self._paced_runs = 0
         self._probe: str | None = None  # why the next collective runs a probe: "first", "every", "slower"
-        self._yard: dict[int, float | None] = {}  # per size: seconds of its last collective if that ran the even ring
+        self._last: dict[int, tuple[Pattern, float]] = {}  # per size: the plan its last collective ran, and its seconds
         self._learned = 0  # collectives whose exchange was folded in
         self._vetoed_until = 0  # until this many learned collectives no link is planned around (`_judge`)
 
@@ -236,7 +237,8 @@ class AdaptiveAllreduce:
         collective of its size so far, whatever its plan (a paced ring first run while another job's
         stream shared a link would otherwise be its own yardstick), and every PROBE_EVERY paced
         collectives, this collective runs the ring unpaced and its flows are read. A probe run because
-        the plan ran slower counts its readings twice: the time already says something changed, and
+        the plan ran slower, or one that ran PROBE_SLOWER slower itself (a routine probe that ran
+        into a slowdown), counts its readings twice: the time already says something changed, and
         the median of three then moves at once (with one reading it took a second probe, four
         collectives after a link got slow instead of two)."""
         ran, ran_bytes = self._ran
@@ -255,30 +257,36 @@ class AdaptiveAllreduce:
                 self._vetoed_until = 0
             return
         self._measured = True
-        self.table.observe_flows(self.flows_of(slots), weight=2 if probe == "slower" else 1)
+        # a probe counts twice when a slower ring called it or it ran slower itself (a routine probe
+        # that ran into a slowdown: before, the plan changed a slow ring and a second probe later)
+        changed = probe == "slower" or (probe is not None and slowest_s > PROBE_SLOWER * best)
+        self.table.observe_flows(self.flows_of(slots), weight=2 if changed else 1)
         self._estimates = {f"{k}:{r}": round(v.rate) for (k, r), v in sorted(self.table.links.items())}
         self.decide(nbytes)
 
     def _judge(self, ran: Pattern, nbytes: int, seconds: float) -> None:
-        """A plan made around flagged links must beat the even ring it replaced. The first collective of
-        an uneven plan after an even ring of its size (the probe whose readings made it, or a paced
-        ring) that ran slower than that ring rejects the picture of the links it was made from: for
-        VETO_FOR learned collectives, or until a paced ring runs PROBE_SLOWER slower than its best
-        (the links changed), no link is planned around. On 8 ranks sharing 2 cores the unpaced
-        ring's readings of healthy 125 MB/s links ran from 107 to 418 MB/s, several links read as
-        shared, and the split exchanges planned around them ran 1.1-1.4x the even ring's time for
-        the whole scenario (docs/design.md, "A plan around flagged links must beat the even ring")."""
-        yard = self._yard.get(nbytes)
-        even = ran.kind == "ring" and len(set(ran.split)) == 1 and ran.order == tuple(range(self.world))
-        self._yard[nbytes] = seconds if even else None
-        if even or yard is None or seconds <= yard:
+        """A new plan made around flagged links must beat the plan it replaced: the first run of a
+        plan other than the even ring, REJECT_SLOWER slower than the last collective of its size
+        under the plan before (the probe whose readings made it, a paced ring, or the plan around
+        the links as they were), rejects the picture of the links it was made from: for VETO_FOR
+        learned collectives, or until a paced ring runs PROBE_SLOWER slower than its best (the links
+        changed), no link is planned around and the ring runs paced. Later runs of the same plan are
+        not judged: their times are the links', not the plan's. On 8 ranks sharing 2 cores the
+        unpaced ring read healthy 125 MB/s links at 107-418 MB/s, several read as shared, and the
+        split exchanges planned around them ran 1.1-1.4x the even ring's time for a whole
+        scenario; after a slow link recovered, plans made from readings under an uneven plan ran
+        0.24-0.39 s per 16 MB against the paced ring's 0.21 s for seconds (docs/design.md, "A new
+        plan around flagged links must beat the plan it replaced")."""
+        last = self._last.get(nbytes)
+        self._last[nbytes] = (ran, seconds)
+        if last is None or ran == last[0] or _even_ring(ran) or seconds <= REJECT_SLOWER * last[1]:
             return
         self._vetoed_until = self._learned + VETO_FOR
         if self.emit:
             self.emit("collective_plan_rejected", seq=self.seq, plan=ran.to_json(), seconds=seconds,
-                      even_seconds=yard, congested=[f"{k}:{r}" for k, r in sorted(self._slow)],
-                      contended=[f"{k}:{r}" for k, r in sorted(self._contended)], bytes=nbytes,
-                      for_collectives=VETO_FOR)
+                      previous=last[0].to_json(), previous_seconds=last[1], bytes=nbytes, for_collectives=VETO_FOR,
+                      congested=[f"{k}:{r}" for k, r in sorted(self._slow)],
+                      contended=[f"{k}:{r}" for k, r in sorted(self._contended)])
 
     def _probe_if(self, why: str | None, nbytes: int) -> None:
         """When there is a reason (`why`: "first", "every", "slower") and the plan is a paced ring, run
@@ -326,6 +334,11 @@ class AdaptiveAllreduce:
                       contended=[f"{k}:{r}" for k, r in contended], bytes=nbytes)
         self._sizes[nbytes] = (key, chosen, plan)
         self.plan = plan
+
+
+def _even_ring(p: Pattern) -> bool:
+    """The ring with nothing planned around: rank order, even chunks (paced, or unpaced as a probe)."""
+    return p.kind == "ring" and len(set(p.split)) == 1 and p.order == tuple(range(len(p.order)))
 
 
 def for_comm(comm, mode: str, *, emit: Emit | None = None,
