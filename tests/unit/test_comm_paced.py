@@ -215,10 +215,9 @@ def test_a_slower_paced_ring_lifts_a_rejection(ad):
     assert ad._vetoed_until == 0 and ad.plan.window == 0 and ad._probe == "slower"
 
 
-@pytest.mark.parametrize("seconds, rejected", [(1.1, True), (1.04, False)])
-def test_a_new_plan_slower_than_the_uneven_plan_it_replaced_is_rejected(events, seconds, rejected):
-    """After a slow link recovers, readings under the plan around it made plans that ran slower than
-    it; the first run of such a plan judges it against the plan before, with 5% for noise."""
+def test_a_plan_that_follows_another_uneven_plan_is_not_judged(events):
+    """Under a shared link the split wobbles between plans that all beat the ring: a trial that judged
+    each against the plan before fell back to the slower paced ring."""
     ad = AdaptiveAllreduce(None, rank=0, world=4, timeout_s=5, emit=lambda kind, **f: events.append((kind, f)))
     _uniform(ad)
     ad._measured = True
@@ -227,12 +226,28 @@ def test_a_new_plan_slower_than_the_uneven_plan_it_replaced_is_rejected(events, 
     _uneven_ran(ad, 1.0)  # the plan around rank 2: faster than the probe, kept
     around_2 = ad.plan
     _read_shared(ad, shared=1)
-    _ran(ad, ad.plan, 1.0)  # its second run (not judged) reads rank 1's links shared instead
+    _ran(ad, ad.plan, 1.0)  # its second run reads rank 1's links shared instead
     assert ad.plan.kind == "pipelined" and ad.plan.split[1] < ad.plan.split[0] and ad.plan != around_2
-    _ran(ad, ad.plan, seconds)
-    if rejected:
-        assert ad.plan == paced(Pattern.static_ring(4), SIZE)
-        (kind, f), = [e for e in events if e[0] == "collective_plan_rejected"]
-        assert f["previous_seconds"] == 1.0 and f["previous"] == around_2.to_json()
-    else:
-        assert ad.plan.kind == "pipelined" and not [e for e in events if e[0] == "collective_plan_rejected"]
+    _ran(ad, ad.plan, 1.3)
+    assert ad.plan.kind == "pipelined" and not [e for e in events if e[0] == "collective_plan_rejected"]
+
+
+def test_once_the_slow_links_clear_links_read_slow_under_the_plan_around_them_are_not_planned_around(events):
+    ad = AdaptiveAllreduce(None, rank=0, world=4, timeout_s=5, emit=lambda kind, **f: events.append((kind, f)))
+    _uniform(ad)
+    ad._measured = True
+    ad.decide(SIZE)
+    _after_paced(ad, 1.0)
+    _after_paced(ad, 1.3)  # rank 1's link got slow: the probe reads it
+    _probe_ran(ad, {0: FAST, 1: FAST / 4, 2: FAST, 3: FAST}, seconds=1.3)
+    assert ad.plan.split[1] == 0
+    for _ in range(3):  # rank 1's link recovered; under the plan around it rank 3's links read slow
+        for r in range(4):
+            for way in ("up", "down"):
+                ad.table.observe((way, r), FAST / 4 if r == 3 else FAST)
+    _ran(ad, ad.plan, 0.5)
+    assert ad.plan == paced(Pattern.static_ring(4), SIZE)
+    (kind, f), = [e for e in events if e[0] == "collective_plan_rejected"]
+    assert f["why"] == "its slow links cleared"
+    _after_paced(ad, 0.5)
+    assert ad.plan == paced(Pattern.static_ring(4), SIZE)  # still not planned around

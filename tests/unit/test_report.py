@@ -186,3 +186,6 @@ def test_a_rejected_plan_is_listed_with_its_time_and_the_time_before(tmp_path):
                                     ev(3, "run_end", steps=5)])
     [p] = analyze(load_runs([run]))["collective_plans"]
     assert p["kind"] == "rejected pipelined (0.330 s vs 0.300 s before)" and p["contended"] == ["up:2"]
+    cleared = _write(tmp_path / "cleared", [ev(0, "run_start"), ev(2, "collective_plan_rejected", rank=0, seq=9, plan=plan,
+                                                                  why="its slow links cleared"), ev(3, "run_end", steps=5)])
+    assert analyze(load_runs([cleared]))["collective_plans"][0]["kind"] == "rejected pipelined (its slow links cleared)"

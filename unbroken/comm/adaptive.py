@@ -45,7 +45,7 @@ PROBE_EVERY = 8  # paced collectives between two that run unpaced to read the li
 PROBE_SLOWER = 1.1  # a paced ring this much slower than the fastest collective of its size: the next one probes
 CONTENDED_STEPS = 10  # a contended link is planned at a whole number of tenths of the fleet's rate
 VETO_FOR = 32  # learned collectives during which a rejected picture of the links is not planned around
-REJECT_SLOWER = 1.05  # a new plan around flagged links this much slower than the plan it replaced is rejected
+REJECT_SLOWER = 1.05  # a plan around flagged links this much slower than the even ring it replaced is rejected
 PHASES = 4  # tag phases: reduce-scatter rows, all-gather results, tree up, tree down
 Emit = Callable[..., object]  # EventLog.emit
 
@@ -73,6 +73,7 @@ class AdaptiveAllreduce:
         self.history: deque[dict] = deque(maxlen=1024)  # the last collectives: seq, plan, seconds, estimates
         self._slots = self._empty_slots()  # per peer, phase: bytes, posted, ended (receives), posted (sends)
         self._slow: set[flows.Link] = set()  # the links the current plan was made around (hysteresis)
+        self._origin: set[flows.Link] = set()  # the slow links the plan left the even ring for
         self._contended: set[flows.Link] = set()  # the links the current plan saw as shared (hysteresis)
         self._estimates: dict | None = None  # the link estimates the current plan was chosen from
         self._pending: tuple | None = None  # the flow exchange in flight: (work, output, input)
@@ -265,28 +266,30 @@ class AdaptiveAllreduce:
         self.decide(nbytes)
 
     def _judge(self, ran: Pattern, nbytes: int, seconds: float) -> None:
-        """A new plan made around flagged links must beat the plan it replaced: the first run of a
-        plan other than the even ring, REJECT_SLOWER slower than the last collective of its size
-        under the plan before (the probe whose readings made it, a paced ring, or the plan around
-        the links as they were), rejects the picture of the links it was made from: for VETO_FOR
-        learned collectives, or until a paced ring runs PROBE_SLOWER slower than its best (the links
-        changed), no link is planned around and the ring runs paced. Later runs of the same plan are
-        not judged: their times are the links', not the plan's. On 8 ranks sharing 2 cores the
-        unpaced ring read healthy 125 MB/s links at 107-418 MB/s, several read as shared, and the
-        split exchanges planned around them ran 1.1-1.4x the even ring's time for a whole
-        scenario; after a slow link recovered, plans made from readings under an uneven plan ran
-        0.24-0.39 s per 16 MB against the paced ring's 0.21 s for seconds (docs/design.md, "A new
-        plan around flagged links must beat the plan it replaced")."""
+        """A plan made around flagged links must beat the even ring it replaced: its first run after an
+        even ring of its size (the probe whose readings made it, or a paced ring), REJECT_SLOWER slower
+        than that ring, rejects the picture of the links it was made from (`_reject`). Later runs, and
+        plans that follow other uneven plans, are not judged: their times are the links', and under a
+        shared link plans wobble between splits that all beat the ring (a trial that judged them
+        against the plan before fell back to the paced ring there, 1.2-1.4x slower). On 8 ranks
+        sharing 2 cores the unpaced ring read healthy 125 MB/s links at 107-418 MB/s, several read as
+        shared, and the split exchanges planned around them ran 1.1-1.4x the even ring's time for a
+        whole scenario (docs/design.md, "A plan around flagged links must beat the even ring")."""
         last = self._last.get(nbytes)
         self._last[nbytes] = (ran, seconds)
-        if last is None or ran == last[0] or _even_ring(ran) or seconds <= REJECT_SLOWER * last[1]:
+        if last is None or not _even_ring(last[0]) or _even_ring(ran) or seconds <= REJECT_SLOWER * last[1]:
             return
+        self._reject("slower than the ring", ran, nbytes, seconds=seconds, previous_seconds=last[1])
+
+    def _reject(self, why: str, plan: Pattern, nbytes: int, **fields) -> None:
+        """No link is planned around, the ring runs paced, for VETO_FOR learned collectives or until a
+        paced ring runs PROBE_SLOWER slower than its best (the links changed: the probe that follows
+        reads them with the rejection lifted); an event says why."""
         self._vetoed_until = self._learned + VETO_FOR
         if self.emit:
-            self.emit("collective_plan_rejected", seq=self.seq, plan=ran.to_json(), seconds=seconds,
-                      previous=last[0].to_json(), previous_seconds=last[1], bytes=nbytes, for_collectives=VETO_FOR,
-                      congested=[f"{k}:{r}" for k, r in sorted(self._slow)],
-                      contended=[f"{k}:{r}" for k, r in sorted(self._contended)])
+            self.emit("collective_plan_rejected", seq=self.seq, why=why, plan=plan.to_json(), bytes=nbytes,
+                      for_collectives=VETO_FOR, congested=[f"{k}:{r}" for k, r in sorted(self._slow)],
+                      contended=[f"{k}:{r}" for k, r in sorted(self._contended)], **fields)
 
     def _probe_if(self, why: str | None, nbytes: int) -> None:
         """When there is a reason (`why`: "first", "every", "slower") and the plan is a paced ring, run
@@ -300,6 +303,11 @@ class AdaptiveAllreduce:
         """The plan for the next collective of `nbytes`, from the current estimates (the planner runs
         only when the links' picture changed: which links are slow and by how much, to 5%)."""
         slow, fleet = self.slow_links()
+        if self._origin and not set(slow) & self._origin and self.plan is not None:
+            # every slow link the job left the even ring for has cleared; links slow now were read
+            # under the plan around them (their owners' busy links): after a recovery such plans ran
+            # 0.24-0.39 s per 16 MB for seconds against the paced ring's 0.21 s (stop 43's record)
+            self._reject("its slow links cleared", self.plan, nbytes)
         vetoed = self._learned < self._vetoed_until  # a plan around these links lost to the even ring
         if vetoed:
             slow = {}
@@ -309,6 +317,7 @@ class AdaptiveAllreduce:
                 self.emit("link_congestion", link=f"{link[0]}:{link[1]}", congested=link in slow, seq=self.seq,
                           rate_Bps=est.rate if est else None, reference_Bps=fleet)
         self._slow = set(slow)
+        self._origin = (self._origin or set(slow)) if slow else set()
         contended = [] if slow or vetoed else self.contended(fleet)
         self._contended = set(contended)
         rates = self._rates({**slow, **{k: self._share(k, fleet) for k in contended}}, fleet)

@@ -287,11 +287,13 @@ def _analyze_run(run: RunLog, window_s: float) -> dict[str, Any]:
 
 def _plan(ev: Event, start: float, run: str) -> dict[str, Any]:
     """A re-planned all-reduce (comm/adaptive.py): from which collective, what pattern, around which links;
-    or a plan rejected because it ran slower than the plan it replaced ("rejected ...")."""
+    or a plan rejected ("rejected ...": it ran slower than the ring it replaced, or its slow links cleared)."""
     plan = ev.fields.get("plan") if isinstance(ev.fields.get("plan"), dict) else {}
     kind = f"{plan.get('kind')} paced" if plan.get("window") else plan.get("kind")  # every send in turn
     if ev.kind == "collective_plan_rejected":
-        kind = f"rejected {kind} ({_secs(ev.fields.get('seconds'))} vs {_secs(ev.fields.get('previous_seconds'))} before)"
+        why = f"{_secs(ev.fields.get('seconds'))} vs {_secs(ev.fields.get('previous_seconds'))} before" \
+            if ev.fields.get("seconds") is not None else ev.fields.get("why")
+        kind = f"rejected {kind} ({why})"
     return {"run": run, "time_s": ev.time - start, "seq": as_int(ev.fields.get("seq")), "kind": kind,
             "split": plan.get("split"), "congested": ev.fields.get("congested") or [],
             "contended": ev.fields.get("contended") or []}
