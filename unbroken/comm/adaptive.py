@@ -27,9 +27,9 @@ unpaced (a probe), and their flows are read as before.
 
 Readings can lie (eight ranks on two cores read healthy links at 0.9-3.3x their rate; under a plan
 around a slow link, the other links read their owners' busy links), so a plan is also judged by
-its time: one made around flagged links that runs twice slower than the even ring it replaced, and
-flags read under a plan whose slow links have cleared, are rejected (`_judge`, `_reject`): the
-ring runs paced until the links visibly change or VETO_FOR learned collectives pass.
+its time: a plan made around flagged links whose first two runs are both slower than the even ring
+it replaced, and flags read under a plan whose slow links have cleared, are rejected (`_judge`,
+`_reject`): the ring runs paced until the links visibly change or VETO_FOR learned collectives pass.
 """
 from __future__ import annotations
 
@@ -283,8 +283,8 @@ class AdaptiveAllreduce:
         beat the ring (judged against the plan before, they fell back to the slower paced ring). On
         8 ranks sharing 2 cores the unpaced ring read healthy 125 MB/s links at 107-418 MB/s,
         several read as shared, and the split exchanges planned around them ran 1.1-1.4x the even
-        ring's time for a whole scenario (docs/design.md, "A plan around flagged links must beat
-        the even ring")."""
+        ring's time for a whole scenario (docs/design.md, stop 44: "a plan around flagged links
+        must beat the even ring it replaced")."""
         last = self._last.get(nbytes)
         self._last[nbytes] = (ran, seconds)
         judged = self._judged.pop(nbytes, None)  # (plan, the ring's seconds) after one slow run
@@ -323,7 +323,7 @@ class AdaptiveAllreduce:
             # under the plan around them (their owners' busy links): after a recovery such plans ran
             # 0.24-0.39 s per 16 MB for seconds against the paced ring's 0.21 s (stop 43's record)
             self._reject("its slow links cleared", self.plan, nbytes)
-        vetoed = self._learned < self._vetoed_until  # a plan around these links lost to the even ring
+        vetoed = self._learned < self._vetoed_until  # a picture of the links was rejected (`_reject`)
         if vetoed:
             slow = {}
         if self.emit:
