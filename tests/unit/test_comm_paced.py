@@ -31,14 +31,20 @@ def _after_paced(ad: AdaptiveAllreduce, seconds: float) -> None:
     ad._replan(slots, seconds, SIZE)
 
 
-@pytest.fixture
-def ad() -> AdaptiveAllreduce:
-    a = AdaptiveAllreduce(None, rank=0, world=4, timeout_s=5)  # planning only: no group
+def _planning(events: list | None = None) -> AdaptiveAllreduce:
+    """Planning only (no group): every link read at FAST, the paced ring planned; events into `events`."""
+    a = AdaptiveAllreduce(None, rank=0, world=4, timeout_s=5,  # planning only: no group
+                          emit=None if events is None else lambda kind, **f: events.append((kind, f)))
     _uniform(a)
     a._measured = True
     a.decide(SIZE)
     assert a.plan == paced(Pattern.static_ring(4), SIZE)
     return a
+
+
+@pytest.fixture
+def ad() -> AdaptiveAllreduce:
+    return _planning()
 
 
 def test_a_paced_rings_flows_are_not_read_and_its_usual_time_keeps_it(ad):
@@ -180,10 +186,7 @@ def events() -> list[tuple[str, dict]]:
 
 
 def test_a_plan_around_flagged_links_that_loses_to_the_even_ring_is_rejected(events):
-    ad = AdaptiveAllreduce(None, rank=0, world=4, timeout_s=5, emit=lambda kind, **f: events.append((kind, f)))
-    _uniform(ad)
-    ad._measured = True
-    ad.decide(SIZE)
+    ad = _planning(events)
     _shared_probe(ad, 1.0)
     assert ad.contended(FAST) == [("down", 2), ("up", 2)] and ad.plan.kind == "pipelined"
     _uneven_ran(ad, 1.2)  # the split exchange ran slower than the even ring it was made from: once, noise maybe
@@ -229,10 +232,7 @@ def test_a_slower_paced_ring_lifts_a_rejection(ad):
 def test_a_plan_that_follows_another_uneven_plan_is_not_judged(events):
     """Under a shared link the split wobbles between plans that all beat the ring: a trial that judged
     each against the plan before fell back to the slower paced ring."""
-    ad = AdaptiveAllreduce(None, rank=0, world=4, timeout_s=5, emit=lambda kind, **f: events.append((kind, f)))
-    _uniform(ad)
-    ad._measured = True
-    ad.decide(SIZE)
+    ad = _planning(events)
     _shared_probe(ad, 1.2)
     _uneven_ran(ad, 1.0)  # the plan around rank 2: faster than the probe, kept
     around_2 = ad.plan
@@ -244,10 +244,7 @@ def test_a_plan_that_follows_another_uneven_plan_is_not_judged(events):
 
 
 def test_once_the_slow_links_clear_links_read_slow_under_the_plan_around_them_are_not_planned_around(events):
-    ad = AdaptiveAllreduce(None, rank=0, world=4, timeout_s=5, emit=lambda kind, **f: events.append((kind, f)))
-    _uniform(ad)
-    ad._measured = True
-    ad.decide(SIZE)
+    ad = _planning(events)
     _after_paced(ad, 1.0)
     _after_paced(ad, 1.3)  # rank 1's link got slow: the probe reads it
     _probe_ran(ad, {0: FAST, 1: FAST / 4, 2: FAST, 3: FAST}, seconds=1.3)

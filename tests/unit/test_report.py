@@ -178,14 +178,14 @@ def test_a_replanned_all_reduce_is_listed_with_its_pattern_and_links(cli, tmp_pa
     assert analyze(load_runs([back]))["collective_plans"][0]["kind"] == "ring paced"
 
 
-def test_a_rejected_plan_is_listed_with_its_time_and_the_time_before(tmp_path):
+def test_a_rejected_plan_is_listed_with_its_time_and_the_rings_or_why(tmp_path):
     plan = {"kind": "pipelined", "order": [0, 1, 2, 3], "split": [333, 333, 100, 333], "pieces": 8, "aggregators": []}
     run = _write(tmp_path / "run", [ev(0, "run_start"),
                                     ev(2, "collective_plan_rejected", rank=0, seq=4, plan=plan, seconds=0.33,
                                        previous_seconds=0.3, contended=["up:2"], for_collectives=32),
                                     ev(3, "run_end", steps=5)])
     [p] = analyze(load_runs([run]))["collective_plans"]
-    assert p["kind"] == "rejected pipelined (0.330 s vs 0.300 s before)" and p["contended"] == ["up:2"]
+    assert p["kind"] == "rejected pipelined (0.330 s vs the ring's 0.300 s)" and p["contended"] == ["up:2"]
     cleared = _write(tmp_path / "cleared", [ev(0, "run_start"), ev(2, "collective_plan_rejected", rank=0, seq=9, plan=plan,
                                                                   why="its slow links cleared"), ev(3, "run_end", steps=5)])
     assert analyze(load_runs([cleared]))["collective_plans"][0]["kind"] == "rejected pipelined (its slow links cleared)"

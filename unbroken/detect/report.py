@@ -291,7 +291,7 @@ def _plan(ev: Event, start: float, run: str) -> dict[str, Any]:
     plan = ev.fields.get("plan") if isinstance(ev.fields.get("plan"), dict) else {}
     kind = f"{plan.get('kind')} paced" if plan.get("window") else plan.get("kind")  # every send in turn
     if ev.kind == "collective_plan_rejected":
-        why = f"{_secs(ev.fields.get('seconds'))} vs {_secs(ev.fields.get('previous_seconds'))} before" \
+        why = f"{_secs(ev.fields.get('seconds'))} vs the ring's {_secs(ev.fields.get('previous_seconds'))}" \
             if ev.fields.get("seconds") is not None else ev.fields.get("why")
         kind = f"rejected {kind} ({why})"
     return {"run": run, "time_s": ev.time - start, "seq": as_int(ev.fields.get("seq")), "kind": kind,
