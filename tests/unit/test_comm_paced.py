@@ -146,7 +146,7 @@ def test_the_first_learned_collective_runs_unpaced_then_the_ring_is_paced(monkey
 
 
 def test_with_nothing_to_plan_around_the_ring_is_paced_where_the_model_scores_the_exchange_faster():
-    """On 8 ranks with no reading yet (every link at the placeholder rate) the model scores the
+    """On 8 ranks with no reading yet (every link at the stand-in rate of 1 GB/s) the model scores the
     direct exchange faster at 16 MB; it puts N-1 of our flows on every link: the paced ring runs."""
     a = AdaptiveAllreduce(None, rank=0, world=8, timeout_s=5)
     a.decide(16 * MB)
