@@ -28,14 +28,30 @@ OnTransfer = Callable[[str, int, int, int, float, float], None]  # kind, peer, t
 
 
 class Transfer:
-    """One posted send or recv: `done` is set when it ended; `error` holds its exception, if any."""
+    """One posted send or recv: `ended` is stamped when it ended; `error` holds its exception, if any.
 
-    __slots__ = ("kind", "peer", "tag", "nbytes", "posted", "ended", "error", "done", "work")
+    Completion is a lock held from posting until the waiter thread releases it: acquiring it is one
+    C call, where a `threading.Event` costs a Condition and a fresh lock per wait (~40 us of CPU per
+    message between the two, measured on two ranks over loopback; docs/design.md, stop 45)."""
+
+    __slots__ = ("kind", "peer", "tag", "nbytes", "posted", "ended", "error", "_pending", "work")
 
     def __init__(self, kind: str, peer: int, tag: int, nbytes: int, work) -> None:
         self.kind, self.peer, self.tag, self.nbytes, self.work = kind, peer, tag, nbytes, work
         self.posted, self.ended, self.error = time.time(), 0.0, None
-        self.done = threading.Event()
+        self._pending = threading.Lock()
+        self._pending.acquire()
+
+    def finish(self) -> None:
+        """Called once, by the waiter thread, after `ended` and `error` are set."""
+        self._pending.release()
+
+    def wait_done(self, timeout_s: float) -> bool:
+        """True once the transfer ended (at once if it already had), False after `timeout_s`."""
+        if not self._pending.acquire(timeout=max(0.0, timeout_s)):
+            return False
+        self._pending.release()  # ended stays observable to later waits
+        return True
 
 
 class Transport:
@@ -100,14 +116,14 @@ class Transport:
                 x.error = e
             x.ended = time.time()
             x.work = None
-            x.done.set()
+            x.finish()
 
     def wait(self, transfers: list[Transfer], what: str) -> None:
         """Block until every transfer ended; CollectiveError on a failure or past the deadline,
         GenerationChanged as soon as `interrupted()` says a newer generation exists."""
         pace = 0.005 if self._interrupted else float("inf")  # how often to look for a newer generation
         for x in transfers:
-            while not x.done.wait(max(0.0, min(self._deadline - time.monotonic(), pace))):
+            while not x.wait_done(min(self._deadline - time.monotonic(), pace)):
                 if self._interrupted is not None and self._interrupted():
                     self.broken = f"{what}: a newer generation was published while waiting on rank {x.peer}"
                     raise GenerationChanged(f"rank {self.rank}/{self.world}: {self.broken}")

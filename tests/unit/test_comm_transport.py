@@ -1,0 +1,54 @@
+"""A transfer's completion (comm/transport.py): pending until its waiter finishes it, then done for good."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from unbroken.comm.transport import Transfer
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _transfer() -> Transfer:
+    return Transfer("recv", peer=1, tag=7, nbytes=4096, work=None)
+
+
+def test_a_pending_transfer_times_out_and_stays_pending():
+    x = _transfer()
+    assert not x.wait_done(0.0)
+    assert not x.wait_done(0.01)
+    assert x.ended == 0.0
+
+
+def test_a_finished_transfer_is_done_for_every_later_wait():
+    x = _transfer()
+    x.ended = 123.0
+    x.finish()
+    assert all(x.wait_done(0.0) for _ in range(3))
+    assert x.ended == 123.0
+
+
+def test_a_wait_ends_when_another_thread_finishes_the_transfer():
+    x, started = _transfer(), threading.Event()
+
+    def waiter_thread():
+        started.wait(5)
+        x.ended = 1.0
+        x.finish()
+
+    t = threading.Thread(target=waiter_thread)
+    t.start()
+    started.set()
+    try:
+        assert x.wait_done(10.0)
+    finally:
+        t.join(5)
+    assert x.ended == 1.0
+
+
+def test_a_negative_timeout_is_a_poll_not_an_error():
+    x = _transfer()
+    assert not x.wait_done(-1.0)
+    x.finish()
+    assert x.wait_done(-1.0)
