@@ -168,7 +168,10 @@ def _ran(ad: AdaptiveAllreduce, plan: Pattern, seconds: float) -> None:
 
 
 def _shared_probe(ad: AdaptiveAllreduce, seconds: float) -> None:
-    """As if the probe (the even ring, unpaced) ran in `seconds` and read rank 2's links shared."""
+    """As if the probe (the even ring, unpaced) ran in `seconds` and read rank 2's links shared; before
+    it the paced ring, the first time at SIZE (a plan around flagged links runs only after it)."""
+    if SIZE not in ad._ring_sizes:
+        _after_paced(ad, seconds)
     _read_shared(ad)
     _ran(ad, Pattern.static_ring(4, pieces_for(SIZE)), seconds)
 
@@ -202,6 +205,31 @@ def test_a_plan_around_flagged_links_that_loses_to_the_even_ring_is_rejected(eve
     _read_shared(ad)
     _ran(ad, ad.plan, 1.0)  # the rejection ran out: planned around again
     assert ad.plan.kind == "pipelined"
+
+
+def test_a_plan_around_flagged_links_runs_after_the_paced_ring_of_its_size(events):
+    """The first probe, unpaced and cold, is no yardstick: the plan waits for the paced ring it must beat."""
+    ad = _planning(events)
+    _read_shared(ad)
+    _ran(ad, Pattern.static_ring(4, pieces_for(SIZE)), 2.0)  # the job's first collective, a probe: slow
+    assert ad.contended(FAST) == [("down", 2), ("up", 2)]
+    assert ad.plan == paced(Pattern.static_ring(4), SIZE)  # not the plan around rank 2 yet
+    _read_shared(ad)
+    _ran(ad, ad.plan, 1.0)
+    assert ad.plan.kind == "pipelined"
+    _uneven_ran(ad, 1.2)
+    _uneven_ran(ad, 1.2)  # slower than the paced ring twice (faster than the probe): rejected
+    assert ad.plan == paced(Pattern.static_ring(4), SIZE)
+    (kind, f), = [e for e in events if e[0] == "collective_plan_rejected"]
+    assert f["previous_seconds"] == 1.0
+
+
+def test_a_size_not_learned_from_gets_the_plan_around_flagged_links_at_once(ad):
+    _shared_probe(ad, 1.0)
+    ad.decide(ad.learn_bytes // 2)  # never judged (its times are not shared): no ring run first
+    assert ad.plan.kind == "pipelined"
+    ad.decide(SIZE * 2)  # a learned size the paced ring never ran at: the ring first
+    assert ad.plan == paced(Pattern.static_ring(4), SIZE * 2)
 
 
 def test_a_plan_around_flagged_links_that_beats_the_even_ring_stays(ad):

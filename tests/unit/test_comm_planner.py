@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tests.unit.commgroups import groups, on_ranks
 from unbroken.comm.adaptive import AdaptiveAllreduce
 from unbroken.comm.patterns import Pattern, reference
-from unbroken.comm.planner import Rates, balanced_split, candidates, choose, predict
+from unbroken.comm.planner import Rates, balanced_split, candidates, choose, paced, predict
 
 MB = 1 << 20
 FAST, SLOW = 125e6, 125e6 / 4
@@ -100,13 +100,14 @@ def test_adaptive_results_equal_the_reference_and_plans_agree_on_every_rank(worl
     want = on_ranks(world, lambda tp, r: (reference(tp, t := xs[r].clone(), seq), t)[1])
 
     class Pinned(AdaptiveAllreduce):
-        """Keeps the plan chosen for 64 MB on these small tensors (which alone would pick by latency)."""
+        """Keeps the plan chosen for 64 MB on these small tensors (which alone would pick by latency);
+        64 MB is not learned from here (learn_bytes), so the plan runs without a paced ring first."""
 
         def decide(self, nbytes: int) -> None:
             super().decide(64 << 20)
 
     def body(tp, r):
-        ad = Pinned(groups(world)[r], rank=r, world=world, timeout_s=20)
+        ad = Pinned(groups(world)[r], rank=r, world=world, timeout_s=20, learn_bytes=1 << 30)
         outs = []
         for step in range(3):
             if step == 1:  # as if rank 1's links had been measured slow: the plan changes mid-run
@@ -144,19 +145,22 @@ def test_a_plan_change_is_an_event_written_by_rank_zero(tmp_path):
             for rr in range(world):
                 for way in ("up", "down"):
                     ad.table.observe((way, rr), SLOW if rr == 2 else FAST)
-        ad.decide(t.numel() * 4 * 64)
-        return ad.plan
+        ad.decide(t.numel() * 4 * 64)  # a size the paced ring never ran at: it runs first, then the plan
+        return ad.plan, ad._sizes[t.numel() * 4 * 64][2]
 
     plans = on_ranks(world, body)
-    assert plans[0] == plans[1] == plans[2] and plans[0].split[2] == 0
+    assert all(p == plans[0] for p in plans)
+    assert plans[0][0] == paced(Pattern.static_ring(world), 1 << 26) and plans[0][1].split[2] == 0
     evs = read_events(tmp_path / "events.jsonl")
-    assert "collective_plan" in [e.kind for e in evs]
+    assert [e.fields["after_paced_ring"] for e in evs if e.kind == "collective_plan"][:1] == [True]
     assert {e.fields["link"] for e in evs if e.kind == "link_congestion" and e.fields["congested"]} == {"up:2", "down:2"}
 
 
 def _fed(world: int, rates: dict, times: int = 3) -> AdaptiveAllreduce:
-    """An adaptive all-reduce (no group: planning only) whose table saw every link at `rates` (default FAST)."""
-    ad = AdaptiveAllreduce(None, rank=0, world=world, timeout_s=5)
+    """An adaptive all-reduce (no group: planning only) whose table saw every link at `rates` (default FAST).
+    No size is learned from, so `plan` is the plan itself (a learned size runs the paced ring first once:
+    tests/unit/test_comm_paced.py)."""
+    ad = AdaptiveAllreduce(None, rank=0, world=world, timeout_s=5, learn_bytes=1 << 40)
     _feed(ad, rates, times)
     return ad
 

@@ -90,6 +90,7 @@ class AdaptiveAllreduce:
         self._probe: str | None = None  # why the next collective runs a probe: "first", "every", "slower"
         self._last: dict[int, tuple[Pattern, float]] = {}  # per size: the plan its last collective ran, and its seconds
         self._judged: dict[int, tuple[Pattern, float]] = {}  # per size: a plan that ran slower than the ring once
+        self._ring_sizes: set[int] = set()  # learned sizes the paced even ring ran at (`_reference`)
         self._learned = 0  # collectives whose exchange was folded in
         self._vetoed_until = 0  # until this many learned collectives no link is planned around (`_judge`)
 
@@ -287,6 +288,8 @@ class AdaptiveAllreduce:
         must beat the even ring it replaced")."""
         last = self._last.get(nbytes)
         self._last[nbytes] = (ran, seconds)
+        if _even_ring(ran) and ran.window:
+            self._ring_sizes.add(nbytes)
         judged = self._judged.pop(nbytes, None)  # (plan, the ring's seconds) after one slow run
         if judged is not None and judged[0] == ran:
             if seconds > REJECT_SLOWER * judged[1]:
@@ -340,7 +343,7 @@ class AdaptiveAllreduce:
         key = (tuple(round(x / ref * 20) for x in rates.up + rates.down), bool(contended))
         known, chosen, current = self._sizes.get(nbytes, (None, None, None))
         if known == key:
-            self.plan = current
+            self.plan = self._reference(current, nbytes)
             return
         # another job's stream shares a link: only the direct exchange, whose flows spread over it
         # (a plan chosen among other kinds is no `current` to keep: the choice starts afresh); nothing
@@ -352,12 +355,26 @@ class AdaptiveAllreduce:
         plan = chosen if slow or contended else planner.paced(chosen, nbytes)  # nothing to plan around: paced
         # a size's first plan is an event only when made around slow links (not a mere size change)
         previous = current if current is not None else (self.plan if self._slow else None)
+        run = self._reference(plan, nbytes)
         if self.emit and previous is not None and plan != previous:
             self.emit("collective_plan", seq=self.seq + 1, plan=plan.to_json(), previous=previous.to_json(),
                       predicted_s=predicted, congested=[f"{k}:{r}" for k, r in sorted(self._slow)],
-                      contended=[f"{k}:{r}" for k, r in contended], bytes=nbytes)
+                      contended=[f"{k}:{r}" for k, r in contended], bytes=nbytes, after_paced_ring=run != plan)
         self._sizes[nbytes] = (key, chosen, plan)
-        self.plan = plan
+        self.plan = run
+
+    def _reference(self, plan: Pattern, nbytes: int) -> Pattern:
+        """`plan`, or, where it is made around flagged links and the paced even ring never ran at its
+        size, that ring first: `_judge` weighs a plan's first runs against the even ring run just before
+        it, and the ring to beat is the paced one (what runs with nothing to plan around). Before, the
+        first probe, unpaced and the job's first collective (cold), was the yardstick: on 8 ranks
+        sharing 2 cores a split made from it around links misread as shared ran no slower than it,
+        stayed, and ran 1.2-1.6x gloo's time at 1-16 MB (docs/design.md, stop 45: "a plan around
+        flagged links runs after the paced ring of its size"). Once per learned size; sizes not learned
+        from are never judged (their times are not shared), so they get the plan at once."""
+        if _even_ring(plan) or nbytes in self._ring_sizes or nbytes < self.learn_bytes:
+            return plan
+        return planner.paced(Pattern.static_ring(self.world), nbytes)
 
 
 def _even_ring(p: Pattern) -> bool:
