@@ -224,10 +224,21 @@ def test_a_plan_around_flagged_links_runs_after_the_paced_ring_of_its_size(event
     assert f["previous_seconds"] == 1.0
 
 
-def test_a_size_not_learned_from_gets_the_plan_around_flagged_links_at_once(ad):
+def test_a_size_not_learned_from_takes_a_plan_around_flagged_links_once_it_passed_at_a_learned_size(ad):
+    """Small sizes are never judged (their times are not shared): they wait for the judgment of a
+    learned size's plan around the same links."""
+    small = ad.learn_bytes // 2
     _shared_probe(ad, 1.0)
-    ad.decide(ad.learn_bytes // 2)  # never judged (its times are not shared): no ring run first
-    assert ad.plan.kind == "pipelined"
+    ad.decide(small)
+    assert ad.plan == paced(Pattern.static_ring(4), small)  # the plan around rank 2 has not run yet
+    ad.decide(SIZE)
+    _uneven_ran(ad, 1.2)  # slower than the ring once: not judged yet
+    ad.decide(small)
+    assert ad.plan == paced(Pattern.static_ring(4), small)
+    ad.decide(SIZE)
+    _uneven_ran(ad, 0.95)  # its second run beat the ring: passed
+    ad.decide(small)
+    assert ad.plan.kind == "pipelined" and ad.plan.split[2] < ad.plan.split[0]
     ad.decide(SIZE * 2)  # a learned size the paced ring never ran at: the ring first
     assert ad.plan == paced(Pattern.static_ring(4), SIZE * 2)
 

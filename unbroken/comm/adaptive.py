@@ -91,6 +91,7 @@ class AdaptiveAllreduce:
         self._last: dict[int, tuple[Pattern, float]] = {}  # per size: the plan its last collective ran, and its seconds
         self._judged: dict[int, tuple[Pattern, float]] = {}  # per size: a plan that ran slower than the ring once
         self._ring_sizes: set[int] = set()  # learned sizes the paced even ring ran at (`_reference`)
+        self._passed: frozenset | None = None  # the flagged links of the last plan that passed `_judge`
         self._learned = 0  # collectives whose exchange was folded in
         self._vetoed_until = 0  # until this many learned collectives no link is planned around (`_judge`)
 
@@ -285,7 +286,8 @@ class AdaptiveAllreduce:
         8 ranks sharing 2 cores the unpaced ring read healthy 125 MB/s links at 107-418 MB/s,
         several read as shared, and the split exchanges planned around them ran 1.1-1.4x the even
         ring's time for a whole scenario (docs/design.md, stop 44: "a plan around flagged links
-        must beat the even ring it replaced")."""
+        must beat the even ring it replaced"). A plan that passes (or is not judged) lets sizes under
+        `learn_bytes` take plans around the same links (`_passed`, `_reference`)."""
         last = self._last.get(nbytes)
         self._last[nbytes] = (ran, seconds)
         if _even_ring(ran) and ran.window:
@@ -294,16 +296,26 @@ class AdaptiveAllreduce:
         if judged is not None and judged[0] == ran:
             if seconds > REJECT_SLOWER * judged[1]:
                 self._reject("slower than the ring", ran, nbytes, seconds=seconds, previous_seconds=judged[1])
+            else:
+                self._passed = self._flags()
             return
-        if last is None or not _even_ring(last[0]) or _even_ring(ran) or seconds <= REJECT_SLOWER * last[1]:
+        if _even_ring(ran):
             return
-        self._judged[nbytes] = (ran, last[1])
+        if last is not None and _even_ring(last[0]) and seconds > REJECT_SLOWER * last[1]:
+            self._judged[nbytes] = (ran, last[1])  # slower once: its next run decides
+            return
+        self._passed = self._flags()  # it beat the ring, or follows a plan that did: small sizes may take it
+
+    def _flags(self) -> frozenset:
+        """The links the current plan was made around: slow or shared."""
+        return frozenset(self._slow | self._contended)
 
     def _reject(self, why: str, plan: Pattern, nbytes: int, **fields) -> None:
         """No link is planned around, the ring runs paced, for VETO_FOR learned collectives or until a
         paced ring runs PROBE_SLOWER slower than its best (the links changed: the probe that follows
         reads them with the rejection lifted); an event says why."""
         self._vetoed_until = self._learned + VETO_FOR
+        self._passed = None
         if self.emit:
             self.emit("collective_plan_rejected", seq=self.seq, why=why, plan=plan.to_json(), bytes=nbytes,
                       for_collectives=VETO_FOR, congested=[f"{k}:{r}" for k, r in sorted(self._slow)],
@@ -364,15 +376,23 @@ class AdaptiveAllreduce:
         self.plan = run
 
     def _reference(self, plan: Pattern, nbytes: int) -> Pattern:
-        """`plan`, or, where it is made around flagged links and the paced even ring never ran at its
-        size, that ring first: `_judge` weighs a plan's first runs against the even ring run just before
-        it, and the ring to beat is the paced one (what runs with nothing to plan around). Before, the
-        first probe, unpaced and the job's first collective (cold), was the yardstick: on 8 ranks
-        sharing 2 cores a split made from it around links misread as shared ran no slower than it,
-        stayed, and ran 1.2-1.6x gloo's time at 1-16 MB (docs/design.md, stop 45: "a plan around
-        flagged links runs after the paced ring of its size"). Once per learned size; sizes not learned
-        from are never judged (their times are not shared), so they get the plan at once."""
-        if _even_ring(plan) or nbytes in self._ring_sizes or nbytes < self.learn_bytes:
+        """`plan`, or the paced even ring while `plan` is made around flagged links and not yet trusted.
+        At a learned size where the paced ring never ran, that ring runs first: `_judge` weighs a plan's
+        first runs against the even ring run just before it, and the ring to beat is the paced one (what
+        runs with nothing to plan around). Before, the first probe, unpaced and the job's first
+        collective (cold), was the yardstick: on 8 ranks sharing 2 cores a split made from it around
+        links misread as shared ran no slower than it, stayed, and ran 1.2-1.6x gloo's time at 1-16 MB
+        (docs/design.md, stop 45). Sizes under `learn_bytes` are never judged (their times are not
+        shared): they take a plan around flagged links only once a plan around the same links passed
+        `_judge` at a learned size; before, 1 and 4 MB ran a split around misread links between its
+        two judged runs at up to 1.5x gloo's time (docs/design.md, stop 46). With no learned size at
+        all there is nothing to judge by, and the plan runs at once."""
+        if _even_ring(plan):
+            return plan
+        if nbytes < self.learn_bytes:
+            if not self._last or self._flags() == self._passed:
+                return plan
+        elif nbytes in self._ring_sizes:
             return plan
         return planner.paced(Pattern.static_ring(self.world), nbytes)
 
