@@ -30,6 +30,8 @@ around a slow link, the other links read their owners' busy links), so a plan is
 its time: a plan made around flagged links whose first two runs are both slower than the even ring
 it replaced, and flags read under a plan whose slow links have cleared, are rejected (`_judge`,
 `_reject`): the ring runs paced until the links visibly change or VETO_FOR learned collectives pass.
+Sizes under `learn_bytes`, never judged, take a plan around flagged links only once a plan around
+the same links passed its judgment at a learned size (`_reference`).
 """
 from __future__ import annotations
 
