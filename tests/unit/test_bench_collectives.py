@@ -147,3 +147,39 @@ def test_the_model_bound_is_what_the_planner_predicts_and_rows_get_their_efficie
     assert by["static"]["efficiency"] == pytest.approx(ring / 4.0)
     assert by["adaptive"]["model_s"] == pytest.approx(planner.predict(Pattern.from_json(plan), nbytes, links))
     assert "model_s" not in by["gloo"]
+
+
+def _cell_rows(static: list[float], adaptive: list[float], scenario: str = "one_slow", nbytes: int = 4 * MB):
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731 - odd counts only
+    return [{"scenario": scenario, "bytes": nbytes, "method": m, "seconds": xs, "median_s": med(xs)}
+            for m, xs in (("static", static), ("adaptive", adaptive))]
+
+
+def test_the_interval_holds_the_figure_and_is_a_point_when_every_round_agrees():
+    from unbroken.bench.collectives_ci import figure_ci
+
+    same = _cell_rows([3.0] * 5, [2.0] * 5)
+    assert figure_ci(same, ("one_slow",), "static", "adaptive") == [1.5, 1.5]
+    noisy = _cell_rows([3.0, 3.3, 2.9, 3.6, 3.1], [2.0, 2.4, 1.9, 2.1, 2.2]) + \
+        _cell_rows([6.0, 6.1, 5.0, 6.6, 5.9], [4.0, 4.4, 3.9, 4.1, 5.0], scenario="two_slow")
+    lo, hi = figure_ci(noisy, ("one_slow", "two_slow"), "static", "adaptive")
+    cells = sorted(s["median_s"] / a["median_s"] for s, a in zip(noisy[::2], noisy[1::2]))  # the figure's cells
+    assert lo < (cells[0] + cells[1]) / 2 < hi and hi - lo > 0.05
+
+
+def test_the_interval_pairs_rounds_so_a_round_slow_for_both_methods_moves_nothing():
+    from unbroken.bench.collectives_ci import figure_ci
+
+    slow_rounds = [1.0, 3.0, 1.0, 5.0, 1.0]  # some rounds slow for everyone (a busy host)
+    rows = _cell_rows([3 * x for x in slow_rounds], [2 * x for x in slow_rounds])
+    assert figure_ci(rows, ("one_slow",), "static", "adaptive") == pytest.approx([1.5, 1.5])
+    assert figure_ci(rows, ("none",), "static", "adaptive") is None  # no cell of those scenarios
+
+
+def test_the_result_carries_an_interval_for_each_time_figure():
+    runs = {"none": {"records": [_rec("gloo", 1.0), _rec("static", 1.0), _rec("adaptive", 1.02)], "changes": []},
+            "one_slow": {"records": [_rec("gloo", 3.0), _rec("static", 3.0), _rec("adaptive", 2.0)], "changes": []}}
+    res = cb.result(runs, world=4, fast=1000, slow=250, rounds=1, period=1.0)
+    assert res["speedup_vs_static_congested_ci95"] == pytest.approx([1.5, 1.5])
+    assert res["slowdown_vs_gloo_uncongested_ci95"] == pytest.approx([0.02, 0.02])
+    assert "speedup_vs_static_congested 1.500 [1.500, 1.500]" in cb._figures_line(res)

@@ -15,7 +15,8 @@ time. Figures (medians over rounds, then over scenarios and payloads >= 1 MB):
 speedup_vs_static_congested and speedup_vs_gloo_congested over one_slow, two_slow and
 background; slowdown_vs_gloo_uncongested over none (adaptive / gloo - 1); replan_collectives:
 per rate change in `changing`, how many adaptive collectives ran on the old plan after the change
-(the one in flight included) before a new plan was in use.
+(the one in flight included) before a new plan was in use. Each of the first three has a 95 %
+interval beside it (`..._ci95`: a paired bootstrap over rounds, bench/collectives_ci.py).
 
 What the links allow, by the planner's own cost model (comm/planner.py `predict`) at the nominal
 rates (the background stream is not in it: those links count as fast): per static/adaptive row
@@ -37,6 +38,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from unbroken.bench.collectives_ci import figure_ci
 from unbroken.comm import planner
 from unbroken.comm.patterns import Pattern
 from unbroken.plan.netns import Netns, Wiring
@@ -244,11 +246,15 @@ def result(runs: dict, *, world: int, fast: float, slow: float, rounds: int, per
     vs_gloo = _ratios(rows, congested, "gloo", "adaptive")
     unc = _ratios(rows, ("none",), "adaptive", "gloo")
     bound = add_model(rows, world=world, fast=fast, slow=slow)
+    unc_ci = figure_ci(rows, ("none",), "adaptive", "gloo")
     res = {"world_size": world, "fast_mbit": fast, "slow_mbit": slow, "rounds": rounds, "methods": list(METHODS),
            "scenarios": list(runs), "rows": rows,
            "speedup_vs_static_congested": statistics.median(vs_static) if vs_static else None,
            "speedup_vs_gloo_congested": statistics.median(vs_gloo) if vs_gloo else None,
            "slowdown_vs_gloo_uncongested": statistics.median(unc) - 1 if unc else None,
+           "speedup_vs_static_congested_ci95": figure_ci(rows, congested, "static", "adaptive"),
+           "speedup_vs_gloo_congested_ci95": figure_ci(rows, congested, "gloo", "adaptive"),
+           "slowdown_vs_gloo_uncongested_ci95": [x - 1 for x in unc_ci] if unc_ci else None,
            "model_speedup_vs_static_congested": statistics.median(bound) if bound else None,
            "goal": {"speedup_vs_static_congested": 1.4, "speedup_vs_gloo_congested": 1.2,
                     "slowdown_vs_gloo_uncongested": 0.05, "replan_collectives": 3},
@@ -287,7 +293,7 @@ def kept_sections(path: Path) -> dict:
 
 def table(res: dict) -> Table:
     t = Table(title=f"all-reduce algbw (GB/s), {res['world_size']} ranks, links {res['fast_mbit']:g} Mbit/s "
-                    f"(slow {res['slow_mbit']:g})")
+                    f"(slow {res['slow_mbit']:g})", caption=_figures_line(res))
     for col in ("scenario", "payload MB", *METHODS, "adaptive / static", "adaptive / gloo", "static eff.",
                 "adaptive eff."):
         t.add_column(col)
@@ -299,6 +305,16 @@ def table(res: dict) -> Table:
                   f"{bw['adaptive'] / bw['static']:.2f}x", f"{bw['adaptive'] / bw['gloo']:.2f}x",
                   *(f"{e:.0%}" if e is not None else "-" for e in eff))
     return t
+
+
+def _figures_line(res: dict) -> str:
+    """The three time figures with their 95 % intervals, for the table's caption."""
+    out = []
+    for key in ("speedup_vs_static_congested", "speedup_vs_gloo_congested", "slowdown_vs_gloo_uncongested"):
+        v, ci = res.get(key), res.get(f"{key}_ci95")
+        if v is not None:
+            out.append(f"{key} {v:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""))
+    return "; ".join(out)
 
 
 def plot(res: dict, path: Path) -> None:
