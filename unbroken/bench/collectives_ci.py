@@ -4,12 +4,13 @@ A figure is the median, over cells (scenario x payload >= 1 MB), of the ratio of
 times in the cell (bench/collectives.py `_ratios`). The methods ran interleaved round by round, so a
 resample keeps a round whole: the same round indices for both methods of a cell (a round that was
 slow for everyone moves numerator and denominator alike), drawn independently per cell. RESAMPLES
-resamples with a fixed SEED; the percentile interval is widened to include the point estimate where
-a tiny sample would leave it outside (as bench/overhead.py does).
+resamples with a fixed SEED; the interval is bench/percentile.py's (widened to hold the point estimate).
 """
 from __future__ import annotations
 
 import numpy as np
+
+from unbroken.bench.percentile import percentile_interval
 
 RESAMPLES = 4000
 SEED = 0
@@ -31,5 +32,4 @@ def figure_ci(rows: list[dict], scenarios: tuple[str, ...], num: str, den: str, 
         picks = rng.integers(0, n, size=(resamples, n))
         ratios[:, k] = np.median(top[:n][picks], axis=1) / np.median(bottom[:n][picks], axis=1)
     point = float(np.median([by[(sc, b, num)]["median_s"] / by[(sc, b, den)]["median_s"] for sc, b in cells]))
-    lo, hi = np.quantile(np.median(ratios, axis=1), [(1 - level) / 2, (1 + level) / 2])
-    return [min(float(lo), point), max(float(hi), point)]
+    return list(percentile_interval(np.median(ratios, axis=1), point, level=level))

@@ -50,6 +50,7 @@ from rich.table import Table
 
 from unbroken.bench import native_job
 from unbroken.bench.common import SKIP_STEPS, fmt, goal, job_events, run_job, step_events
+from unbroken.bench.percentile import percentile_interval
 from unbroken.config import STRATEGIES, RunConfig
 
 VARIANTS = ("native", "off", "default")
@@ -140,8 +141,7 @@ def bootstrap_ci(base: list[list[float]], var: list[list[float]], *, resamples: 
     rounds = len(base)
     picks = rng.integers(0, rounds, size=(resamples, rounds))
     ratios = _resampled_sums(base, picks, rng) / _resampled_sums(var, picks, rng)
-    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
-    return min(float(lo), point), max(float(hi), point)
+    return percentile_interval(ratios, point, level=level)
 
 
 def _mean_field(runs: list[list[dict]], key: str, keep=lambda r: True) -> float | None:
