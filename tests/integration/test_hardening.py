@@ -65,7 +65,7 @@ def _free_port() -> int:
 def _timeline(run_dir: Path) -> str:
     """What decided the run's generations, one line per event: for a failing assertion's message."""
     kinds = {"fault_detected", "fault_classified", "generation", "retry", "collective_error", "node_lost",
-             "process_exited", "shadow_assigned", "recovered", "tier2_restore"}
+             "process_exited", "process_killed", "shadow_assigned", "recovered", "tier2_restore", "warning"}
     t0 = None
     lines = []
     for e in events(run_dir):
@@ -76,45 +76,89 @@ def _timeline(run_dir: Path) -> str:
     return "\n".join(lines)
 
 
-@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
-def test_a_whole_node_lost_is_one_incident_and_its_ranks_are_replaced(tmp_path, how):
-    """Node 1's supervisor and children killed (or frozen) at once: its lease expires, node 0
-    replaces both ranks and finishes with the failure-free weights."""
-    port, run_dir = _free_port(), tmp_path / "r"
-    args = [*SMALL, "--parity-group", "2", "--checkpoint-every", "2", "--shadows", "2"]
-    args[args.index("--steps") + 1] = "14"
-    node0 = start_node(run_dir, 0, *args, "--port", str(port))
+NODE_LOSS = [*SMALL, "--parity-group", "2", "--checkpoint-every", "2", "--shadows", "2"]
+NODE_LOSS[NODE_LOSS.index("--steps") + 1] = "14"
+
+
+@pytest.fixture(scope="module")
+def node_loss_reference(tmp_path_factory) -> dict:
+    """The failure-free run of the node-loss tests' job (on one node: the weights do not depend on it)."""
+    return run_job(tmp_path_factory.mktemp("node-loss-ref") / "r", *NODE_LOSS)
+
+
+def _two_nodes(run_dir: Path, *extra: str, kill_after_step: int | None = None, how: str = "sigkill") -> str:
+    """Run NODE_LOSS on two nodes (node 1 started a second after node 0); with `kill_after_step`,
+    SIGKILL or SIGSTOP node 1's whole process group once that step is logged. Node 0's stdout."""
+    port = _free_port()
+    node0 = start_node(run_dir, 0, *NODE_LOSS, *extra, "--port", str(port))
     node1 = None
     try:
         time.sleep(1.0)
-        node1 = start_node(run_dir, 1, *args, "--port", str(port))
-        wait_for_step(run_dir, 4, 120)
-        os.killpg(node1.pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+        node1 = start_node(run_dir, 1, *NODE_LOSS, *extra, "--port", str(port))
+        if kill_after_step is not None:
+            wait_for_step(run_dir, kill_after_step, 120)
+            os.killpg(node1.pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
         out, err = node0.communicate(timeout=180)
         assert node0.returncode == 0, err[-3000:]
     finally:
         reap([node0, node1], group=True)
         for pid in _procs_of(run_dir.resolve()):
             os.kill(pid, signal.SIGKILL)
-    summary, seen = json.loads(out), _timeline(run_dir)
+    return out
+
+
+def _assert_one_node_loss(run_dir: Path, summary: dict, reference: dict, report_dir: Path) -> int:
+    """Node 1 lost as one incident, its ranks replaced on node 0, the failure-free weights.
+
+    The node-loss generation comes first (no link regroup took the dead node for a broken link)
+    and replaces ranks 2 and 3 at once. A collective that fails during its recovery while every
+    member lives is regrouped as a link (supervisor._check_link, designed for a link breaking
+    during a recovery): same members, nobody replaced. Anything else fails. Returns the number
+    of such link regroups."""
+    seen = _timeline(run_dir)
     assert summary["ok"] and summary["ranks_agree"], seen
+    gens = [e["fields"] for e in _kinds(run_dir, "generation") if e["fields"]["gen"] > 0]
+    assert gens and gens[0]["replaced"] == [2, 3] and "node_lost" in gens[0]["cause"], seen
+    for before, after in zip(gens, gens[1:]):
+        assert after["cause"] == "link" and after["replaced"] == [] and after["members"] == before["members"], seen
+    links = ["stall"] * (len(gens) - 1)
     # parity groups are strided across nodes ({0,2}, {1,3}): the node's loss costs each group one
-    # member, so both shards are decoded from tier 1 in place and no step is lost
-    assert len(summary["recoveries"]) == 1, (summary["recoveries"], seen)
-    [rec] = summary["recoveries"]
-    assert rec["path"] == "tier1" and summary["steps_lost"] == 0, rec
+    # member, so both shards are decoded from tier 1 in place (in the last generation) and no step is lost
+    recs = summary["recoveries"]
+    assert [r["fault"] for r in recs] == ["node_lost", *links], (recs, seen)
+    assert recs[-1]["complete"] and recs[-1]["path"] == "tier1" and summary["steps_lost"] == 0, (recs, seen)
     [lost] = _kinds(run_dir, "node_lost")
     assert lost["fields"]["node"] == 1 and lost["fields"]["ranks"] == [2, 3]
     detected = [e for e in _kinds(run_dir, "fault_detected") if e["fields"]["fault"] != "collective_error"]
-    assert [e["fields"]["fault"] for e in detected] == ["node_lost"], seen  # one incident, no link regroup
-    last = _kinds(run_dir, "generation")[-1]["fields"]["members"]
+    assert [e["fields"]["fault"] for e in detected] == ["node_lost", *links], seen
+    last = gens[-1]["members"]
     assert last["2"].startswith("n0-") and last["3"].startswith("n0-")
     rep = subprocess.run([sys.executable, "-m", "unbroken.cli", "report", str(run_dir), "--json", "--out",
-                          str(tmp_path / "rep")], capture_output=True, text=True, timeout=60)
+                          str(report_dir)], capture_output=True, text=True, timeout=60)
     faults = json.loads(rep.stdout)["faults"]
-    assert [(f["class"], f["node"]) for f in faults] == [("node_lost", 1)]  # the report: one node-loss incident
-    ref = run_job(tmp_path / "ref", *args)
-    assert summary["weights_sha256"] == ref["weights_sha256"]
+    # the report: one node-loss incident (and a regroup per failed recovery collective, if any)
+    assert [(f["class"], f["node"]) for f in faults[:1]] == [("node_lost", 1)], seen
+    assert [f["class"] for f in faults[1:]] == links, seen
+    assert summary["weights_sha256"] == reference["weights_sha256"]
+    return len(links)
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
+def test_a_whole_node_lost_is_one_incident_and_its_ranks_are_replaced(tmp_path, how, node_loss_reference):
+    """Node 1's supervisor and children killed (or frozen) at once: its lease expires, node 0
+    replaces both ranks and finishes with the failure-free weights."""
+    out = _two_nodes(tmp_path / "r", kill_after_step=4, how=how)
+    _assert_one_node_loss(tmp_path / "r", json.loads(out), node_loss_reference, tmp_path / "rep")
+
+
+def test_a_node_lost_and_a_link_broken_in_its_recovery_regroup_once_more(tmp_path, node_loss_reference):
+    """`nodekill` from rank 2 (node 1's supervisor SIGKILLed, its fork server and every process
+    there dying with it), then rank 0's links cut while it recovers: the node loss's generation,
+    then one link regroup of the same members, then tier 1 and the failure-free weights."""
+    out = _two_nodes(tmp_path / "r", "--inject", "nodekill:rank=2,step=5,phase=optimizer",
+                     "--inject", "linkdrop:rank=0,step=5,phase=recovery")
+    assert _assert_one_node_loss(tmp_path / "r", json.loads(out), node_loss_reference, tmp_path / "rep") == 1
+    assert not [e for e in _kinds(tmp_path / "r", "fault_detected") if e["fields"]["fault"] == "crash"]
 
 
 def test_back_to_back_failures_grow_an_auto_pool_and_cold_takeovers_are_named(tmp_path, reference):

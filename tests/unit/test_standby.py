@@ -34,3 +34,40 @@ def test_shadows_are_bound_round_robin_over_the_nodes_slots():
     right_slot = Standby("n0-s2", 0, 2, True)
     assert pick_standby([warm_elsewhere, cold_here], node=0, slot=2) == warm_elsewhere  # warm beats local
     assert pick_standby([wrong_slot, right_slot, warm_elsewhere], node=0, slot=2) == right_slot
+
+
+class _Popen:
+    def __init__(self, code):
+        self.pid, self._code = 1, code
+
+    def poll(self):
+        return self._code
+
+
+def _leader_with_shadows(exited: set[str], killed: set[str]):
+    """A stand-in for the leader's Supervisor: node 0 of one, three ready shadows in its store."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from unbroken.runtime.procs import Child
+
+    store, procs = dist.HashStore(), ["n0-s0", "n0-s1", "n0-s2"]
+    for p in procs:
+        store.set(f"shadows/0/{store.add('shadows/0/n', 1) - 1}", p)
+        store.set(f"ready/{p}", "1")
+    children = {p: Child(p, "shadow", _Popen(9 if p in exited else None)) for p in procs}
+    started = []
+    sup = SimpleNamespace(store=store, opts=SimpleNamespace(nnodes=1), node=0, local=3, killed=set(killed),
+                          table=SimpleNamespace(children=children), _node_lost=lambda n: False,
+                          _start_shadow=lambda cold: started.append(cold) or SimpleNamespace(proc="n0-s9"))
+    return sup, started
+
+
+def test_a_shadow_that_exited_or_was_killed_is_not_given_a_rank_before_its_fault_is_read():
+    from unbroken.runtime.supervisor import Supervisor
+
+    sup, started = _leader_with_shadows(exited={"n0-s0"}, killed={"n0-s1"})
+    proc, cold = Supervisor._pick_shadow(sup, exclude=set(), prefer=0, slot=0)
+    assert (proc, cold) == ("n0-s2", False) and sup.table.children["n0-s2"].taken
+    sup, started = _leader_with_shadows(exited={"n0-s0", "n0-s2"}, killed={"n0-s1"})
+    assert Supervisor._pick_shadow(sup, exclude=set(), prefer=0, slot=0) == ("n0-s9", True) and started == [True]

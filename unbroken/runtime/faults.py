@@ -34,6 +34,7 @@ from typing import Any, Iterable, Mapping
 KINDS = ("sigkill", "sigstop", "exception", "nan", "bitflip", "slow", "linkdrop", "collerr", "nodekill",
          "nodestop")
 NODE_KINDS = ("nodekill", "nodestop")  # faults of the rank's whole node, not of the rank
+SUPERVISOR_ENV = "UNBROKEN_SUPERVISOR_PID"  # the node's supervisor, for nodekill and nodestop
 PHASES = ("forward", "backward", "allreduce", "reduced", "optimizer", "midchunk", "parity", "allgather",
           "checkpoint", "recovery", "shadow", "build", "done")
 CHUNK_PHASES = ("optimizer", "midchunk", "parity")  # the points that pass a chunk (parity: a window) index
@@ -234,18 +235,24 @@ class FaultInjector:
         elif spec.kind in NODE_KINDS and os.environ.get("NODE_RANK", "0") == "0":
             return  # the rank now lives on node 0 (a shadow there took it over): never the store's host
         elif spec.kind == "nodekill":  # the supervisor's children die with it (PR_SET_PDEATHSIG)
-            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(supervisor_pid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.kind == "nodestop":
             _freeze_node()
 
 
+def supervisor_pid() -> int:
+    """This node's supervisor: named in the environment it gave us (our parent is its fork
+    server when it has one, runtime/zygote.py), else our parent (a child started the exec way)."""
+    return int(os.environ.get(SUPERVISOR_ENV) or os.getppid())
+
+
 def _freeze_node() -> None:
     """SIGSTOP this rank's supervisor first (so it cannot react), then every process it
-    started (workers, shadows), this one last."""
-    sup = os.getppid()
+    started (its fork server, workers, shadows), this one last."""
+    sup = supervisor_pid()
     os.kill(sup, signal.SIGSTOP)
-    for pid in _children(sup):
+    for pid in _descendants(sup):
         if pid != os.getpid():
             try:
                 os.kill(pid, signal.SIGSTOP)
@@ -254,9 +261,9 @@ def _freeze_node() -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def _children(parent: int) -> list[int]:
-    """Direct children of `parent` (Linux /proc; the supervisor's are all direct)."""
-    out = []
+def _descendants(root: int) -> list[int]:
+    """Every process below `root`, parents before their children (Linux /proc ppid links)."""
+    parent_of = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -265,6 +272,10 @@ def _children(parent: int) -> list[int]:
                 stat = f.read()
         except OSError:
             continue
-        if int(stat[stat.rindex(")") + 2:].split()[1]) == parent:  # field 4: ppid (after "comm")
-            out.append(int(name))
+        parent_of[int(name)] = int(stat[stat.rindex(")") + 2:].split()[1])  # field 4: ppid (after "comm")
+    out, frontier = [], [root]
+    while frontier:
+        kids = sorted(pid for pid, ppid in parent_of.items() if ppid in frontier)
+        out += kids
+        frontier = kids
     return out

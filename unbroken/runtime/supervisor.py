@@ -17,8 +17,8 @@ import time
 
 from unbroken.config import RunConfig
 from unbroken.events import EventLog
-from unbroken.runtime import (admission, failover, handover, lease, membership, node_heartbeats, store_reads,
-                              stranded)
+from unbroken.runtime import (admission, failover, faults, handover, lease, membership, node_heartbeats,
+                              store_reads, stranded)
 from unbroken.runtime.crash import CrashJudge
 from unbroken.runtime.fence import FENCE_FRACTION, LeaseFence
 from unbroken.runtime.budget import RecoveryRateExceeded, RecoveryRateLimit
@@ -67,7 +67,7 @@ class Supervisor:
                "UNBROKEN_FAULTS": json.dumps([str(f) for f in opts.faults]), "OMP_NUM_THREADS": str(cfg.threads),
                "UNBROKEN_RESUME": "1" if self.resume else "0",
                "LOCAL_WORLD_SIZE": str(self.local), **({"UNBROKEN_STORE": opts.store} if opts.store else {}),
-               node_heartbeats.ENV: str(self.beats.port)}
+               node_heartbeats.ENV: str(self.beats.port), faults.SUPERVISOR_ENV: str(os.getpid())}
         self.table = ProcessTable(self.run_dir, env, list(opts.script), server=forks, warn=warn)
         self.tee = Tee(self.run_dir / "logs", opts.tee, node=self.node, write=on_output or stream_writer())
         self.gen: membership.Generation | None = None
@@ -306,10 +306,13 @@ class Supervisor:
     def _pick_shadow(self, exclude: set[str], prefer: int, slot: int) -> tuple[str, bool]:
         """A standby shadow (runtime/standby.py: ready, on the failed rank's node, at its slot,
         first); else a cold start. Cold (the second value) = not ready when assigned: the
-        recovery waits for its start-up."""
+        recovery waits for its start-up. Our own shadows that exited or that we killed are skipped
+        even before their fault record is read (the record sets `dead/{proc}` a tick later)."""
         gone = {n for n in range(self.opts.nnodes) if n != self.node
                 and (self.store.check([f"excluded/{n}"]) or self._node_lost(n))}
-        standbys = list_standbys(self.store, [n for n in range(self.opts.nnodes) if n not in gone], self.local, exclude)
+        ours_gone = {p for p, c in self.table.children.items() if p in self.killed or c.poll() is not None}
+        standbys = list_standbys(self.store, [n for n in range(self.opts.nnodes) if n not in gone], self.local,
+                                 exclude | ours_gone)
         best = pick_standby(standbys, node=prefer, slot=slot)
         proc, unready = (best.proc, not best.ready) if best else (self._start_shadow(cold=True).proc, True)
         if proc in self.table.children:
