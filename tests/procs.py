@@ -28,3 +28,59 @@ def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple
         return [p.communicate(timeout=timeout) for p in procs]
     finally:
         reap(procs)
+
+
+def free_port() -> int:
+    """A loopback port free now (another process may still take it before it is bound: see start_leader)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Does process `pid` hold a socket listening on TCP `port` (Linux /proc: net/tcp state 0A, fd inodes)?"""
+    inodes = set()
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            cols = line.split()
+            if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(cols[9])
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            return True
+    return False
+
+
+def start_leader(start, *, attempts: int = 3, timeout: float = 60.0, group: bool = False):
+    """(node 0, its port): `start(port)` launches node 0 (a Popen with stderr piped) on a free
+    port; wait until it listens there. A port another process took between our choosing and
+    node 0's binding ("Address already in use") is retried on a new port."""
+    import time
+
+    for _ in range(attempts):
+        port = free_port()
+        node0 = start(port)
+        deadline = time.monotonic() + timeout
+        while node0.poll() is None and not _listens(node0.pid, port):
+            if time.monotonic() > deadline:
+                reap([node0], group=group)
+                raise AssertionError(f"node 0 did not listen on port {port} within {timeout:.0f}s")
+            time.sleep(0.05)
+        if node0.poll() is None:
+            return node0, port
+        err = node0.stderr.read()
+        node0.wait()
+        if "Address already in use" not in err:
+            raise AssertionError(f"node 0 exited ({node0.returncode}) before listening: {err[-2000:]}")
+    raise AssertionError(f"every one of {attempts} free ports was taken before node 0 could bind it")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.procs import reap
+from tests.procs import reap, start_leader
 from .conftest import SMALL, _procs_of, events, run_cli, run_job
 
 pytestmark = pytest.mark.timeout(300)
@@ -143,16 +143,9 @@ def _start_node0(run_dir: Path, port: int, token: str, *extra: str, base=SMALL) 
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_wrong_token_is_refused_and_sigterm_reaps_everything(tmp_path):
     """Also: a node that runs another training script than node 0 refuses to join (issue 17)."""
-    port = _free_port()
-    node0 = _start_node0(tmp_path / "r", port, "right-token")
+    node0, port = start_leader(lambda p: _start_node0(tmp_path / "r", p, "right-token"))
     try:
         time.sleep(1.0)
         other = run_cli(tmp_path / "other", "--nnodes", "2", "--node-rank", "1", "--port", str(port),
@@ -177,13 +170,12 @@ def test_two_nodes_train_together_and_recover_a_rank_on_node_1(tmp_path):
     """Also the join door (issue 14): a wrong token costs node 1 one attempt, not its place;
     the right one (from a 0600 --token-file) then joins. Each node has its own run directory,
     as on two machines: node 1's events reach node 0's summary, and node 1 gets the same summary."""
-    port = _free_port()
     run_dir, run_dir1 = tmp_path / "r", tmp_path / "r1"
     good = tmp_path / "token"
     good.write_text("tok\n")
     good.chmod(0o600)
     kill = ("--inject", "sigkill:rank=3,step=4,phase=optimizer,chunk=1")
-    node0 = _start_node0(run_dir, port, "tok", *kill)
+    node0, port = start_leader(lambda p: _start_node0(run_dir, p, "tok", *kill))
     try:
         time.sleep(1.0)
         two = [*SMALL, "--nnodes", "2", "--node-rank", "1", "--port", str(port)]
@@ -215,14 +207,13 @@ def test_two_nodes_train_together_and_recover_a_rank_on_node_1(tmp_path):
 @pytest.mark.slow
 def test_a_persistent_straggler_on_node_1_gets_the_node_excluded(tmp_path):
     """Replace-class fault on a node that can go: exclude it, move its ranks, continue (tier 2)."""
-    port = _free_port()
     run_dir = tmp_path / "r"
     cfg = tmp_path / "job.toml"
     cfg.write_text("straggler_window_steps = 3\ncheckpoint_every = 2\n")
     args = [*SMALL, "--config", str(cfg)]
     args[args.index("--steps") + 1] = "16"
     slow = ("--inject", "slow:rank=3,step=2,phase=forward,ms=600")
-    node0 = _start_node0(run_dir, port, "tok", *slow, base=args)
+    node0, port = start_leader(lambda p: _start_node0(run_dir, p, "tok", *slow, base=args))
     time.sleep(1.0)  # node 0 creates the run directory first
     # node 1 leaves early (excluded) while node 0 trains on: both are waited for before the
     # leftover-process check, which looks at every process of the shared run directory

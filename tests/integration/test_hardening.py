@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import reap
+from tests.procs import reap, start_leader
 from .conftest import SMALL, _procs_of, events, run_cli, run_job, start_node, wait_for_step
 
 pytestmark = pytest.mark.timeout(300)
@@ -55,13 +55,6 @@ def test_the_same_exception_twice_is_a_software_fault_with_its_traceback(tmp_pat
     assert len(crashed) == 2  # the first occurrence was retried once, the second was not
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _timeline(run_dir: Path) -> str:
     """What decided the run's generations, one line per event: for a failing assertion's message."""
     kinds = {"fault_detected", "fault_classified", "generation", "retry", "collective_error", "node_lost",
@@ -89,8 +82,7 @@ def node_loss_reference(tmp_path_factory) -> dict:
 def _two_nodes(run_dir: Path, *extra: str, kill_after_step: int | None = None, how: str = "sigkill") -> str:
     """Run NODE_LOSS on two nodes (node 1 started a second after node 0); with `kill_after_step`,
     SIGKILL or SIGSTOP node 1's whole process group once that step is logged. Node 0's stdout."""
-    port = _free_port()
-    node0 = start_node(run_dir, 0, *NODE_LOSS, *extra, "--port", str(port))
+    node0, port = start_leader(lambda p: start_node(run_dir, 0, *NODE_LOSS, *extra, "--port", str(p)), group=True)
     node1 = None
     try:
         time.sleep(1.0)
