@@ -304,15 +304,12 @@ class Supervisor:
                        else f"recovering from a broken link (generation {gen.gen})")
 
     def _pick_shadow(self, exclude: set[str], prefer: int, slot: int) -> tuple[str, bool]:
-        """A standby shadow (runtime/standby.py: ready, on the failed rank's node, at its slot,
-        first); else a cold start. Cold (the second value) = not ready when assigned: the
-        recovery waits for its start-up. Our own shadows that exited or that we killed are skipped
-        even before their fault record is read (the record sets `dead/{proc}` a tick later)."""
+        """A standby shadow (runtime/standby.py: ready, on the failed rank's node, at its slot, first; not ours if
+        it exited or we killed it: `dead/` lands a tick later), else a cold start (True: the recovery waits)."""
         gone = {n for n in range(self.opts.nnodes) if n != self.node
                 and (self.store.check([f"excluded/{n}"]) or self._node_lost(n))}
-        ours_gone = {p for p, c in self.table.children.items() if p in self.killed or c.poll() is not None}
-        standbys = list_standbys(self.store, [n for n in range(self.opts.nnodes) if n not in gone], self.local,
-                                 exclude | ours_gone)
+        exclude = exclude | {p for p, c in self.table.children.items() if p in self.killed or c.poll() is not None}
+        standbys = list_standbys(self.store, [n for n in range(self.opts.nnodes) if n not in gone], self.local, exclude)
         best = pick_standby(standbys, node=prefer, slot=slot)
         proc, unready = (best.proc, not best.ready) if best else (self._start_shadow(cold=True).proc, True)
         if proc in self.table.children:
