@@ -6,13 +6,15 @@ again, and only then joined the job: two imports in series on every job start. `
 called before the CLI's imports, starts the server at once; the supervisor takes it with
 `take(base_env)` if it was started for the same run directory (what a forked child's
 /proc/PID/environ shows), else closes it and starts its own. Nothing is written anywhere: a run
-refused after this leaves no trace (the server exits when its parent does).
+refused after this leaves no trace (an exit hook closes an untaken server and waits for it;
+PR_SET_PDEATHSIG covers a parent that dies without running it).
 
 Only `run` with an explicit `--run-dir` or `--resume` starts one (the default run directory is
 chosen later), and never with UNBROKEN_FORK_SERVER=0.
 """
 from __future__ import annotations
 
+import atexit
 import os
 from pathlib import Path
 
@@ -55,6 +57,16 @@ def early(argv: list[str]) -> None:
             _early = ForkServer({**inherited(), RUN_DIR_ENV: run_dir})
         except OSError:
             _early = None  # the supervisor starts its own (and says why if that fails too)
+        else:  # a run refused before the supervisor took it: reap it before we exit, not after
+            atexit.register(discard)
+
+
+def discard() -> None:
+    """Close the early server if nobody took it (waits for it: no process outlives the refusal)."""
+    global _early
+    server, _early = _early, None
+    if server is not None:
+        server.close()
 
 
 def take(base_env: dict[str, str]) -> ForkServer | None:
