@@ -7,6 +7,8 @@ import signal
 import subprocess
 from collections.abc import Iterable
 
+from unbroken.comm.group import socket_fds
+
 
 def reap(procs: Iterable[subprocess.Popen | None], *, group: bool = False, timeout: float = 10.0) -> None:
     """Kill what still runs (its process group if `group`: a child started in a session of its
@@ -48,18 +50,7 @@ def _listens(pid: int, port: int) -> bool:
             cols = line.split()
             if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
                 inodes.add(cols[9])
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:[") and link[8:-1] in inodes:
-            return True
-    return False
+    return any(link[8:-1] in inodes for link in socket_fds(pid).values())
 
 
 def start_leader(start, *, attempts: int = 3, timeout: float = 60.0, group: bool = False):

@@ -2,20 +2,15 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from datetime import timedelta
 
 import pytest
 
+from tests.procs import free_port
+
 from .conftest import spawn_ranks
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _member(rank: int, port: int, objs: list, out: mp.Queue) -> None:
@@ -43,7 +38,7 @@ def _member(rank: int, port: int, objs: list, out: mp.Queue) -> None:
 def test_allgather_json_small_and_larger_than_one_slot_and_generation_watch():
     big = "x" * (40 << 10)  # larger than the 16 KiB first-round slot: a second round follows
     objs = [[{"r": 0}, big, [1, 2]], [{"r": 1}, "small", big]]
-    results = {r: (got, seen, latest) for r, got, seen, latest in spawn_ranks(_member, _free_port(), objs)}
+    results = {r: (got, seen, latest) for r, got, seen, latest in spawn_ranks(_member, free_port(), objs)}
     for r in range(2):
         got, seen, latest = results[r]
         assert got == [[{"r": 0}, {"r": 1}], [big, "small"], [[1, 2], big]], got
@@ -86,7 +81,7 @@ def _pickle_sender(rank: int, port: int, marker: str, out: mp.Queue) -> None:
 
 def test_a_pickle_payload_in_a_control_message_is_refused_and_never_unpickled(tmp_path):
     marker = tmp_path / "code-ran"
-    results = dict(spawn_ranks(_pickle_sender, _free_port(), str(marker)))
+    results = dict(spawn_ranks(_pickle_sender, free_port(), str(marker)))
     assert results[1] == "sent"
     assert results[0].startswith("refused: recovery status: rank 1 sent"), results[0]
     assert not marker.exists()  # the payload was never unpickled
@@ -115,7 +110,7 @@ def _gather_member(rank: int, port: int, n: int, out: mp.Queue) -> None:
 
 def test_allgather_into_in_pieces_in_place_and_from_a_separate_input():
     n = 45
-    results = {r: (a, b) for r, a, b in spawn_ranks(_gather_member, _free_port(), n)}
+    results = {r: (a, b) for r, a, b in spawn_ranks(_gather_member, free_port(), n)}
     for r in range(2):
         flat, apart = results[r]
         assert flat == [float(i) for i in range(n)] + [float(i + 1000) for i in range(n)], flat

@@ -61,16 +61,17 @@ class AbandonedOpsStuck(Exception):
 retired: list["Comm"] = []  # groups that may hold hung ops: keep them alive, never destroy
 
 
-def _socket_fds() -> dict[int, str]:
-    """This process's socket fds and their inodes (Linux /proc; empty elsewhere)."""
+def socket_fds(pid: int | str = "self") -> dict[int, str]:
+    """Process `pid`'s socket fds and their links, "socket:[inode]" (Linux /proc; empty elsewhere or
+    when the process is gone)."""
     out: dict[int, str] = {}
     try:
-        names = os.listdir("/proc/self/fd")
+        names = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return out
     for name in names:
         try:
-            link = os.readlink(f"/proc/self/fd/{name}")
+            link = os.readlink(f"/proc/{pid}/fd/{name}")
         except OSError:
             continue
         if link.startswith("socket:"):
@@ -111,9 +112,9 @@ class Comm:
 
         def connect() -> None:
             try:
-                before = _socket_fds()
+                before = socket_fds()
                 box.append(dist.ProcessGroupGloo(store, self.rank, self.world, timedelta(seconds=self.timeout_s)))
-                after = _socket_fds()
+                after = socket_fds()
                 self._sockets = {fd: link for fd, link in after.items() if before.get(fd) != link}
                 if self.backend == "nccl":
                     self.dev_pg = _nccl_group(store, self.rank, self.world, self.timeout_s)

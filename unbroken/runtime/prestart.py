@@ -72,8 +72,7 @@ def discard() -> None:
 def take(base_env: dict[str, str]) -> ForkServer | None:
     """The early server if it was started with `base_env`'s run directory; else None (closed)."""
     global _early
+    if _early is not None and _early.env.get(RUN_DIR_ENV) != base_env.get(RUN_DIR_ENV):
+        discard()
     server, _early = _early, None
-    if server is not None and server.env.get(RUN_DIR_ENV) != base_env.get(RUN_DIR_ENV):
-        server.close()
-        return None
     return server
