@@ -268,6 +268,22 @@ def test_a_slower_paced_ring_lifts_a_rejection(ad):
     assert ad._vetoed_until == 0 and ad.plan.window == 0 and ad._probe == "slower"
 
 
+def test_a_plan_re_made_between_its_two_judged_runs_inherits_the_judgment(events):
+    """Readings that move at every collective re-make the split after its first slow run: the new
+    split's run is the judgment's second (before, the judgment was dropped and splits followed splits)."""
+    ad = _planning(events)
+    _shared_probe(ad, 1.0)
+    _uneven_ran(ad, 1.2)  # the plan around rank 2 lost to the paced ring once
+    around_2 = ad.plan
+    _read_shared(ad, shared=1)
+    ad.decide(SIZE)  # re-made around rank 1 before its second run
+    assert ad.plan.kind == "pipelined" and ad.plan.split[1] < ad.plan.split[0] and ad.plan != around_2
+    _ran(ad, ad.plan, 1.15)  # the re-made plan's run loses too: rejected
+    assert ad.plan == paced(Pattern.static_ring(4), SIZE)
+    (kind, f), = [e for e in events if e[0] == "collective_plan_rejected"]
+    assert f["seconds"] == 1.15 and f["previous_seconds"] == 1.0
+
+
 def test_a_plan_that_follows_another_uneven_plan_is_not_judged(events):
     """Under a shared link the split wobbles between plans that all beat the ring: a trial that judged
     each against the plan before fell back to the slower paced ring."""
