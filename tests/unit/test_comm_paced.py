@@ -170,7 +170,7 @@ def _ran(ad: AdaptiveAllreduce, plan: Pattern, seconds: float) -> None:
 def _shared_probe(ad: AdaptiveAllreduce, seconds: float) -> None:
     """As if the probe (the even ring, unpaced) ran in `seconds` and read rank 2's links shared; before
     it the paced ring, the first time at SIZE (a plan around flagged links runs only after it)."""
-    if SIZE not in ad._ring_sizes:
+    if SIZE not in ad._ring_s:
         _after_paced(ad, seconds)
     _read_shared(ad)
     _ran(ad, Pattern.static_ring(4, pieces_for(SIZE)), seconds)
@@ -296,6 +296,45 @@ def test_a_plan_that_follows_another_uneven_plan_is_not_judged(events):
     assert ad.plan.kind == "pipelined" and ad.plan.split[1] < ad.plan.split[0] and ad.plan != around_2
     _ran(ad, ad.plan, 1.3)
     assert ad.plan.kind == "pipelined" and not [e for e in events if e[0] == "collective_plan_rejected"]
+
+
+def test_a_plan_re_made_around_other_shared_links_is_judged_against_the_paced_ring(events):
+    """On 8 ranks sharing 2 cores the shared links read change at every collective: once one split
+    passed, splits followed splits at 1.1-1.3x the paced ring's time, never judged (stop 48)."""
+    ad = _planning(events)
+    _shared_probe(ad, 1.0)  # the paced ring of SIZE ran in 1.0 s
+    _uneven_ran(ad, 0.9)  # the plan around rank 2 beat it: passed
+    _read_shared(ad, shared=1)
+    _ran(ad, ad.plan, 0.9)  # its next run reads rank 1's links shared instead: re-made
+    assert ad.plan.kind == "pipelined" and ad.plan.split[1] < ad.plan.split[0]
+    _read_shared(ad, shared=1)
+    _ran(ad, ad.plan, 1.2)  # the new split loses to the paced ring once: not yet
+    assert ad.plan.kind == "pipelined" and not [e for e in events if e[0] == "collective_plan_rejected"]
+    _read_shared(ad, shared=1)
+    _ran(ad, ad.plan, 1.2)  # twice: rejected
+    assert ad.plan == paced(Pattern.static_ring(4), SIZE)
+    (kind, f), = [e for e in events if e[0] == "collective_plan_rejected"]
+    assert f["previous_seconds"] == 1.0 and f["contended"] == ["down:1", "up:1"]
+
+
+def test_a_plan_re_made_around_slow_links_is_not_judged_against_the_ring_before_they_got_slow(events):
+    """The paced ring ran before the link got slow; any plan around it now is slower than that."""
+    ad = _planning(events)
+    _after_paced(ad, 1.0)
+    _after_paced(ad, 1.3)  # rank 1's link got slow: the probe reads it
+    _probe_ran(ad, {0: FAST, 1: FAST / 4, 2: FAST, 3: FAST}, seconds=1.3)
+    assert ad.plan.split[1] == 0
+    first = ad.plan
+    for _ in range(3):  # rank 2's link got slow too
+        for r in range(4):
+            for way in ("up", "down"):
+                ad.table.observe((way, r), FAST / 4 if r in (1, 2) else FAST)
+    _ran(ad, ad.plan, 1.3)  # re-made around ranks 1 and 2
+    assert ad.plan != first and ad.plan.split[2] < ad.plan.split[0]
+    _ran(ad, ad.plan, 1.6)
+    _ran(ad, ad.plan, 1.6)  # slower than the paced ring of before, twice: no judgment
+    assert ad.plan.split[2] < ad.plan.split[0] and ad.plan.window == 0 and ad._vetoed_until == 0
+    assert not [e for e in events if e[0] == "collective_plan_rejected"]
 
 
 def test_once_the_slow_links_clear_links_read_slow_under_the_plan_around_them_are_not_planned_around(events):

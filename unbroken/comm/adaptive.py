@@ -92,7 +92,7 @@ class AdaptiveAllreduce:
         self._probe: str | None = None  # why the next collective runs a probe: "first", "every", "slower"
         self._last: dict[int, tuple[Pattern, float]] = {}  # per size: the plan its last collective ran, and its seconds
         self._judged: dict[int, tuple[Pattern, float]] = {}  # per size: a plan that ran slower than the ring once
-        self._ring_sizes: set[int] = set()  # learned sizes the paced even ring ran at (`_reference`)
+        self._ring_s: dict[int, float] = {}  # per learned size: the last paced even ring's seconds (`_judge`)
         self._passed: frozenset | None = None  # the flagged links of the last plan that passed `_judge`
         self._learned = 0  # collectives whose exchange was folded in
         self._vetoed_until = 0  # until this many learned collectives no link is planned around (`_judge`)
@@ -277,38 +277,42 @@ class AdaptiveAllreduce:
         self.decide(nbytes)
 
     def _judge(self, ran: Pattern, nbytes: int, seconds: float) -> None:
-        """A plan made around flagged links must beat the even ring it replaced: its first two runs
-        after an even ring of its size (the probe whose readings made it, or a paced ring), each
-        REJECT_SLOWER slower than that ring, reject the picture of the links it was made from
-        (`_reject`). One slow run is not enough: in a full run that rejected on one, a plan around
-        another job's stream lost once in the warm-up, and the stream's scenario ran the paced ring
-        at 0.92-1.03x static. Later runs, and plans that follow other uneven plans, are not judged:
-        their times are the links', and under a shared link plans wobble between splits that all
-        beat the ring (judged against the plan before, they fell back to the slower paced ring). A plan
-        re-made around a changed picture between its two judged runs inherits the judgment: on 8 ranks
-        sharing 2 cores the readings move at every collective, the first split lost to the paced ring
-        once, the second, a new plan, was never judged, and splits followed splits at 1.1x the paced
-        ring's time for a whole scenario (stop 48). On
-        8 ranks sharing 2 cores the unpaced ring read healthy 125 MB/s links at 107-418 MB/s,
-        several read as shared, and the split exchanges planned around them ran 1.1-1.4x the even
-        ring's time for a whole scenario (docs/design.md, stop 44: "a plan around flagged links
-        must beat the even ring it replaced"). A plan that passes (or is not judged) lets sizes under
-        `learn_bytes` take plans around the same links (`_passed`, `_reference`)."""
+        """A plan made around flagged links must beat the even ring: its first two runs after an even
+        ring of its size (the probe whose readings made it, or a paced ring), each REJECT_SLOWER slower
+        than that ring, reject the picture of the links it was made from (`_reject`). One slow run is
+        not enough: in a full run that rejected on one, a plan around another job's stream lost once in
+        the warm-up, and the stream's scenario ran the paced ring at 0.92-1.03x static. A plan re-made
+        between its two judged runs inherits the judgment. A plan re-made around other shared links
+        (no link slow) is judged the same way against the last paced ring of its size: under a stream
+        the splits wobble between plans that all beat the ring (judged against the plan before, they
+        fell back to the slower paced ring; stop 44), but on 8 ranks sharing 2 cores the readings move
+        at every collective and, once one split passed, splits followed splits unjudged at 1.1-1.3x the
+        paced ring's time for a whole scenario (stop 48). A plan around slow links is judged only when
+        it leaves the ring: the ring's time before the link got slow is no yardstick. Later runs of a
+        plan time the links, not the plan, and are not judged. A plan that passes (or is not judged)
+        lets sizes under `learn_bytes` take plans around the same links (`_passed`, `_reference`)."""
         last = self._last.get(nbytes)
         self._last[nbytes] = (ran, seconds)
-        if _even_ring(ran) and ran.window:
-            self._ring_sizes.add(nbytes)
+        if _even_ring(ran):
+            if ran.window:
+                self._ring_s[nbytes] = seconds
+            self._judged.pop(nbytes, None)
+            return
         judged = self._judged.pop(nbytes, None)  # (plan, the ring's seconds) after one slow run
-        if judged is not None and not _even_ring(ran):  # its second run, or its re-make's, decides
+        if judged is not None:  # its second run, or its re-make's, decides
             if seconds > REJECT_SLOWER * judged[1]:
                 self._reject("slower than the ring", ran, nbytes, seconds=seconds, previous_seconds=judged[1])
             else:
                 self._passed = self._flags()
             return
-        if _even_ring(ran):
-            return
-        if last is not None and _even_ring(last[0]) and seconds > REJECT_SLOWER * last[1]:
-            self._judged[nbytes] = (ran, last[1])  # slower once: its next run decides
+        if last is not None and _even_ring(last[0]):
+            ring_s = last[1]  # it left the ring
+        elif last is not None and last[0] != ran and not self._slow and nbytes in self._ring_s:
+            ring_s = self._ring_s[nbytes]  # re-made around other shared links
+        else:
+            ring_s = float("inf")
+        if seconds > REJECT_SLOWER * ring_s:
+            self._judged[nbytes] = (ran, ring_s)  # slower once: its next run decides
             return
         self._passed = self._flags()  # it beat the ring, or follows a plan that did: small sizes may take it
 
@@ -398,7 +402,7 @@ class AdaptiveAllreduce:
         if nbytes < self.learn_bytes:
             if not self._last or self._flags() == self._passed:
                 return plan
-        elif nbytes in self._ring_sizes:
+        elif nbytes in self._ring_s:
             return plan
         return planner.paced(Pattern.static_ring(self.world), nbytes)
 
