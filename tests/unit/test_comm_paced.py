@@ -161,6 +161,14 @@ def _read_shared(ad: AdaptiveAllreduce, shared: int = 2) -> None:
                 ad.table.observe((way, r), (0.7 if r == shared else 1.0) * FAST)
 
 
+def _read_slow(ad: AdaptiveAllreduce, ranks: tuple[int, ...]) -> None:
+    """Three readings of every link, those of `ranks` at a quarter of the others' rate."""
+    for _ in range(3):
+        for r in range(ad.world):
+            for way in ("up", "down"):
+                ad.table.observe((way, r), FAST / 4 if r in ranks else FAST)
+
+
 def _ran(ad: AdaptiveAllreduce, plan: Pattern, seconds: float) -> None:
     """As if `plan` of SIZE just ran in `seconds` and its exchange came back (no flows in it)."""
     ad._ran = (plan, SIZE)
@@ -317,18 +325,22 @@ def test_a_plan_re_made_around_other_shared_links_is_judged_against_the_paced_ri
     assert f["previous_seconds"] == 1.0 and f["contended"] == ["down:1", "up:1"]
 
 
-def test_a_plan_re_made_around_slow_links_is_not_judged_against_the_ring_before_they_got_slow(events):
-    """The paced ring ran before the link got slow; any plan around it now is slower than that."""
+def _planned_around_rank_1(events: list) -> AdaptiveAllreduce:
+    """The paced ring ran, rank 1's link got slow, a slower ring called a probe that read it: the plan
+    now spares rank 1."""
     ad = _planning(events)
     _after_paced(ad, 1.0)
-    _after_paced(ad, 1.3)  # rank 1's link got slow: the probe reads it
+    _after_paced(ad, 1.3)
     _probe_ran(ad, {0: FAST, 1: FAST / 4, 2: FAST, 3: FAST}, seconds=1.3)
     assert ad.plan.split[1] == 0
+    return ad
+
+
+def test_a_plan_re_made_around_slow_links_is_not_judged_against_the_ring_before_they_got_slow(events):
+    """The paced ring ran before the link got slow; any plan around it now is slower than that."""
+    ad = _planned_around_rank_1(events)
     first = ad.plan
-    for _ in range(3):  # rank 2's link got slow too
-        for r in range(4):
-            for way in ("up", "down"):
-                ad.table.observe((way, r), FAST / 4 if r in (1, 2) else FAST)
+    _read_slow(ad, (1, 2))  # rank 2's link got slow too
     _ran(ad, ad.plan, 1.3)  # re-made around ranks 1 and 2
     assert ad.plan != first and ad.plan.split[2] < ad.plan.split[0]
     _ran(ad, ad.plan, 1.6)
@@ -338,15 +350,8 @@ def test_a_plan_re_made_around_slow_links_is_not_judged_against_the_ring_before_
 
 
 def test_once_the_slow_links_clear_links_read_slow_under_the_plan_around_them_are_not_planned_around(events):
-    ad = _planning(events)
-    _after_paced(ad, 1.0)
-    _after_paced(ad, 1.3)  # rank 1's link got slow: the probe reads it
-    _probe_ran(ad, {0: FAST, 1: FAST / 4, 2: FAST, 3: FAST}, seconds=1.3)
-    assert ad.plan.split[1] == 0
-    for _ in range(3):  # rank 1's link recovered; under the plan around it rank 3's links read slow
-        for r in range(4):
-            for way in ("up", "down"):
-                ad.table.observe((way, r), FAST / 4 if r == 3 else FAST)
+    ad = _planned_around_rank_1(events)
+    _read_slow(ad, (3,))  # rank 1's link recovered; under the plan around it rank 3's links read slow
     _ran(ad, ad.plan, 0.5)
     assert ad.plan == paced(Pattern.static_ring(4), SIZE)
     (kind, f), = [e for e in events if e[0] == "collective_plan_rejected"]
