@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterable
 
+from unbroken.bench.common import free_port  # noqa: F401 - used here and by tests
 from unbroken.comm.group import socket_fds
 
 
@@ -32,15 +34,6 @@ def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple
         reap(procs)
 
 
-def free_port() -> int:
-    """A loopback port free now (another process may still take it before it is bound: see start_leader)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _listens(pid: int, port: int) -> bool:
     """Does process `pid` hold a socket listening on TCP `port` (Linux /proc: net/tcp state 0A, fd inodes)?"""
     inodes = set()
@@ -57,8 +50,6 @@ def start_leader(start, *, attempts: int = 3, timeout: float = 60.0, group: bool
     """(node 0, its port): `start(port)` launches node 0 (a Popen with stderr piped) on a free
     port; wait until it listens there. A port another process took between our choosing and
     node 0's binding ("Address already in use") is retried on a new port."""
-    import time
-
     for _ in range(attempts):
         port = free_port()
         node0 = start(port)

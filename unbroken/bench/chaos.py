@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import typer
 
 from unbroken.bench.chaos_schedule import ChaosShape, Schedule, schedules
-from unbroken.bench.common import git_commit, machine
+from unbroken.bench.common import free_port, git_commit, machine
 from unbroken.cli_error import fail
 from unbroken.fsutil import atomic_write_bytes, atomic_write_json
 
@@ -85,7 +85,7 @@ def run_job(run_dir: Path, args: list[str], *, timeout_s: float, nnodes: int = 1
     killed. Nothing of the job outlives this call."""
     run_dir = run_dir.resolve()
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    port = _free_port() if nnodes > 1 else 0
+    port = free_port() if nnodes > 1 else 0
     base = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", str(run_dir), "--no-progress", "--json", *args]
     t0 = time.monotonic()
     procs = []
@@ -134,12 +134,6 @@ def _wait_for_node0(run_dir: Path, node0: subprocess.Popen, timeout_s: float = 3
         time.sleep(0.02)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kill_group(pgid: int) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import platform
-import socket
 import statistics
 import time
 import uuid
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Iterable
 
 from rich.console import Console
+
+from unbroken.plan.ranks import free_port  # noqa: F401 - the benches' one free port, re-exported
 
 from unbroken.config import RunConfig
 from unbroken.events import Event, read_events
@@ -70,10 +71,6 @@ def job_events(run_dir: Path) -> list[Event]:
     return read_events(Path(run_dir))
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fmt(v: object, digits: int = 3) -> str:

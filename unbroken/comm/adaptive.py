@@ -91,7 +91,7 @@ class AdaptiveAllreduce:
         self._paced_runs = 0
         self._probe: str | None = None  # why the next collective runs a probe: "first", "every", "slower"
         self._last: dict[int, tuple[Pattern, float]] = {}  # per size: the plan its last collective ran, and its seconds
-        self._judged: dict[int, tuple[Pattern, float]] = {}  # per size: a plan that ran slower than the ring once
+        self._judged: dict[int, float] = {}  # per size: the ring's seconds, after a plan ran slower than it once
         self._ring_s: dict[int, float] = {}  # per learned size: the last paced even ring's seconds (`_judge`)
         self._passed: frozenset | None = None  # the flagged links of the last plan that passed `_judge`
         self._learned = 0  # collectives whose exchange was folded in
@@ -298,10 +298,10 @@ class AdaptiveAllreduce:
                 self._ring_s[nbytes] = seconds
             self._judged.pop(nbytes, None)
             return
-        judged = self._judged.pop(nbytes, None)  # (plan, the ring's seconds) after one slow run
+        judged = self._judged.pop(nbytes, None)  # the ring's seconds, after one slow run
         if judged is not None:  # its second run, or its re-make's, decides
-            if seconds > REJECT_SLOWER * judged[1]:
-                self._reject("slower than the ring", ran, nbytes, seconds=seconds, previous_seconds=judged[1])
+            if seconds > REJECT_SLOWER * judged:
+                self._reject("slower than the ring", ran, nbytes, seconds=seconds, previous_seconds=judged)
             else:
                 self._passed = self._flags()
             return
@@ -312,7 +312,7 @@ class AdaptiveAllreduce:
         else:
             ring_s = float("inf")
         if seconds > REJECT_SLOWER * ring_s:
-            self._judged[nbytes] = (ran, ring_s)  # slower once: its next run decides
+            self._judged[nbytes] = ring_s  # slower once: its next run decides
             return
         self._passed = self._flags()  # it beat the ring, or follows a plan that did: small sizes may take it
 
