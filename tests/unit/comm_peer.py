@@ -1,5 +1,5 @@
 """Test helper process: one rank of an all-reduce (a pattern, or "shm") over a TCPStore; `--die-after K`
-exits after K posts."""
+exits after K posts; `--untimed`: the caller waits on gloo's works itself (transport.py)."""
 from __future__ import annotations
 
 import argparse
@@ -53,6 +53,7 @@ def main() -> None:
         ap.add_argument(name, type=int, default=0)
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--pattern", default="pipelined")
+    ap.add_argument("--untimed", action="store_true", help="the caller waits inside gloo (no waiter threads)")
     a = ap.parse_args()
     store = dist.TCPStore("127.0.0.1", a.port, a.world, a.rank == 0, timedelta(seconds=30))
     pg = dist.ProcessGroupGloo(store, a.rank, a.world, timedelta(seconds=30))
@@ -68,7 +69,7 @@ def main() -> None:
         run = lambda seq: shm(t)  # noqa: E731
     else:
         dying = tp
-        run = lambda seq: allreduce(tp, t, p, seq=seq)  # noqa: E731
+        run = lambda seq: allreduce(tp, t, p, seq=seq, timed=not a.untimed)  # noqa: E731
     run(1)  # a warm-up everyone finishes: the links are up
     if a.die_after:
         dying.left = a.die_after  # posts (a pattern's transport) or meetings (shm) left

@@ -17,14 +17,17 @@ from unbroken.bench.common import free_port
 TIMEOUT_S = 6.0
 
 
-@pytest.mark.parametrize("pattern", ["pipelined", "chain", "shm", pytest.param("ring", marks=pytest.mark.slow),
+@pytest.mark.parametrize("pattern", ["pipelined", "chain", "shm", "pipelined-untimed",
+                                     pytest.param("ring", marks=pytest.mark.slow),
+                                     pytest.param("ring-untimed", marks=pytest.mark.slow),
                                      pytest.param("tree", marks=pytest.mark.slow)])
 def test_a_dead_peer_raises_in_every_survivor(pattern):
+    pattern, _, untimed = pattern.partition("-")
     world, port, victim = 3, free_port(), 2
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.comm_peer", "--rank", str(r), "--world", str(world),
                                "--port", str(port), "--timeout", str(TIMEOUT_S), "--pattern", pattern,
-                               "--die-after", str(1 if r == victim else 0)],
+                               "--die-after", str(1 if r == victim else 0), *(["--untimed"] if untimed else [])],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for r in range(world)]
     outs = communicate_all(procs, timeout=60)

@@ -64,14 +64,14 @@ class AdaptiveAllreduce:
     def __init__(self, pg, *, rank: int, world: int, timeout_s: float, mode: str = "adaptive",
                  flow_cfg: flows.FlowConfig | None = None, min_gain: float = 0.05,
                  emit: Emit | None = None, interrupted: Callable[[], bool] | None = None,
-                 learn_bytes: int = 8 << 20) -> None:
+                 abort: Callable[[], None] | None = None, learn_bytes: int = 8 << 20) -> None:
         if mode not in MODES:
             raise ValueError(f"collectives mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.pg, self.rank, self.world, self.mode, self.min_gain = pg, rank, world, mode, min_gain
         self.learn_bytes = learn_bytes  # smaller all-reduces neither pay for the sync nor change the plan
         self.emit = emit if rank == 0 else None
         self.tp = Transport(pg, rank=rank, world=world, timeout_s=timeout_s, on_transfer=self._record,
-                            interrupted=interrupted)
+                            interrupted=interrupted, abort=abort)
         self.table = flows.FlowTable(flow_cfg)
         self.plan: Pattern | None = Pattern.static_ring(world) if mode == "static" else None  # the last one used
         # per all-reduce size: the links' picture its plan was made for, the planner's choice, and the
@@ -115,11 +115,12 @@ class AdaptiveAllreduce:
         self.seq += 1
         plan, t0 = self.plan, time.perf_counter()
         self._slots = self._empty_slots()
-        allreduce(self.tp, t, plan, self.seq, what)
+        learn = self.mode == "adaptive" and self.world > 1 and nbytes >= self.learn_bytes
+        allreduce(self.tp, t, plan, self.seq, what, timed=learn and not plan.window)  # a paced ring's flows are not read
         seconds = time.perf_counter() - t0
         self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": seconds,
                              "sync_s": sync_s, "estimates": self._estimates, "probe": self._probe})
-        if self.mode == "adaptive" and self.world > 1 and nbytes >= self.learn_bytes:
+        if learn:
             self._ran = (plan, nbytes)
             self._start_gather(what, seconds)
 
@@ -416,4 +417,4 @@ def for_comm(comm, mode: str, *, emit: Emit | None = None,
              interrupted: Callable[[], bool] | None = None) -> AdaptiveAllreduce:
     """The all-reduce of `mode` (one of MODES) for a generation's `Comm` (group.py)."""
     return AdaptiveAllreduce(comm.pg, rank=comm.rank, world=comm.world, timeout_s=comm.timeout_s, mode=mode,
-                             emit=emit, interrupted=interrupted)
+                             emit=emit, interrupted=interrupted, abort=comm.drop_links)

@@ -134,8 +134,10 @@ def reduce_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     return acc
 
 
-def allreduce(tp: Transport, t: torch.Tensor, pattern: Pattern, seq: int, what: str = "all-reduce") -> None:
-    """Sum `t` (contiguous) over the ranks in place, moving bytes as `pattern` says."""
+def allreduce(tp: Transport, t: torch.Tensor, pattern: Pattern, seq: int, what: str = "all-reduce", *,
+              timed: bool = True) -> None:
+    """Sum `t` (contiguous) over the ranks in place, moving bytes as `pattern` says; `timed`: each
+    transfer is stamped with its own end (its flows will be read; transport.py)."""
     if pattern.world != tp.world:
         raise ValueError(f"pattern is for {pattern.world} ranks, the group has {tp.world}")
     if not t.is_contiguous():
@@ -143,8 +145,12 @@ def allreduce(tp: Transport, t: torch.Tensor, pattern: Pattern, seq: int, what: 
     flat = t.view(-1)
     if tp.world == 1 or flat.numel() == 0:
         return
-    tp.begin()
-    {"ring": _ring, "pipelined": _pipelined, "tree": _tree, "chain": _chain}[pattern.kind](tp, flat, pattern, seq, what)
+    tp.begin(timed=timed)
+    try:
+        {"ring": _ring, "pipelined": _pipelined, "tree": _tree, "chain": _chain}[pattern.kind](tp, flat, pattern, seq,
+                                                                                             what)
+    finally:
+        tp.end()
 
 
 def reference(tp: Transport, t: torch.Tensor, seq: int, what: str = "reference all-reduce") -> None:

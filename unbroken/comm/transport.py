@@ -1,11 +1,22 @@
-"""Point-to-point transfers on a gloo group, each bounded by a deadline and timed on its own.
+"""Point-to-point transfers on a gloo group, each bounded by a deadline, timed on its own when asked.
 
 gloo's send/recv are async at issue, but a work only reports completion from `wait()`
-(`is_completed()` stays False until someone waits). So one waiter thread per (peer,
-direction) waits that pair's works in issue order (gloo keeps a pair's messages in order)
-and stamps each with the wall-clock time it ended: a transfer's duration is its own, not
-the time the caller happened to look. Every wait is bounded by the collective's deadline; a
-dead peer fails the work ("connection closed") and the caller raises CollectiveError at once.
+(`is_completed()` stays False until someone waits). A collective whose flows are read
+(`begin(timed=True)`) has one waiter thread per (peer, direction) wait that pair's works in
+issue order (gloo keeps a pair's messages in order) and stamp each with the wall-clock time it
+ended: a transfer's duration is its own, not the time the caller happened to look. One whose
+flows are not read (a paced ring, the static baseline, sizes too small to learn from) is waited
+for by the caller itself, in gloo's wait: no thread hand-off per message (on 8 ranks sharing two
+cores the hand-offs cost a third of the CPU of a 64 MB all-reduce; docs/design.md, stop 49).
+Every wait is bounded by the collective's deadline; a dead peer fails the work ("connection
+closed") and the caller raises CollectiveError at once.
+
+A newer generation must end any wait within milliseconds (`interrupted`). The waiter threads'
+transfers are waited for in 5 ms slices that look at it; a wait inside gloo cannot be sliced (a
+work that timed out is finished), so while the caller waits there a watchdog thread looks every
+5 ms and, once a newer generation exists, calls `abort` (the group's `drop_links`: the old
+generation's group is dead anyway), which fails the wait at once. Without an `abort` every
+transfer of a transport with `interrupted` goes through the waiter threads.
 
 Each finished transfer is handed to `on_transfer(kind, peer, tag, nbytes, posted,
 ended)` (flow
@@ -36,11 +47,17 @@ class Transfer:
 
     __slots__ = ("kind", "peer", "tag", "nbytes", "posted", "ended", "error", "_pending", "work")
 
-    def __init__(self, kind: str, peer: int, tag: int, nbytes: int, work) -> None:
+    def __init__(self, kind: str, peer: int, tag: int, nbytes: int, work, *, timed: bool = True) -> None:
         self.kind, self.peer, self.tag, self.nbytes, self.work = kind, peer, tag, nbytes, work
         self.posted, self.ended, self.error = time.time(), 0.0, None
-        self._pending = threading.Lock()
-        self._pending.acquire()
+        self._pending: threading.Lock | None = None  # None: the caller waits on `work` itself
+        if timed:
+            self._pending = threading.Lock()
+            self._pending.acquire()
+
+    @property
+    def timed(self) -> bool:
+        return self._pending is not None
 
     def finish(self) -> None:
         """Called once, by the waiter thread, after `ended` and `error` are set."""
@@ -58,22 +75,37 @@ class Transport:
     """Sends and receives of `rank` in a gloo group `pg` of `world` ranks; waits end by `timeout_s`."""
 
     def __init__(self, pg, *, rank: int, world: int, timeout_s: float,
-                 on_transfer: OnTransfer | None = None, interrupted: Callable[[], bool] | None = None) -> None:
+                 on_transfer: OnTransfer | None = None, interrupted: Callable[[], bool] | None = None,
+                 abort: Callable[[], None] | None = None) -> None:
         if not timeout_s > 0:
             raise ValueError(f"Transport timeout_s must be > 0 seconds, got {timeout_s!r}; e.g. 30.0")
         self.pg, self.rank, self.world, self.timeout_s = pg, rank, world, timeout_s
         self.on_transfer = on_transfer
         self._interrupted = interrupted  # a newer generation was published: stop waiting at once
+        self._abort = abort  # fails every wait on the group at once (the watchdog calls it)
         self._queues: dict[tuple[str, int], queue.SimpleQueue] = {}
         self._deadline = 0.0  # monotonic; set by begin()
+        self._timed = True  # this collective's transfers go through the waiter threads (begin)
+        self._watchdog: _Watchdog | None = None
         self.broken: str | None = None  # set once a transfer failed: the group is unusable
 
-    def begin(self) -> None:
-        """Start a collective: its every wait ends by now + timeout_s."""
+    def begin(self, *, timed: bool = True) -> None:
+        """Start a collective: its every wait ends by now + timeout_s. `timed`: its transfers are
+        stamped with their own end times (the flows will be read); otherwise the caller waits."""
         if self.broken:
             raise CollectiveError(f"rank {self.rank}: this group already failed ({self.broken}); "
                                   "a new generation's group is needed")
         self._deadline = time.monotonic() + self.timeout_s
+        self._timed = timed or (self._interrupted is not None and self._abort is None)
+        if not self._timed and self._interrupted is not None:
+            if self._watchdog is None:
+                self._watchdog = _Watchdog(self._interrupted, self._abort)
+            self._watchdog.arm()
+
+    def end(self) -> None:
+        """The collective begun last is over (or failed): the watchdog sleeps until the next."""
+        if self._watchdog is not None:
+            self._watchdog.disarm()
 
     def send(self, t: torch.Tensor, dst: int, tag: int) -> Transfer:
         return self._post("send", t, dst, tag)
@@ -89,8 +121,9 @@ class Transport:
         except RuntimeError as e:  # a closed link fails at issue
             self.broken = f"{kind} with rank {peer}: {str(e).splitlines()[0][:160]}"
             raise CollectiveError(f"rank {self.rank}: {self.broken}") from e
-        x = Transfer(kind, peer, tag, t.numel() * t.element_size(), work)
-        self._queue(kind, peer).put(x)
+        x = Transfer(kind, peer, tag, t.numel() * t.element_size(), work, timed=self._timed)
+        if self._timed:
+            self._queue(kind, peer).put(x)
         return x
 
     def _queue(self, kind: str, peer: int) -> queue.SimpleQueue:
@@ -106,6 +139,8 @@ class Transport:
         for q in self._queues.values():
             q.put(None)
         self._queues = {}
+        if self._watchdog is not None:
+            self._watchdog.stop()
 
     def _wait_loop(self, q: queue.SimpleQueue) -> None:
         while (x := q.get()) is not None:
@@ -123,6 +158,9 @@ class Transport:
         GenerationChanged as soon as `interrupted()` says a newer generation exists."""
         pace = 0.005 if self._interrupted else float("inf")  # how often to look for a newer generation
         for x in transfers:
+            if not x.timed:
+                self._wait_work(x, what)
+                continue
             while not x.wait_done(min(self._deadline - time.monotonic(), pace)):
                 if self._interrupted is not None and self._interrupted():
                     self.broken = f"{what}: a newer generation was published while waiting on rank {x.peer}"
@@ -135,3 +173,65 @@ class Transport:
                 raise CollectiveError(f"rank {self.rank}/{self.world}: {self.broken}") from x.error
             if self.on_transfer is not None and x.nbytes:
                 self.on_transfer(x.kind, x.peer, x.tag, x.nbytes, x.posted, x.ended)
+
+    def _wait_work(self, x: Transfer, what: str) -> None:
+        """Wait on an untimed transfer's gloo work here, bounded by the deadline; a newer generation
+        fails it through the watchdog's `abort`."""
+        if x.work is not None:
+            if self._watchdog is not None:
+                self._changed(what, x)
+                self._watchdog.blocked = True
+            try:
+                x.work.wait(timedelta(seconds=max(0.001, self._deadline - time.monotonic())))
+            except RuntimeError as e:  # gloo's failures and its timeout
+                x.error = e
+            finally:
+                if self._watchdog is not None:
+                    self._watchdog.blocked = False
+            x.ended, x.work = time.time(), None
+        if x.error is None:
+            return
+        if self._interrupted is not None:
+            self._changed(what, x)
+        if time.monotonic() >= self._deadline:
+            self.broken = f"{what}: {x.kind} with rank {x.peer} did not end within {self.timeout_s:.1f}s"
+        else:
+            self.broken = f"{what}: {x.kind} with rank {x.peer} failed: {str(x.error).splitlines()[0][:160]}"
+        raise CollectiveError(f"rank {self.rank}/{self.world}: {self.broken}") from x.error
+
+    def _changed(self, what: str, x: Transfer) -> None:
+        """GenerationChanged if a newer generation exists."""
+        if self._interrupted():
+            self.broken = f"{what}: a newer generation was published while waiting on rank {x.peer}"
+            raise GenerationChanged(f"rank {self.rank}/{self.world}: {self.broken}")
+
+
+class _Watchdog:
+    """While a collective runs (`arm`..`disarm`), every WATCH_S: if the caller is inside gloo's wait
+    (`blocked`) and `interrupted()`, call `abort()` (once) so that the wait fails at once. A daemon
+    thread, asleep between collectives."""
+
+    WATCH_S = 0.005
+
+    def __init__(self, interrupted: Callable[[], bool], abort: Callable[[], None]) -> None:
+        self.interrupted, self.abort = interrupted, abort
+        self.blocked = False
+        self._armed, self._stopped = threading.Event(), False
+        threading.Thread(target=self._run, name="unbroken-p2p-watchdog", daemon=True).start()
+
+    def arm(self) -> None:
+        self._armed.set()
+
+    def disarm(self) -> None:
+        self._armed.clear()
+
+    def _run(self) -> None:
+        while self._armed.wait() and not self._stopped:
+            time.sleep(self.WATCH_S)
+            if self.blocked and self.interrupted():
+                self.abort()
+                return
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._armed.set()
