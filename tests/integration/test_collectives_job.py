@@ -16,17 +16,23 @@ def _buckets(tmp_path, kb: int) -> list[str]:
     return ["--config", str(cfg), "--overlap", "on"]
 
 
-@pytest.mark.parametrize("strategy,bucket_kb", [("ddp", None), ("zero1", 16)])
-def test_a_killed_rank_recovers_to_the_failure_free_weights_with_adaptive_collectives(tmp_path, strategy, bucket_kb):
-    """zero1 in small buckets: the rank dies while survivors' buckets are queued on our thread."""
+@pytest.mark.parametrize("strategy,bucket_kb,fault", [("ddp", None, "crash"), ("zero1", 16, "crash"),
+                                                     ("zero1", 16, "hang")])
+def test_a_failed_rank_recovers_to_the_failure_free_weights_with_adaptive_collectives(tmp_path, strategy, bucket_kb,
+                                                                                      fault):
+    """zero1 in small buckets: the rank dies while survivors' buckets are queued on our thread. A stopped
+    rank (hang) leaves the survivors waiting inside gloo (buckets under learn_bytes are not timed:
+    comm/transport.py) until it is detected and killed (test_comm_untimed_wait: a newer generation
+    ends such a wait while the stalled peer's links stay up)."""
     args = [*SMALL, "--strategy", strategy, "--collectives", "adaptive", "--checkpoint-every", "2"]
     if bucket_kb is not None:
         args += _buckets(tmp_path, bucket_kb)
     free = run_job(tmp_path / "free", *args)
     assert free["ok"] and free["ranks_agree"]
-    got = run_job(tmp_path / "killed", *args, "--inject", "sigkill:rank=1,step=5,phase=backward")
+    kind = {"crash": "sigkill", "hang": "sigstop"}[fault]
+    got = run_job(tmp_path / "failed", *args, "--inject", f"{kind}:rank=1,step=5,phase=backward")
     assert got["ok"] and got["weights_sha256"] == free["weights_sha256"]
-    assert [r["fault"] for r in got["recoveries"]] == ["crash"]  # one recovery: no hang after it
+    assert [r["fault"] for r in got["recoveries"]] == [fault]  # one recovery: no hang after it
 
 
 def test_static_and_adaptive_collectives_train_to_the_same_bits(tmp_path):
