@@ -29,12 +29,28 @@ SKIP_STEPS = 2  # the first steps pay for start-up (lazy allocation, the shadow 
 
 
 def machine() -> dict:
-    """Where the numbers came from; load average because other work shares the cores."""
+    """Where the numbers came from; load average because other work shares the cores, the CPU model and
+    torch's vector capability because hosts of one kind differ (the same code ran 15-40 % slower on
+    one without AVX-512: docs/benchmarks.md, stop 48)."""
     import torch
 
-    return {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+    return {"cpus": os.cpu_count(), "cpu_model": _cpu_model(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "python": platform.python_version(),
             "platform": platform.platform(terse=True), "loadavg": [round(x, 2) for x in os.getloadavg()],
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _cpu_model() -> str:
+    """/proc/cpuinfo's "model name" (Linux), else what platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def write_result(name: str, data: dict, out_dir: Path = RESULTS_DIR) -> Path:

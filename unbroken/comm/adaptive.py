@@ -116,7 +116,7 @@ class AdaptiveAllreduce:
         plan, t0 = self.plan, time.perf_counter()
         self._slots = self._empty_slots()
         learn = self.mode == "adaptive" and self.world > 1 and nbytes >= self.learn_bytes
-        allreduce(self.tp, t, plan, self.seq, what, timed=learn and not plan.window)  # a paced ring's flows are not read
+        allreduce(self.tp, t, plan, self.seq, what, timed=learn and not plan.window)  # a paced ring's flows: not read
         seconds = time.perf_counter() - t0
         self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": seconds,
                              "sync_s": sync_s, "estimates": self._estimates, "probe": self._probe})
