@@ -28,6 +28,21 @@ def test_figures_are_medians_of_time_ratios_over_congested_scenarios_and_payload
     assert res["bitwise_equal"] and {r["scenario"] for r in res["rows"]} == set(runs)
 
 
+def test_the_cpu_figure_is_the_median_cpu_ratio_over_the_uncongested_payloads():
+    def recs(nbytes, gloo_cpu, ours_cpu):
+        out = [_rec("gloo", 1.0, nbytes=nbytes), _rec("adaptive", 1.1, nbytes=nbytes)]
+        out[0]["cpu_s"], out[1]["cpu_s"] = gloo_cpu, ours_cpu
+        return out
+
+    runs = {"none": {"records": recs(MB, 1.0, 3.0) + recs(4 * MB, 2.0, 3.0) + recs(16 * MB, 4.0, 4.0)
+                     + recs(MB // 2, 1.0, 9.0), "changes": []}}  # under 1 MB: not in the figure
+    res = cb.result(runs, world=4, fast=1000, slow=250, rounds=1, period=1.0)
+    assert res["cpu_vs_gloo_uncongested"] == pytest.approx(1.5)  # ratios 3.0, 1.5, 1.0
+    assert {r["bytes"]: r["median_cpu_s"] for r in res["rows"] if r["method"] == "gloo"}[4 * MB] == 2.0
+    old = {"none": {"records": [_rec("gloo", 1.0), _rec("adaptive", 1.0)], "changes": []}}  # records before cpu_s
+    assert cb.result(old, world=4, fast=1000, slow=250, rounds=1, period=1.0)["cpu_vs_gloo_uncongested"] is None
+
+
 def test_payloads_under_one_megabyte_are_not_in_the_figures():
     runs = {"one_slow": {"records": [_rec("static", 9.0, nbytes=MB // 2), _rec("adaptive", 1.0, nbytes=MB // 2),
                                      _rec("gloo", 9.0, nbytes=MB // 2)], "changes": []}}

@@ -13,7 +13,8 @@ Each rank runs in its own network namespace (plan/netns.py: veth + bridge, `tc t
 Methods are interleaved round by round in one run. algbw = payload bytes / the slowest rank's
 time. Figures (medians over rounds, then over scenarios and payloads >= 1 MB):
 speedup_vs_static_congested and speedup_vs_gloo_congested over one_slow, two_slow and
-background; slowdown_vs_gloo_uncongested over none (adaptive / gloo - 1); replan_collectives:
+background; slowdown_vs_gloo_uncongested over none (adaptive / gloo - 1); cpu_vs_gloo_uncongested,
+the same for the CPU the ranks spent (adaptive / gloo; each cell's `median_cpu_s`); replan_collectives:
 per rate change in `changing`, how many adaptive collectives ran on the old plan after the change
 (the one in flight included) before a new plan was in use. Each of the first three has a 95 %
 interval beside it (`..._ci95`: a paired bootstrap over rounds, bench/collectives_ci.py).
@@ -169,8 +170,10 @@ def rows_of(runs: dict) -> list[dict]:
                 secs = [r["seconds"] for r in recs if r["bytes"] == nbytes and r["method"] == m]
                 if secs:
                     med = statistics.median(secs)
+                    cpu = [r["cpu_s"] for r in recs if r["bytes"] == nbytes and r["method"] == m and "cpu_s" in r]
                     rows.append({"scenario": sc, "bytes": nbytes, "method": m, "seconds": secs, "median_s": med,
-                                 "algbw_GBps": nbytes / med / 1e9})
+                                 "algbw_GBps": nbytes / med / 1e9,
+                                 "median_cpu_s": statistics.median(cpu) if cpu else None})
                     if m == "adaptive":  # which plans ran, and what learning cost (waiting for the last rank included)
                         ad = [r for r in recs if r["bytes"] == nbytes and r["method"] == m]
                         rows[-1]["plans"] = [r.get("plan") for r in ad]
@@ -202,11 +205,11 @@ def add_model(rows: list[dict], *, world: int, fast: float, slow: float) -> list
     return bound
 
 
-def _ratios(rows: list[dict], scenarios: tuple[str, ...], num: str, den: str) -> list[float]:
-    """time(num) / time(den) per scenario x payload >= 1 MB."""
-    by = {(r["scenario"], r["bytes"], r["method"]): r["median_s"] for r in rows}
+def _ratios(rows: list[dict], scenarios: tuple[str, ...], num: str, den: str, key: str = "median_s") -> list[float]:
+    """time(num) / time(den) (or another `key` of the rows: CPU) per scenario x payload >= 1 MB."""
+    by = {(r["scenario"], r["bytes"], r["method"]): r.get(key) for r in rows}
     return [by[(sc, b, num)] / by[(sc, b, den)] for sc, b, m in by
-            if m == den and sc in scenarios and b >= MB and (sc, b, num) in by]
+            if m == den and sc in scenarios and b >= MB and by.get((sc, b, num)) and by[(sc, b, den)]]
 
 
 JUDGED_AFTER = 3  # the goal's window: a last change the run ended sooner after, with no new plan yet, is not judged
@@ -247,6 +250,7 @@ def result(runs: dict, *, world: int, fast: float, slow: float, rounds: int, per
     unc = _ratios(rows, ("none",), "adaptive", "gloo")
     bound = add_model(rows, world=world, fast=fast, slow=slow)
     unc_ci = figure_ci(rows, ("none",), "adaptive", "gloo")
+    cpu = _ratios(rows, ("none",), "adaptive", "gloo", key="median_cpu_s")
     res = {"world_size": world, "fast_mbit": fast, "slow_mbit": slow, "rounds": rounds, "methods": list(METHODS),
            "scenarios": list(runs), "rows": rows,
            "speedup_vs_static_congested": statistics.median(vs_static) if vs_static else None,
@@ -256,6 +260,7 @@ def result(runs: dict, *, world: int, fast: float, slow: float, rounds: int, per
            "speedup_vs_gloo_congested_ci95": figure_ci(rows, congested, "gloo", "adaptive"),
            "slowdown_vs_gloo_uncongested_ci95": [x - 1 for x in unc_ci] if unc_ci else None,
            "model_speedup_vs_static_congested": statistics.median(bound) if bound else None,
+           "cpu_vs_gloo_uncongested": statistics.median(cpu) if cpu else None,
            "goal": {"speedup_vs_static_congested": 1.4, "speedup_vs_gloo_congested": 1.2,
                     "slowdown_vs_gloo_uncongested": 0.05, "replan_collectives": 3},
            "bitwise_equal": _bitwise(runs)}

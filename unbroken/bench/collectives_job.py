@@ -6,7 +6,8 @@
 
 A rank times every method on every payload, interleaved round by round (gloo, static,
 adaptive, gloo, ...), each on its own gloo group, a barrier before each; a collective's time
-is the slowest rank's. Rank 0 writes one JSON line per collective to --out. Background
+is the slowest rank's, its CPU the sum over the ranks of their processes' user + system time
+(every thread: gloo's, our waiter threads). Rank 0 writes one JSON line per collective to --out. Background
 traffic is one TCP stream between two namespaces, bounded in bytes and in seconds.
 """
 from __future__ import annotations
@@ -45,13 +46,14 @@ def _runners(pgs: dict, args) -> tuple[dict, object]:
     return {m: run[m] for m in args.methods.split(",")}, ours["adaptive"]
 
 
-def _slowest(pg, seconds: float, timeout: float) -> float:
+def _over_ranks(pg, value: float, op: str, timeout: float) -> float:
+    """`value` reduced over the ranks by `op` ("MAX" or "SUM")."""
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([seconds], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64)
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MAX
+    opts.reduceOp = getattr(dist.ReduceOp, op)
     pg.allreduce([t], opts).wait(timedelta(seconds=timeout))
     return float(t[0])
 
@@ -69,12 +71,13 @@ def rank_main(args) -> None:
     def one(method: str, x: torch.Tensor, phase: str, rnd: int) -> None:
         t = x.clone()
         control.allreduce([torch.zeros(1)]).wait(timedelta(seconds=args.timeout))  # barrier
-        start, t0 = time.time(), time.perf_counter()
+        start, t0, c0 = time.time(), time.perf_counter(), time.process_time()
         runners[method](t)
-        secs = _slowest(control, time.perf_counter() - t0, args.timeout)
+        secs, cpu = time.perf_counter() - t0, time.process_time() - c0
+        secs, cpu = _over_ranks(control, secs, "MAX", args.timeout), _over_ranks(control, cpu, "SUM", args.timeout)
         if out:
             rec = {"phase": phase, "round": rnd, "method": method, "bytes": x.numel() * 4, "seconds": secs,
-                   "start": start, "sha": _digest(t)}
+                   "cpu_s": cpu, "start": start, "sha": _digest(t)}
             if method == "adaptive":
                 rec["plan"] = adaptive.history[-1]["plan"]
                 rec["estimates"] = adaptive.history[-1].get("estimates")
