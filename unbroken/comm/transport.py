@@ -162,9 +162,8 @@ class Transport:
                 self._wait_work(x, what)
                 continue
             while not x.wait_done(min(self._deadline - time.monotonic(), pace)):
-                if self._interrupted is not None and self._interrupted():
-                    self.broken = f"{what}: a newer generation was published while waiting on rank {x.peer}"
-                    raise GenerationChanged(f"rank {self.rank}/{self.world}: {self.broken}")
+                if self._interrupted is not None:
+                    self._changed(what, x)
                 if time.monotonic() >= self._deadline:
                     self.broken = f"{what}: {x.kind} with rank {x.peer} did not end within {self.timeout_s:.1f}s"
                     raise CollectiveError(f"rank {self.rank}/{self.world}: {self.broken}")
@@ -200,7 +199,7 @@ class Transport:
         raise CollectiveError(f"rank {self.rank}/{self.world}: {self.broken}") from x.error
 
     def _changed(self, what: str, x: Transfer) -> None:
-        """GenerationChanged if a newer generation exists."""
+        """GenerationChanged if a newer generation exists (`interrupted` is set)."""
         if self._interrupted():
             self.broken = f"{what}: a newer generation was published while waiting on rank {x.peer}"
             raise GenerationChanged(f"rank {self.rank}/{self.world}: {self.broken}")
