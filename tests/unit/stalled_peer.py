@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,11 +24,11 @@ def main() -> None:
     ap.add_argument("--timeout", type=float)
     ap.add_argument("--newer-after", type=float)
     a = ap.parse_args()
-    store = dist.TCPStore("127.0.0.1", a.port, 2, a.rank == 0)
-    t0 = time.monotonic()
-    newer = lambda: time.monotonic() - t0 > a.newer_after  # noqa: E731 - the generation watch's answer
-    comm = Comm(store, rank=a.rank, world=2, gen=0, timeout_s=a.timeout, interrupted=newer if a.rank == 0 else None)
+    store = dist.TCPStore("127.0.0.1", a.port, 2, a.rank == 0, timedelta(seconds=30))
+    comm = Comm(store, rank=a.rank, world=2, gen=0, timeout_s=a.timeout)
     comm.barrier("joined")
+    t0 = time.monotonic()  # both ranks joined: the clock of the "newer generation" starts
+    newer = lambda: time.monotonic() - t0 > a.newer_after  # noqa: E731 - the generation watch's answer
     if a.rank == 1:
         time.sleep(a.timeout + 5)  # a stalled peer: its links stay up, it sends nothing
         os._exit(0)

@@ -30,4 +30,5 @@ def test_a_newer_generation_ends_a_wait_inside_gloo_at_once():
     assert procs[0].returncode == 0, err[-800:]
     res = json.loads(out.strip().splitlines()[-1])
     assert res["raised"] == "GenerationChanged", res
+    assert res["waited_s"] > NEWER_AFTER_S / 2, res  # it was waiting inside gloo, not refused at once
     assert res["after_newer_s"] < 1.0, res  # the collective's timeout is 20 s: only the watchdog ends it this soon
