@@ -234,17 +234,15 @@ def test_a_plan_around_flagged_links_runs_after_the_paced_ring_of_its_size(event
 
 def test_a_size_not_learned_from_takes_a_plan_around_flagged_links_once_it_passed_at_a_learned_size(ad):
     """Small sizes are never judged (their times are not shared): they wait for the judgment of a
-    learned size's plan around the same links, on the unpaced even ring (a paced ring moves at the
-    shared link's pace)."""
+    learned size's plan around the same links."""
     small = ad.learn_bytes // 2
-    unpaced = Pattern.static_ring(4, pieces_for(small))
     _shared_probe(ad, 1.0)
     ad.decide(small)
-    assert ad.plan == unpaced  # the plan around rank 2 has not run yet
+    assert ad.plan == paced(Pattern.static_ring(4), small)  # the plan around rank 2 has not run yet
     ad.decide(SIZE)
     _uneven_ran(ad, 1.2)  # slower than the ring once: not judged yet
     ad.decide(small)
-    assert ad.plan == unpaced
+    assert ad.plan == paced(Pattern.static_ring(4), small)
     ad.decide(SIZE)
     _uneven_ran(ad, 0.95)  # its second run beat the ring: passed
     ad.decide(small)

@@ -396,18 +396,14 @@ class AdaptiveAllreduce:
         (docs/design.md, stop 45). Sizes under `learn_bytes` are never judged (their times are not
         shared): they take a plan around flagged links only once a plan around the same links passed
         `_judge` at a learned size; before, 1 and 4 MB ran a split around misread links between its
-        two judged runs at up to 1.5x gloo's time (docs/design.md, stop 46). Meanwhile they run the
-        even ring unpaced, as the static ring does: a paced ring moves at its slowest hop's pace, and
-        beside another job's stream the paced ring ran 1 and 4 MB at 0.67-0.82x the static ring's
-        speed on 8 ranks (docs/design.md, stop 49). With no learned size at all there is nothing to
-        judge by, and the plan runs at once."""
+        two judged runs at up to 1.5x gloo's time (docs/design.md, stop 46). With no learned size at
+        all there is nothing to judge by, and the plan runs at once."""
         if _even_ring(plan):
             return plan
         if nbytes < self.learn_bytes:
             if not self._last or self._flags() == self._passed:
                 return plan
-            return Pattern.static_ring(self.world, planner.pieces_for(nbytes))
-        if nbytes in self._ring_s:
+        elif nbytes in self._ring_s:
             return plan
         return planner.paced(Pattern.static_ring(self.world), nbytes)
 
