@@ -167,17 +167,17 @@ def rows_of(runs: dict) -> list[dict]:
         recs = [r for r in run["records"] if r["phase"] == "measure"]
         for nbytes in sorted({r["bytes"] for r in recs}):
             for m in METHODS:
-                secs = [r["seconds"] for r in recs if r["bytes"] == nbytes and r["method"] == m]
-                if secs:
+                cell = [r for r in recs if r["bytes"] == nbytes and r["method"] == m]
+                if cell:
+                    secs = [r["seconds"] for r in cell]
                     med = statistics.median(secs)
-                    cpu = [r["cpu_s"] for r in recs if r["bytes"] == nbytes and r["method"] == m and "cpu_s" in r]
+                    cpu = [r["cpu_s"] for r in cell if "cpu_s" in r]  # records before stop 49 have none
                     rows.append({"scenario": sc, "bytes": nbytes, "method": m, "seconds": secs, "median_s": med,
                                  "algbw_GBps": nbytes / med / 1e9,
                                  "median_cpu_s": statistics.median(cpu) if cpu else None})
                     if m == "adaptive":  # which plans ran, and what learning cost (waiting for the last rank included)
-                        ad = [r for r in recs if r["bytes"] == nbytes and r["method"] == m]
-                        rows[-1]["plans"] = [r.get("plan") for r in ad]
-                        rows[-1]["sync_s"] = [r.get("sync_s") for r in ad]
+                        rows[-1]["plans"] = [r.get("plan") for r in cell]
+                        rows[-1]["sync_s"] = [r.get("sync_s") for r in cell]
     return rows
 
 
