@@ -134,8 +134,6 @@ def _wait_for_node0(run_dir: Path, node0: subprocess.Popen, timeout_s: float = 3
         time.sleep(0.02)
 
 
-
-
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)

@@ -16,11 +16,10 @@ from typing import Iterable
 
 from rich.console import Console
 
-from unbroken.plan.ranks import free_port  # noqa: F401 - the benches' one free port, re-exported
-
 from unbroken.config import RunConfig
 from unbroken.events import Event, read_events
 from unbroken.fsutil import atomic_write_json
+from unbroken.plan.ranks import free_port  # noqa: F401 - the benches' one free port, re-exported
 from unbroken.provenance import git_commit  # noqa: F401  (re-exported: benchmarks record it)
 from unbroken.runtime.procs import kill_pids
 

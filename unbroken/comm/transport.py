@@ -165,11 +165,9 @@ class Transport:
                 if self._interrupted is not None:
                     self._changed(what, x)
                 if time.monotonic() >= self._deadline:
-                    self.broken = f"{what}: {x.kind} with rank {x.peer} did not end within {self.timeout_s:.1f}s"
-                    raise CollectiveError(f"rank {self.rank}/{self.world}: {self.broken}")
+                    self._fail(what, x)
             if x.error is not None:
-                self.broken = f"{what}: {x.kind} with rank {x.peer} failed: {str(x.error).splitlines()[0][:160]}"
-                raise CollectiveError(f"rank {self.rank}/{self.world}: {self.broken}") from x.error
+                self._fail(what, x)
             if self.on_transfer is not None and x.nbytes:
                 self.on_transfer(x.kind, x.peer, x.tag, x.nbytes, x.posted, x.ended)
 
@@ -192,10 +190,14 @@ class Transport:
             return
         if self._interrupted is not None:
             self._changed(what, x)
-        if time.monotonic() >= self._deadline:
-            self.broken = f"{what}: {x.kind} with rank {x.peer} did not end within {self.timeout_s:.1f}s"
-        else:
+        self._fail(what, x)
+
+    def _fail(self, what: str, x: Transfer) -> None:
+        """CollectiveError for `x`: its error, or else the deadline passed; the group is broken."""
+        if x.error is not None and time.monotonic() < self._deadline:
             self.broken = f"{what}: {x.kind} with rank {x.peer} failed: {str(x.error).splitlines()[0][:160]}"
+        else:
+            self.broken = f"{what}: {x.kind} with rank {x.peer} did not end within {self.timeout_s:.1f}s"
         raise CollectiveError(f"rank {self.rank}/{self.world}: {self.broken}") from x.error
 
     def _changed(self, what: str, x: Transfer) -> None:
