@@ -26,6 +26,17 @@ def kinds(run_dir, kind):
     return [e["fields"] for e in events(Path(run_dir)) if e["kind"] == kind]
 
 
+def only_recovery(run_dir) -> dict:
+    """The run's one `recovered` event; when there are more, the failure names each generation's
+    cause and each detected fault (a second recovery under load is then diagnosable from the CI log)."""
+    recs = kinds(run_dir, "recovered")
+    if len(recs) != 1:
+        why = [(e["kind"], e.get("gen"), e.get("rank"), {k: e["fields"].get(k) for k in ("cause", "fault", "proc")})
+               for e in events(Path(run_dir)) if e["kind"] in ("generation", "fault_detected", "recovered")]
+        raise AssertionError(f"{len(recs)} recoveries, expected 1: {why}")
+    return recs[0]
+
+
 def losses(run_dir) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in kinds(run_dir, "step")}
 
@@ -40,7 +51,7 @@ def kill_at_phase_is_invisible(tmp_path, strategy: str, reference_sha: str, phas
     if path == "either" and restored:
         assert restored == {4}
         return
-    [rec] = kinds(tmp_path / "run", "recovered")
+    rec = only_recovery(tmp_path / "run")
     assert rec["path"] == "tier1" and rec["replaced"] == [2] and got["steps_lost"] == 0
     if phase == "allgather":  # every update was done (and the commit has no collective):
         assert rec["step"] == 5  # the survivors committed step 5, the lost shard is decoded at 5
