@@ -10,15 +10,21 @@ import sys
 import pytest
 
 from tests.procs import free_port, reap
+from unbroken.comm import native_ring
 
 pytestmark = pytest.mark.timeout(90)
 
 TIMEOUT_S, NEWER_AFTER_S = 20.0, 1.0
 
 
-def test_a_newer_generation_ends_a_wait_inside_gloo_at_once():
+@pytest.mark.parametrize("walk", ["python", "compiled"])
+def test_a_newer_generation_ends_a_wait_inside_gloo_at_once(walk):
+    """1 MB runs the even ring, whose walk waits inside gloo in Python or in C++ (native_ring.py)."""
+    if walk == "compiled" and (why := native_ring.build()):
+        pytest.skip(why)
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path),
+           "UNBROKEN_NATIVE": "1" if walk == "compiled" else "0"}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.stalled_peer", "--rank", str(r), "--port", str(port),
                                "--timeout", str(TIMEOUT_S), "--newer-after", str(NEWER_AFTER_S)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -40,7 +40,7 @@ from pathlib import Path
 from rich.table import Table
 
 from unbroken.bench.collectives_ci import figure_ci
-from unbroken.comm import planner
+from unbroken.comm import native_ring, planner
 from unbroken.comm.patterns import Pattern
 from unbroken.plan.netns import Netns, Wiring
 
@@ -58,7 +58,8 @@ def rates(scenario: str, world: int, fast: float, slow: float) -> tuple[float, .
 
 
 def _env(net: Netns, rank: int) -> dict:
-    keep = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "UNBROKEN_"))}
+    keep = {k: v for k, v in os.environ.items()
+            if not k.startswith(("MASTER_", "UNBROKEN_")) or k.startswith("UNBROKEN_NATIVE")}
     return {**keep, **net.env(rank), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -148,6 +149,8 @@ def run_scenario(scenario: str, *, world: int, payloads: list[int], rounds: int,
 def measure(*, world: int, payloads: list[int], rounds: int, fast: float, slow: float, changing_payload: int,
             changing_rounds: int, period: float, scenarios: tuple[str, ...] = SCENARIOS, log=print) -> dict:
     runs = {}
+    native = native_ring.build()  # before any rank starts: a build never runs inside a collective
+    log(f"collectives: our ring walks {'in Python: ' + native if native else 'compiled'}")
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-collectives-") as tmp:
         for i, sc in enumerate(scenarios):
             log(f"collectives: scenario {sc} ({i + 1}/{len(scenarios)})")
@@ -157,7 +160,8 @@ def measure(*, world: int, payloads: list[int], rounds: int, fast: float, slow: 
             else:
                 runs[sc] = run_scenario(sc, world=world, payloads=payloads, rounds=rounds, fast=fast, slow=slow,
                                         period=period, tmp=Path(tmp), port=_PORT + 4 * i, log=log)
-    return result(runs, world=world, fast=fast, slow=slow, rounds=rounds, period=period)
+    return {**result(runs, world=world, fast=fast, slow=slow, rounds=rounds, period=period),
+            "ring_walk": "compiled" if native is None else f"python ({native})"}
 
 
 def rows_of(runs: dict) -> list[dict]:

@@ -33,11 +33,13 @@ in rank order) bit for bit, for floats as for integers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import Sequence
 
 import torch
 
+from unbroken.comm import native_ring
 from unbroken.comm.group import CollectiveError
 from unbroken.comm.transport import Transfer, Transport
 
@@ -174,60 +176,69 @@ def _ring(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) ->
     a piece's all-gather along the ring starts as soon as its rows are reduced, overlapping the rows
     of the next pieces. Unpaced (`window` 0), every rank's rows go to their owners at once, piece by
     piece, with RING_WINDOW all-gather sends in flight (a rank never waits for a round to end);
-    paced, every send waits its turn in schedule order with `window` in flight."""
-    n, me = tp.world, tp.rank
-    b = bounds(flat.numel(), p.split)
-    cut = [pieces_of(*b[r], p.pieces) for r in range(n)]
-    lo, hi = b[me]
-    rows = {src: torch.empty(hi - lo, dtype=flat.dtype) for src in range(n) if src != me}
-    rs_in, ag_in = _ring_receives(tp, flat, p, seq, cut, rows, lo)
-    mine = _ring_schedule(p, me, [len(c) for c in cut])
-    if p.window:
-        sends, window, row_sends = [], p.window, []
-    else:  # rows depend on nothing: all of them leave at once, each flow at its own links' pace (a
-        # slow owner does not hold up the rows for a fast one, and flows.py can read every link)
-        row_sends = [tp.send(flat[cut[o][i][0]:cut[o][i][1]], peer, tag(seq, PHASE_ROWS, me, i))
-                     for _, kind, peer, o, i in mine if kind == "rows"]
-        mine, sends, window = [x for x in mine if x[1] != "rows"], [], RING_WINDOW
-    waited = 0
-    for _, kind, peer, owner, i in mine:
+    paced, every send waits its turn in schedule order with `window` in flight. `ring_plan` says what
+    to post and wait for; a caller that waits inside gloo runs it compiled when built (native_ring.py)."""
+    me, bits = tp.rank, (seq % 1024) << 20
+    lo, hi, recvs, pre, steps, waits, window = ring_plan(p, flat.numel(), me)
+    rows = [flat.new_empty(0) if r == me else flat.new_empty(hi - lo) for r in range(tp.world)]
+    if tp.caller_waits and (walk := native_ring.module()) is not None:
+        tp.wait_native(lambda left: walk.walk_ring(tp.pg, flat, rows, lo, me, bits, recvs, pre, steps, waits, window,
+                                                   left), what)
+        return
+    rx = [tp.recv(rows[src][a - lo:z - lo] if into_rows else flat[a:z], src, bits | t)
+          for src, into_rows, a, z, t in recvs]
+    row_sends = [tp.send(flat[a:z], peer, bits | t) for peer, a, z, t in pre]
+    sends, waited = [], 0
+    for kind, peer, a, z, t, first, last in steps:
         if len(sends) - waited >= window:
             tp.wait([sends[waited]], f"{what} (send {waited} of the ring)")
             waited += 1
-        a, z = cut[owner][i]
-        if kind == "rows":
-            sends.append(tp.send(flat[a:z], peer, tag(seq, PHASE_ROWS, me, i)))
-            continue
-        if kind == "own":  # my piece i: every rank's rows are in; reduce in rank order, pass it on
-            tp.wait(rs_in[i], f"{what} (reduce-scatter piece {i})")
-            flat[a:z] = reduce_rows([flat[a:z] if r == me else rows[r][a - lo:z - lo] for r in range(n)])
-        else:
-            tp.wait([ag_in.pop((owner, i))], f"{what} (all-gather of rank {owner}'s piece {i})")
-        sends.append(tp.send(flat[a:z], peer, tag(seq, PHASE_RING_GATHER, owner, i)))
-    tp.wait([*row_sends, *sends[waited:], *ag_in.values()], f"{what} (all-gather)")
+        if kind == STEP_OWN:  # my piece: every rank's rows are in; reduce in rank order, pass it on
+            tp.wait([rx[k] for k in waits[first:last]], f"{what} (reduce-scatter of my piece at {a})")
+            flat[a:z] = reduce_rows([flat[a:z] if r == me else rows[r][a - lo:z - lo] for r in range(tp.world)])
+        elif kind == STEP_FWD:
+            tp.wait([rx[k] for k in waits[first:last]], f"{what} (all-gather of the piece at {a})")
+        sends.append(tp.send(flat[a:z], peer, bits | t))
+    unwaited = sorted(set(range(len(rx))) - set(waits))
+    tp.wait([*row_sends, *sends[waited:], *(rx[k] for k in unwaited)], f"{what} (all-gather)")
 
 
-def _ring_receives(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, cut: list, rows: dict,
-                   lo: int) -> tuple:
-    """Every receive of the ring posted at once, each into its own place (raw rows for my pieces,
-    finished pieces of the other chunks), from each peer in the order that peer sends them (rows
-    first when unpaced, schedule order when paced): a pair's works are waited for in the order they
-    were posted (transport.py), so any other order would make a wait hang on a later message."""
-    me, npieces = tp.rank, [len(c) for c in cut]
-    rs_in: list[list[Transfer]] = [[] for _ in cut[me]]
-    ag_in: dict[tuple[int, int], Transfer] = {}
-    for src in rows:
-        theirs = _ring_schedule(p, src, npieces)
+STEP_OWN, STEP_FWD, STEP_ROWS = 0, 1, 2  # ring_plan's step kinds (ring_walk.cpp reads the same numbers)
+
+
+@functools.lru_cache(maxsize=64)
+def ring_plan(p: Pattern, numel: int, me: int) -> tuple:
+    """What `me` posts and waits for in ring `p` over `numel` elements: (lo, hi) of its chunk;
+    receives (src, into src's rows (1) or the tensor (0), start, end, tag), posted at once in the
+    order each peer sends (rows first when unpaced, schedule order when paced: a timed pair's works
+    are waited for in posting order, transport.py, so any other order could hang); sends posted
+    at once (an unpaced ring's rows: peer, start, end, tag); the steps in schedule order (kind,
+    peer, start, end, tag, first, last), step k waiting for receives waits[first:last] before its
+    send; and the sends in flight. Tags carry no collective number (the caller ORs it in)."""
+    n = p.world
+    b = bounds(numel, p.split)
+    cut = [pieces_of(*b[r], p.pieces) for r in range(n)]
+    lo, hi = b[me]
+    recvs, rs_in, ag_in = [], [[] for _ in cut[me]], {}
+    for src in (r for r in range(n) if r != me):
+        theirs = _ring_schedule(p, src, [len(c) for c in cut])
         for _, kind, peer, o, i in (theirs if p.window else sorted(theirs, key=lambda x: x[1] != "rows")):
-            if peer != me:
-                continue
-            if kind == "rows":
-                a, z = cut[me][i]
-                rs_in[i].append(tp.recv(rows[src][a - lo:z - lo], src, tag(seq, PHASE_ROWS, src, i)))
-            else:
-                a, z = cut[o][i]
-                ag_in[(o, i)] = tp.recv(flat[a:z], src, tag(seq, PHASE_RING_GATHER, o, i))
-    return rs_in, ag_in
+            if peer == me and kind == "rows":
+                rs_in[i].append(len(recvs))
+                recvs.append((src, 1, *cut[me][i], tag(0, PHASE_ROWS, src, i)))
+            elif peer == me:
+                ag_in[(o, i)] = len(recvs)
+                recvs.append((src, 0, *cut[o][i], tag(0, PHASE_RING_GATHER, o, i)))
+    mine = _ring_schedule(p, me, [len(c) for c in cut])
+    pre = [] if p.window else [(peer, *cut[o][i], tag(0, PHASE_ROWS, me, i)) for _, k, peer, o, i in mine if k == "rows"]
+    steps, waits = [], []
+    for _, kind, peer, o, i in mine if p.window else [x for x in mine if x[1] != "rows"]:
+        need = rs_in[i] if kind == "own" else [ag_in[(o, i)]] if kind == "fwd" else []
+        t = tag(0, PHASE_ROWS, me, i) if kind == "rows" else tag(0, PHASE_RING_GATHER, o, i)
+        steps.append(({"own": STEP_OWN, "fwd": STEP_FWD, "rows": STEP_ROWS}[kind], peer, *cut[o][i], t, len(waits),
+                      len(waits) + len(need)))
+        waits += need
+    return lo, hi, recvs, pre, steps, waits, p.window or RING_WINDOW
 
 
 def _ring_schedule(p: Pattern, me: int, npieces: list[int]) -> list[tuple[int, int, int, int, int]]:

@@ -102,6 +102,33 @@ class Transport:
                 self._watchdog = _Watchdog(self._interrupted, self._abort)
             self._watchdog.arm()
 
+    @property
+    def caller_waits(self) -> bool:
+        """This collective's transfers are waited for by the caller, inside gloo (begin(timed=False))."""
+        return not self._timed
+
+    def wait_native(self, run: Callable[[float], None], what: str) -> None:
+        """Run `run(seconds left)`, a compiled walk that posts and waits inside gloo with the GIL
+        released (comm/native_ring.py), as one untimed wait: bounded by the deadline, failed by the
+        watchdog's abort once a newer generation exists. Its RuntimeError ("outcome|send or
+        recv|peer|step|gloo's words", ring_walk.cpp) becomes CollectiveError or GenerationChanged."""
+        x = Transfer("send", -1, 0, 0, None, timed=False)
+        if self._watchdog is not None:
+            self._changed(what, x)
+            self._watchdog.blocked = True
+        try:
+            run(max(0.001, self._deadline - time.monotonic()))
+        except RuntimeError as e:
+            _, kind, peer, step, words = (str(e).split("|", 4) + ["", "", "", "", ""])[:5]
+            x.kind, x.peer = kind or "send", int(peer) if peer.isdigit() else -1
+            x.error = RuntimeError(words or str(e))
+            if self._interrupted is not None:
+                self._changed(f"{what} ({step})", x)
+            self._fail(f"{what} ({step})", x)
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.blocked = False
+
     def end(self) -> None:
         """The collective begun last is over (or failed): the watchdog sleeps until the next."""
         if self._watchdog is not None:

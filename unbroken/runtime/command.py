@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from unbroken.cli_error import fail
+from unbroken.comm import native_ring
 from unbroken.config import SHARDED, ConfigError, RunConfig, build_config
 from unbroken.runtime.faults import NODE_KINDS, FaultSpec, chaos_schedule, check_reachable
 from unbroken.runtime import auth, cluster_env
@@ -223,6 +224,7 @@ def _launch(*, script, config, run_dir, host, port, token, store=None, nnodes, n
         _check_node_faults(faults, cfg.world_size, opts.nnodes, replicated=store is not None)
         cfg = resolve_backend(cfg, nnodes=opts.nnodes)
         check_tee_ranks(tee, cfg.world_size)
+        _build_ring_walk(cfg)
         return launch(cfg, opts, progress=progress, tee_to_stderr=tee_to_stderr)
     except SoftwareFault as e:
         typer.secho(f"stopped, not retried: {e}", err=True, fg=typer.colors.RED)
@@ -232,6 +234,17 @@ def _launch(*, script, config, run_dir, host, port, token, store=None, nnodes, n
     except KeyboardInterrupt:
         typer.secho("interrupted: every process of the job was stopped", err=True)
         raise typer.Exit(130)
+
+
+def _build_ring_walk(cfg: RunConfig) -> None:
+    """Our ring all-reduce (--collectives adaptive|static) walks in C++ once built (comm/native_ring.py):
+    build it here, once per machine, never inside a collective; without a compiler the Python walk runs."""
+    if cfg.collectives not in ("adaptive", "static") or native_ring.module() is not None or not native_ring.enabled():
+        return
+    typer.secho("building the compiled ring walk (once per machine, ~40 s; UNBROKEN_NATIVE=0 skips it)", err=True)
+    why = native_ring.build()
+    if why:
+        typer.secho(f"{why}: the ring walks in Python", err=True)
 
 
 def _check_one_host_collectives(cfg: RunConfig, nnodes: int) -> None:

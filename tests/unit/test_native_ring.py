@@ -1,0 +1,111 @@
+"""The compiled ring walk (comm/ring_walk.cpp, native_ring.py) gives the Python walk's bits, is the
+walk that runs when the caller waits inside gloo, and fails like it: a deadline is a CollectiveError
+naming the peer (a dead peer and a newer generation: test_comm_dead_peer, test_comm_untimed_wait)."""
+from __future__ import annotations
+
+import itertools
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.unit.commgroups import on_ranks
+from tests.unit.test_comm_patterns import DTYPES, _inputs
+from unbroken.comm import native_ring
+from unbroken.comm.group import CollectiveError
+from unbroken.comm.patterns import Pattern, allreduce, reference
+from unbroken.comm.transport import Transport
+
+pytestmark = pytest.mark.timeout(300)
+_seq = itertools.count(500)
+
+
+@pytest.fixture(scope="module")
+def walk():
+    why = native_ring.build()
+    if why:
+        pytest.skip(why)
+    return native_ring.module()
+
+
+class _Counting:
+    """The compiled module, counting its walks."""
+
+    def __init__(self, m) -> None:
+        self.m, self.calls, self._lock = m, 0, threading.Lock()
+
+    def walk_ring(self, *a):
+        with self._lock:
+            self.calls += 1
+        return self.m.walk_ring(*a)
+
+
+def _run(world: int, xs: list[torch.Tensor], pattern: Pattern | None, *, timed: bool = True) -> list[torch.Tensor]:
+    seq, ts = next(_seq), [x.clone() for x in xs]
+
+    def body(tp, r):
+        if pattern is None:
+            reference(tp, ts[r], seq)
+        else:
+            allreduce(tp, ts[r], pattern, seq, timed=timed)
+        return ts[r]
+
+    return on_ranks(world, body)
+
+
+def _bits(ts: list[torch.Tensor]) -> list[bytes]:
+    return [t.view(torch.uint8).numpy().tobytes() for t in ts]
+
+
+@settings(max_examples=25, deadline=None)
+@given(world=st.integers(2, 8), n=st.integers(1, 300), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31),
+       data=st.data())
+def test_the_compiled_walk_gives_the_python_walks_and_the_references_bits(walk, world, n, dtype, seed, data):
+    order = tuple(data.draw(st.permutations(range(world))))
+    split = tuple(data.draw(st.lists(st.integers(0, 5), min_size=world, max_size=world)))
+    ring = Pattern(kind="ring", order=order, split=split if sum(split) else (1,) * world,
+                   pieces=data.draw(st.integers(1, 5)), window=data.draw(st.integers(0, 5)))
+    xs = _inputs(world, n, dtype, seed)
+    want = _bits(_run(world, xs, None))
+    counting = _Counting(walk)
+    try:
+        native_ring._loaded["m"] = counting
+        compiled = _bits(_run(world, xs, ring, timed=False))
+        assert counting.calls == world  # every rank walked compiled
+        native_ring._loaded["m"] = None  # built, but off: the Python walk, untimed
+        python = _bits(_run(world, xs, ring, timed=False))
+    finally:
+        native_ring._loaded["m"] = walk
+    assert compiled == want and python == want, ring
+
+
+def _pair() -> list:
+    """A fresh 2-rank gloo group (threads): the failure tests leave receives posted on it."""
+    store, pgs = dist.HashStore(), [None, None]
+
+    def connect(r: int) -> None:
+        pgs[r] = dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=20))
+
+    ts = [threading.Thread(target=connect, args=(r,), daemon=True) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert all(pgs)
+    return pgs
+
+
+def test_a_peer_that_never_sends_fails_the_compiled_walk_at_the_deadline_naming_it(walk):
+    pgs = _pair()  # rank 1 keeps its links up and sends nothing
+    tp = Transport(pgs[0], rank=0, world=2, timeout_s=1.0)
+    t = torch.ones(1000)
+    with pytest.raises(CollectiveError, match=r"rank 0/2: all-reduce \(.*\): recv with rank 1 did not end within 1\.0s"):
+        allreduce(tp, t, Pattern.static_ring(2, 3), next(_seq), timed=False)
+    assert tp.broken and torch.equal(t[:10], torch.ones(10))  # my half was not yet reduced: untouched bits
+    with pytest.raises(CollectiveError, match="already failed"):
+        allreduce(tp, t, Pattern.static_ring(2, 3), next(_seq), timed=False)
+
