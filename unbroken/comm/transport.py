@@ -16,7 +16,8 @@ transfers are waited for in 5 ms slices that look at it; a wait inside gloo cann
 work that timed out is finished), so while the caller waits there a watchdog thread looks every
 5 ms and, once a newer generation exists, calls `abort` (the group's `drop_links`: the old
 generation's group is dead anyway), which fails the wait at once. Without an `abort` every
-transfer of a transport with `interrupted` goes through the waiter threads.
+transfer of a transport with `interrupted` goes through the waiter threads. A ring whose caller
+waits inside gloo may walk in C++ (`wait_native`, comm/native_ring.py): one wait, watched alike.
 
 Each finished transfer is handed to `on_transfer(kind, peer, tag, nbytes, posted,
 ended)` (flow
@@ -230,7 +231,8 @@ class Transport:
     def _changed(self, what: str, x: Transfer) -> None:
         """GenerationChanged if a newer generation exists (`interrupted` is set)."""
         if self._interrupted():
-            self.broken = f"{what}: a newer generation was published while waiting on rank {x.peer}"
+            on = f" on rank {x.peer}" if x.peer >= 0 else ""  # a compiled walk names no peer before it fails
+            self.broken = f"{what}: a newer generation was published while waiting{on}"
             raise GenerationChanged(f"rank {self.rank}/{self.world}: {self.broken}")
 
 
