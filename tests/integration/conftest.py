@@ -71,13 +71,17 @@ def start_node(run_dir: Path, rank: int, *args: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def wait_for_step(run_dir: Path, step: int, timeout_s: float) -> None:
-    """Until some rank has logged `step` in run_dir's events (AssertionError past timeout_s)."""
+def wait_for_step(run_dir: Path, step: int, timeout_s: float, *, process: subprocess.Popen | None = None) -> None:
+    """Until some rank has logged `step` in run_dir's events (AssertionError past timeout_s); with
+    `process` (the launcher), failing at once with its stderr if it exits first (a start it refused)."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if (run_dir / "events.jsonl").exists() and any(
                 e["kind"] == "step" and e["fields"]["step"] >= step for e in events(run_dir)):
             return
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the launcher exited ({process.returncode}) before step {step}: "
+                                 f"{process.stderr.read()[-2000:]}")
         time.sleep(0.1)
     raise AssertionError(f"step {step} not reached within {timeout_s}s")
 

@@ -88,7 +88,7 @@ def _two_nodes(run_dir: Path, *extra: str, kill_after_step: int | None = None, h
         time.sleep(1.0)
         node1 = start_node(run_dir, 1, *NODE_LOSS, *extra, "--port", str(port))
         if kill_after_step is not None:
-            _wait_for_step_of(node0, run_dir, kill_after_step, 120)
+            wait_for_step(run_dir, kill_after_step, 120, process=node0)
             os.killpg(node1.pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
         out, err = node0.communicate(timeout=180)
         assert node0.returncode == 0, err[-3000:]
@@ -97,20 +97,6 @@ def _two_nodes(run_dir: Path, *extra: str, kill_after_step: int | None = None, h
         for pid in _procs_of(run_dir.resolve()):
             os.kill(pid, signal.SIGKILL)
     return out
-
-
-def _wait_for_step_of(node0: subprocess.Popen, run_dir: Path, step: int, timeout_s: float) -> None:
-    """wait_for_step, failing at once with node 0's stderr if it exits first (a start it refused)."""
-    deadline = time.time() + timeout_s
-    while True:
-        try:
-            return wait_for_step(run_dir, step, 1.0)
-        except AssertionError:
-            if node0.poll() is not None:
-                raise AssertionError(f"node 0 exited ({node0.returncode}) before step {step}: "
-                                     f"{node0.stderr.read()[-2000:]}") from None
-            if time.time() > deadline:
-                raise
 
 
 def _assert_one_node_loss(run_dir: Path, summary: dict, reference: dict, report_dir: Path) -> int:

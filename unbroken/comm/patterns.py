@@ -219,9 +219,10 @@ def ring_plan(p: Pattern, numel: int, me: int) -> tuple:
     b = bounds(numel, p.split)
     cut = [pieces_of(*b[r], p.pieces) for r in range(n)]
     lo, hi = b[me]
+    npieces = [len(c) for c in cut]
     recvs, rs_in, ag_in = [], [[] for _ in cut[me]], {}
     for src in (r for r in range(n) if r != me):
-        theirs = _ring_schedule(p, src, [len(c) for c in cut])
+        theirs = _ring_schedule(p, src, npieces)
         for _, kind, peer, o, i in (theirs if p.window else sorted(theirs, key=lambda x: x[1] != "rows")):
             if peer == me and kind == "rows":
                 rs_in[i].append(len(recvs))
@@ -229,7 +230,7 @@ def ring_plan(p: Pattern, numel: int, me: int) -> tuple:
             elif peer == me:
                 ag_in[(o, i)] = len(recvs)
                 recvs.append((src, 0, *cut[o][i], tag(0, PHASE_RING_GATHER, o, i)))
-    mine = _ring_schedule(p, me, [len(c) for c in cut])
+    mine = _ring_schedule(p, me, npieces)
     pre = [] if p.window else [(peer, *cut[o][i], tag(0, PHASE_ROWS, me, i)) for _, k, peer, o, i in mine if k == "rows"]
     steps, waits = [], []
     for _, kind, peer, o, i in mine if p.window else [x for x in mine if x[1] != "rows"]:
