@@ -109,3 +109,25 @@ def test_a_peer_that_never_sends_fails_the_compiled_walk_at_the_deadline_naming_
     with pytest.raises(CollectiveError, match="already failed"):
         allreduce(tp, t, Pattern.static_ring(2, 3), next(_seq), timed=False)
 
+
+
+@pytest.mark.parametrize("collectives,plan,builds", [("gloo", None, False), ("adaptive", None, True),
+                                                     ("static", None, True), ("chain", None, False),
+                                                     ("gloo", "static", True), ("gloo", "shm", False)])
+def test_the_launcher_builds_the_walk_when_our_ring_is_named(monkeypatch, tmp_path, collectives, plan, builds):
+    """By --collectives or by a plan file's `collectives`, before any rank starts (runtime/command.py)."""
+    import json
+
+    from unbroken.config import RunConfig
+    from unbroken.runtime import command
+
+    built = []
+    monkeypatch.setattr(native_ring, "module", lambda: None)
+    monkeypatch.setattr(native_ring, "build", lambda: built.append(True))
+    cfg = RunConfig().replace(collectives=collectives)
+    if plan:
+        f = tmp_path / "plan.json"
+        f.write_text(json.dumps({"format": "unbroken-overlap/1", "plan": {"bucket_kb": 32, "collectives": plan}}))
+        cfg = cfg.replace(overlap=str(f))
+    command._build_ring_walk(cfg)
+    assert built == ([True] if builds else [])

@@ -15,6 +15,7 @@ from rich.table import Table
 from unbroken.cli_error import fail
 from unbroken.comm import native_ring
 from unbroken.config import SHARDED, ConfigError, RunConfig, build_config
+from unbroken.parallel.overlap import read_plan_file
 from unbroken.runtime.faults import NODE_KINDS, FaultSpec, chaos_schedule, check_reachable
 from unbroken.runtime import auth, cluster_env
 from unbroken.runtime.cluster_env import NodePlace
@@ -237,9 +238,13 @@ def _launch(*, script, config, run_dir, host, port, token, store=None, nnodes, n
 
 
 def _build_ring_walk(cfg: RunConfig) -> None:
-    """Our ring all-reduce (--collectives adaptive|static) walks in C++ once built (comm/native_ring.py):
-    build it here, once per machine, never inside a collective; without a compiler the Python walk runs."""
-    if cfg.collectives not in ("adaptive", "static") or native_ring.module() is not None or not native_ring.enabled():
+    """Our ring all-reduce (--collectives adaptive|static, or a plan file naming them) walks in C++ once
+    built (comm/native_ring.py): build it here, once per machine, never inside a collective; without a
+    compiler the Python walk runs."""
+    named = {cfg.collectives}
+    if cfg.overlap not in ("on", "off", "auto"):  # a plan file (checked_overlap read it already)
+        named.add(((read_plan_file(cfg.overlap) or {}).get("plan") or {}).get("collectives"))
+    if not named & {"adaptive", "static"} or native_ring.module() is not None or not native_ring.enabled():
         return
     typer.secho("building the compiled ring walk (once per machine, ~40 s; UNBROKEN_NATIVE=0 skips it)", err=True)
     why = native_ring.build()
