@@ -14,22 +14,27 @@ _groups: dict[int, list] = {}
 def groups(world: int) -> list:
     """`world` connected ProcessGroupGloo objects (cached per world size: a rendezvous costs time)."""
     if world not in _groups:
-        store, pgs, errors = dist.HashStore(), [None] * world, []
-
-        def connect(r: int) -> None:
-            try:
-                pgs[r] = dist.ProcessGroupGloo(store, r, world, timedelta(seconds=20))
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=connect, args=(r,), daemon=True) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert not errors and all(pgs), f"gloo rendezvous of {world} ranks failed: {errors}"
-        _groups[world] = pgs
+        _groups[world] = fresh_groups(world)
     return _groups[world]
+
+
+def fresh_groups(world: int) -> list:
+    """`world` newly connected ProcessGroupGloo objects, not shared with other tests."""
+    store, pgs, errors = dist.HashStore(), [None] * world, []
+
+    def connect(r: int) -> None:
+        try:
+            pgs[r] = dist.ProcessGroupGloo(store, r, world, timedelta(seconds=20))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=connect, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and all(pgs), f"gloo rendezvous of {world} ranks failed: {errors}"
+    return pgs
 
 
 def on_ranks(world: int, fn, *, timeout_s: float = 20.0, on_transfer=None) -> list:

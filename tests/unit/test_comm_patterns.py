@@ -24,7 +24,8 @@ def _inputs(world: int, n: int, dtype: torch.dtype, seed: int) -> list[torch.Ten
             for _ in range(world)]
 
 
-def _run(world: int, xs: list[torch.Tensor], pattern: Pattern | None) -> list[torch.Tensor]:
+def _run(world: int, xs: list[torch.Tensor], pattern: Pattern | None, *, timed: bool = True) -> list[torch.Tensor]:
+    """`pattern` (the reference when None) on copies of `xs`; `timed=False`: the caller waits inside gloo."""
     seq = next(_seq)
     ts = [x.clone() for x in xs]
 
@@ -32,7 +33,7 @@ def _run(world: int, xs: list[torch.Tensor], pattern: Pattern | None) -> list[to
         if pattern is None:
             reference(tp, ts[r], seq)
         else:
-            allreduce(tp, ts[r], pattern, seq)
+            allreduce(tp, ts[r], pattern, seq, timed=timed)
         return ts[r]
 
     return on_ranks(world, body)

@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import itertools
 import threading
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.commgroups import on_ranks
-from tests.unit.test_comm_patterns import DTYPES, _inputs
+from tests.unit.commgroups import fresh_groups
+from tests.unit.test_comm_patterns import DTYPES, _inputs, _run
 from unbroken.comm import native_ring
 from unbroken.comm.group import CollectiveError
-from unbroken.comm.patterns import Pattern, allreduce, reference
+from unbroken.comm.patterns import Pattern, allreduce
 from unbroken.comm.transport import Transport
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,19 +40,6 @@ class _Counting:
         with self._lock:
             self.calls += 1
         return self.m.walk_ring(*a)
-
-
-def _run(world: int, xs: list[torch.Tensor], pattern: Pattern | None, *, timed: bool = True) -> list[torch.Tensor]:
-    seq, ts = next(_seq), [x.clone() for x in xs]
-
-    def body(tp, r):
-        if pattern is None:
-            reference(tp, ts[r], seq)
-        else:
-            allreduce(tp, ts[r], pattern, seq, timed=timed)
-        return ts[r]
-
-    return on_ranks(world, body)
 
 
 def _bits(ts: list[torch.Tensor]) -> list[bytes]:
@@ -83,24 +68,8 @@ def test_the_compiled_walk_gives_the_python_walks_and_the_references_bits(walk, 
     assert compiled == want and python == want, ring
 
 
-def _pair() -> list:
-    """A fresh 2-rank gloo group (threads): the failure tests leave receives posted on it."""
-    store, pgs = dist.HashStore(), [None, None]
-
-    def connect(r: int) -> None:
-        pgs[r] = dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=20))
-
-    ts = [threading.Thread(target=connect, args=(r,), daemon=True) for r in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(30)
-    assert all(pgs)
-    return pgs
-
-
 def test_a_peer_that_never_sends_fails_the_compiled_walk_at_the_deadline_naming_it(walk):
-    pgs = _pair()  # rank 1 keeps its links up and sends nothing
+    pgs = fresh_groups(2)  # not shared: receives stay posted on it. Rank 1 keeps its links up and sends nothing
     tp = Transport(pgs[0], rank=0, world=2, timeout_s=1.0)
     t = torch.ones(1000)
     with pytest.raises(CollectiveError, match=r"rank 0/2: all-reduce \(.*\): recv with rank 1 did not end within 1\.0s"):
@@ -108,7 +77,6 @@ def test_a_peer_that_never_sends_fails_the_compiled_walk_at_the_deadline_naming_
     assert tp.broken and torch.equal(t[:10], torch.ones(10))  # my half was not yet reduced: untouched bits
     with pytest.raises(CollectiveError, match="already failed"):
         allreduce(tp, t, Pattern.static_ring(2, 3), next(_seq), timed=False)
-
 
 
 @pytest.mark.parametrize("collectives,plan,builds", [("gloo", None, False), ("adaptive", None, True),

@@ -33,19 +33,21 @@ struct Walk {
     return t.narrow(0, a, z - a).view(at::kByte);
   }
 
+  // the error Transport.wait_native parses: outcome|send or recv|peer|step|gloo's first line
+  [[noreturn]] static void fail(bool late, bool send, int64_t peer, const std::string& step, const std::exception& e) {
+    std::string msg(e.what());
+    throw std::runtime_error(std::string(late ? "deadline|" : "failed|") + (send ? "send|" : "recv|") +
+                             std::to_string(peer) + "|" + step + "|" +
+                             msg.substr(0, std::min<size_t>(200, msg.find('\n'))));
+  }
+
   void wait(Work& w, bool send, const char* what, int64_t peer, int64_t index) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() < 1) left = std::chrono::milliseconds(1);
     try {
       w->wait(left);
     } catch (const std::exception& e) {
-      std::string msg(e.what());
-      msg = msg.substr(0, msg.find('\n'));
-      bool late = Clock::now() >= deadline;
-      // parsed by native_ring.py: outcome|send or recv|peer|step|gloo's first line
-      throw std::runtime_error(std::string(late ? "deadline|" : "failed|") + (send ? "send|" : "recv|") +
-                               std::to_string(peer) + "|" + what + " " + std::to_string(index) + "|" +
-                               msg.substr(0, 200));
+      fail(Clock::now() >= deadline, send, peer, std::string(what) + " " + std::to_string(index), e);
     }
   }
 
@@ -55,9 +57,7 @@ struct Walk {
     try {  // a closed link fails at issue
       return send ? pg->send(v, static_cast<int>(peer), t32) : pg->recv(v, static_cast<int>(peer), t32);
     } catch (const std::exception& e) {
-      std::string msg(e.what());
-      throw std::runtime_error(std::string("failed|") + (send ? "send|" : "recv|") + std::to_string(peer) +
-                               "|post|" + msg.substr(0, std::min<size_t>(200, msg.find('\n'))));
+      fail(false, send, peer, "post", e);
     }
   }
 

@@ -114,21 +114,12 @@ class Transport:
         watchdog's abort once a newer generation exists. Its RuntimeError ("outcome|send or
         recv|peer|step|gloo's words", ring_walk.cpp) becomes CollectiveError or GenerationChanged."""
         x = Transfer("send", -1, 0, 0, None, timed=False)
-        if self._watchdog is not None:
-            self._changed(what, x)
-            self._watchdog.blocked = True
-        try:
-            run(max(0.001, self._deadline - time.monotonic()))
-        except RuntimeError as e:
-            _, kind, peer, step, words = (str(e).split("|", 4) + ["", "", "", "", ""])[:5]
+        self._inside_gloo(x, what, run)
+        if x.error is not None:
+            _, kind, peer, step, words = (str(x.error).split("|", 4) + ["", "", "", "", ""])[:5]
             x.kind, x.peer = kind or "send", int(peer) if peer.isdigit() else -1
-            x.error = RuntimeError(words or str(e))
-            if self._interrupted is not None:
-                self._changed(f"{what} ({step})", x)
-            self._fail(f"{what} ({step})", x)
-        finally:
-            if self._watchdog is not None:
-                self._watchdog.blocked = False
+            x.error = RuntimeError(words or str(x.error))
+            self._raise_for(f"{what} ({step})", x)
 
     def end(self) -> None:
         """The collective begun last is over (or failed): the watchdog sleeps until the next."""
@@ -203,19 +194,27 @@ class Transport:
         """Wait on an untimed transfer's gloo work here, bounded by the deadline; a newer generation
         fails it through the watchdog's `abort`."""
         if x.work is not None:
-            if self._watchdog is not None:
-                self._changed(what, x)
-                self._watchdog.blocked = True
-            try:
-                x.work.wait(timedelta(seconds=max(0.001, self._deadline - time.monotonic())))
-            except RuntimeError as e:  # gloo's failures and its timeout
-                x.error = e
-            finally:
-                if self._watchdog is not None:
-                    self._watchdog.blocked = False
+            self._inside_gloo(x, what, lambda left: x.work.wait(timedelta(seconds=left)))
             x.ended, x.work = time.time(), None
-        if x.error is None:
-            return
+        if x.error is not None:
+            self._raise_for(what, x)
+
+    def _inside_gloo(self, x: Transfer, what: str, block: Callable[[float], object]) -> None:
+        """`block(seconds left)` waits inside gloo (the watchdog may abort it: `blocked`); its
+        RuntimeError (gloo's failures, its timeout) is kept in `x.error`."""
+        if self._watchdog is not None:
+            self._changed(what, x)
+            self._watchdog.blocked = True
+        try:
+            block(max(0.001, self._deadline - time.monotonic()))
+        except RuntimeError as e:
+            x.error = e
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.blocked = False
+
+    def _raise_for(self, what: str, x: Transfer) -> None:
+        """`x` failed: GenerationChanged if a newer generation caused it, else CollectiveError."""
         if self._interrupted is not None:
             self._changed(what, x)
         self._fail(what, x)
