@@ -8,6 +8,7 @@ import torch
 from tests.unit.commgroups import groups, on_ranks
 from unbroken.comm import adaptive
 from unbroken.comm.adaptive import AdaptiveAllreduce
+from unbroken.comm.duel import Duel
 from unbroken.comm.flows import FlowConfig
 from unbroken.comm.patterns import Pattern
 from unbroken.comm.planner import PACED_WINDOW, paced, pieces_for
@@ -31,10 +32,17 @@ def _after_paced(ad: AdaptiveAllreduce, seconds: float) -> None:
     ad._replan(slots, seconds, SIZE)
 
 
-def _planning(events: list | None = None) -> AdaptiveAllreduce:
-    """Planning only (no group): every link read at FAST, the paced ring planned; events into `events`."""
+def _planning(events: list | None = None, *, exchange_won: bool = True) -> AdaptiveAllreduce:
+    """Planning only (no group): every link read at FAST, the paced ring planned; events into `events`.
+    The duel (comm/duel.py) decided: at SIZE the ring won (the tests below are about the ring and the
+    plans around flagged links); at another size the exchange won unless not `exchange_won` (shared
+    links are planned around only then); its losing arm never runs again here."""
     a = AdaptiveAllreduce(None, rank=0, world=4, timeout_s=5,  # planning only: no group
                           emit=None if events is None else lambda kind, **f: events.append((kind, f)))
+    a.duel = Duel(every=1 << 30)
+    for size, ring, exchange in ((SIZE, 100.0, 1000.0), (3 * SIZE, 2.0, 1.0))[: 1 + exchange_won]:
+        a.duel.ran(size, "ring", ring)
+        a.duel.ran(size, "exchange", exchange)
     _uniform(a)
     a._measured = True
     a.decide(SIZE)
@@ -138,10 +146,12 @@ def test_the_first_learned_collective_runs_unpaced_then_the_ring_is_paced(monkey
         a._finish_gather("test")
         small = AdaptiveAllreduce(groups(world)[r], rank=r, world=world, timeout_s=20)
         small(torch.ones(n // 2))  # 4 MB: too small to learn from, so no probe: the paced ring as decided
-        return [h["plan"]["window"] for h in a.history], small.history[-1]["plan"]["window"]
+        return [(h["plan"]["kind"], h["plan"]["window"], h["probe"]) for h in a.history], \
+            small.history[-1]["plan"]["window"]
 
-    for windows, small in on_ranks(world, body, timeout_s=60):
-        assert windows[0] == 0 and windows[1] == windows[2] == PACED_WINDOW
+    for runs, small in on_ranks(world, body, timeout_s=60):
+        # the probe, the paced ring, then the duel's trial of the direct exchange (comm/duel.py)
+        assert runs == [("ring", 0, "first"), ("ring", PACED_WINDOW, None), ("pipelined", 0, "duel")]
         assert small == PACED_WINDOW
 
 
@@ -232,21 +242,24 @@ def test_a_plan_around_flagged_links_runs_after_the_paced_ring_of_its_size(event
     assert f["previous_seconds"] == 1.0
 
 
-def test_a_size_not_learned_from_takes_a_plan_around_flagged_links_once_it_passed_at_a_learned_size(ad):
+def test_a_size_not_learned_from_takes_a_plan_around_slow_links_once_it_passed_at_a_learned_size():
     """Small sizes are never judged (their times are not shared): they wait for the judgment of a
     learned size's plan around the same links."""
+    ad = _planning(exchange_won=False)
     small = ad.learn_bytes // 2
-    _shared_probe(ad, 1.0)
+    _after_paced(ad, 1.0)
+    _read_slow(ad, (1,))
     ad.decide(small)
-    assert ad.plan == paced(Pattern.static_ring(4), small)  # the plan around rank 2 has not run yet
+    assert ad.plan == paced(Pattern.static_ring(4), small)  # the plan around rank 1 has not run yet
     ad.decide(SIZE)
-    _uneven_ran(ad, 1.2)  # slower than the ring once: not judged yet
+    assert ad.plan.split[1] < max(ad.plan.split)
+    _ran(ad, ad.plan, 1.2)  # slower than the ring once: not judged yet
     ad.decide(small)
     assert ad.plan == paced(Pattern.static_ring(4), small)
     ad.decide(SIZE)
-    _uneven_ran(ad, 0.95)  # its second run beat the ring: passed
+    _ran(ad, ad.plan, 0.95)  # its second run beat the ring: passed
     ad.decide(small)
-    assert ad.plan.kind == "pipelined" and ad.plan.split[2] < ad.plan.split[0]
+    assert ad.plan.window == 0 and ad.plan.split[1] < max(ad.plan.split)
     ad.decide(SIZE * 2)  # a learned size the paced ring never ran at: the ring first
     assert ad.plan == paced(Pattern.static_ring(4), SIZE * 2)
 

@@ -156,11 +156,15 @@ def test_a_plan_change_is_an_event_written_by_rank_zero(tmp_path):
     assert {e.fields["link"] for e in evs if e.kind == "link_congestion" and e.fields["congested"]} == {"up:2", "down:2"}
 
 
-def _fed(world: int, rates: dict, times: int = 3) -> AdaptiveAllreduce:
+def _fed(world: int, rates: dict, times: int = 3, *, exchange_won: bool = False) -> AdaptiveAllreduce:
     """An adaptive all-reduce (no group: planning only) whose table saw every link at `rates` (default FAST).
     No size is learned from, so `plan` is the plan itself (a learned size runs the paced ring first once:
-    tests/unit/test_comm_paced.py)."""
+    tests/unit/test_comm_paced.py). `exchange_won`: the direct exchange beat the ring by time (comm/duel.py):
+    links read shared are planned around, and with nothing to plan around the exchange runs."""
     ad = AdaptiveAllreduce(None, rank=0, world=world, timeout_s=5, learn_bytes=1 << 40)
+    if exchange_won:
+        ad.duel.ran(1 << 41, "ring", 2.0)
+        ad.duel.ran(1 << 41, "exchange", 1.0)
     _feed(ad, rates, times)
     return ad
 
@@ -217,9 +221,9 @@ def test_choose_held_to_some_kinds_picks_among_them_alone():
 def test_a_contended_link_moves_the_chunks_by_the_direct_exchange_at_every_size_and_back(nbytes):
     """Another job's stream shares two links: the direct exchange, planned at the share they get,
     at every size (at 1 MB the model alone picks the ring, whose all-gather flow gets half a shared link)."""
-    ad = _fed(4, {})
+    ad = _fed(4, {}, exchange_won=True)
     ad.decide(nbytes)
-    assert ad.plan.kind == "ring" and ad.contended(FAST) == []
+    assert ad.plan == ad._exchange(nbytes) and ad.contended(FAST) == []  # even: nothing to plan around
     _feed(ad, {("up", 2): FAST * 0.75, ("down", 3): FAST * 0.75})  # another job's stream from 2 to 3
     ad.decide(nbytes)
     assert ad.slow_links()[0] == {} and ad.contended(FAST) == [("down", 3), ("up", 2)]
@@ -228,11 +232,14 @@ def test_a_contended_link_moves_the_chunks_by_the_direct_exchange_at_every_size_
     assert ad.plan.kind == "pipelined" and max(ad.plan.split[2:]) < min(ad.plan.split[:2])
     _feed(ad, {})  # the stream ended
     ad.decide(nbytes)
-    assert ad.plan.kind == "ring"
+    assert ad.plan == ad._exchange(nbytes)  # even again (the duel brings the ring back: test_comm_duel.py)
+    alone = _fed(4, {("up", 2): FAST * 0.75, ("down", 3): FAST * 0.75})  # the exchange never beat the ring
+    alone.decide(nbytes)
+    assert alone.plan.kind == "ring" and alone.plan.split == (1,) * 4
 
 
 def test_a_contended_link_clears_only_near_the_fleets_rate_and_small_wobbles_keep_the_plan():
-    ad = _fed(4, {("up", 2): FAST * 0.74, ("down", 3): FAST * 0.74})
+    ad = _fed(4, {("up", 2): FAST * 0.74, ("down", 3): FAST * 0.74}, exchange_won=True)
     ad.decide(64 * MB)
     first = ad.plan
     assert first.kind == "pipelined" and ad.contended(FAST) == [("down", 3), ("up", 2)]
@@ -245,7 +252,7 @@ def test_a_contended_link_clears_only_near_the_fleets_rate_and_small_wobbles_kee
     assert _fed(4, {("up", 2): FAST * 0.9}).contended(FAST) == []  # never shared before: not shared
     _feed(ad, {})
     ad.decide(64 * MB)
-    assert ad.contended(FAST) == [] and ad.plan.kind == "ring"
+    assert ad.contended(FAST) == [] and ad.plan == ad._exchange(64 * MB)
 
 
 def test_beside_a_slow_link_fast_links_reading_low_are_planned_at_the_fleets_rate():
@@ -255,7 +262,7 @@ def test_beside_a_slow_link_fast_links_reading_low_are_planned_at_the_fleets_rat
     assert set(ad.slow_links()[0]) == {("up", 1), ("down", 1)}
     assert ad.plan.kind == "pipelined" and ad.plan.split[1] == 0
     assert ad.plan.split[0] == ad.plan.split[2] == ad.plan.split[3]  # the fast ranks own alike
-    alone = _fed(4, {("up", 0): FAST * 0.72, ("down", 2): FAST * 0.7})  # no slow link: contended, as before
+    alone = _fed(4, {("up", 0): FAST * 0.72, ("down", 2): FAST * 0.7}, exchange_won=True)  # no slow link: shared
     alone.decide(16 * MB)
     assert alone.contended(FAST) == [("down", 2), ("up", 0)] and alone.plan.split[0] < alone.plan.split[1]
 

@@ -44,6 +44,7 @@ from typing import Callable
 import torch
 
 from unbroken.comm import flows, planner
+from unbroken.comm.duel import Duel
 from unbroken.comm.group import CollectiveError
 from unbroken.comm.patterns import PHASE_RESULTS, Pattern, allreduce
 from unbroken.comm.transport import Transport
@@ -96,6 +97,8 @@ class AdaptiveAllreduce:
         self._passed: frozenset | None = None  # the flagged links of the last plan that passed `_judge`
         self._learned = 0  # collectives whose exchange was folded in
         self._vetoed_until = 0  # until this many learned collectives no link is planned around (`_judge`)
+        self.duel = Duel()  # with nothing planned around: the paced ring or the direct exchange, by time
+        self._trial = False  # the plan decided runs as the duel's trial (an arm not yet timed, or the loser)
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
         nbytes = t.numel() * t.element_size()
@@ -119,7 +122,8 @@ class AdaptiveAllreduce:
         allreduce(self.tp, t, plan, self.seq, what, timed=learn and not plan.window)  # a paced ring's flows: not read
         seconds = time.perf_counter() - t0
         self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": seconds,
-                             "sync_s": sync_s, "estimates": self._estimates, "probe": self._probe})
+                             "sync_s": sync_s, "estimates": self._estimates,
+                             "probe": self._probe or ("duel" if self._trial else None)})
         if learn:
             self._ran = (plan, nbytes)
             self._start_gather(what, seconds)
@@ -256,14 +260,15 @@ class AdaptiveAllreduce:
         collectives after a link got slow instead of two)."""
         ran, ran_bytes = self._ran
         probe, self._probe = self._probe, None  # why the collective that ran was a probe, if it was
+        trial = self._trial  # a duel's trial: its time is the duel's evidence (`_judge`), not a slowdown's
         best = self._best.get(ran_bytes, slowest_s)
         self._best[ran_bytes] = min(best, slowest_s)
         self._learned += 1
         self._judge(ran, ran_bytes, slowest_s)
         if ran.window:
             self._paced_runs += 1
-            why = "slower" if slowest_s > PROBE_SLOWER * best else "every" if self._paced_runs % PROBE_EVERY == 0 \
-                else None
+            why = "slower" if slowest_s > PROBE_SLOWER * best and not trial \
+                else "every" if self._paced_runs % PROBE_EVERY == 0 else None
             self.decide(nbytes)
             self._probe_if(why, nbytes)
             if why == "slower":  # the links changed: a rejected picture may hold now (read by this probe)
@@ -294,6 +299,13 @@ class AdaptiveAllreduce:
         lets sizes under `learn_bytes` take plans around the same links (`_passed`, `_reference`)."""
         last = self._last.get(nbytes)
         self._last[nbytes] = (ran, seconds)
+        arm = "ring" if _even_ring(ran) and ran.window else \
+            "exchange" if ran == self._exchange(nbytes) and not self._flags() else None
+        if arm is not None:
+            self._duel_ran(arm, nbytes, seconds)
+        if arm == "exchange":  # the duel judges it, against the paced ring
+            self._judged.pop(nbytes, None)
+            return
         if _even_ring(ran):
             if ran.window:
                 self._ring_s[nbytes] = seconds
@@ -309,7 +321,9 @@ class AdaptiveAllreduce:
         if last is not None and _even_ring(last[0]):
             ring_s = last[1]  # it left the ring
         elif last is not None and last[0] != ran and not self._slow and nbytes in self._ring_s:
-            ring_s = self._ring_s[nbytes]  # re-made around other shared links
+            # re-made around other shared links: against the faster of the duel's arms (the even exchange
+            # too: on 8 ranks splits made from misread links ran 1.1-1.3x its time; stop 51)
+            ring_s = min(self._ring_s[nbytes], *self.duel.seconds.get(nbytes, {}).values())
         else:
             ring_s = float("inf")
         if seconds > REJECT_SLOWER * ring_s:
@@ -341,8 +355,52 @@ class AdaptiveAllreduce:
             self._probe = why
 
     def decide(self, nbytes: int) -> None:
-        """The plan for the next collective of `nbytes`, from the current estimates (the planner runs
-        only when the links' picture changed: which links are slow and by how much, to 5%)."""
+        """The plan for the next collective of `nbytes`: the one made around the flagged links
+        (`_plan_links`), or with nothing to plan around, the duel's arm (`_arm`)."""
+        self._plan_links(nbytes)
+        self.plan = self._arm(self.plan, nbytes)
+
+    def _arm(self, plan: Pattern, nbytes: int) -> Pattern:
+        """`plan`, or where it is the paced even ring (nothing planned around) the arm the duel picks:
+        that ring or the even direct exchange (comm/duel.py). Sizes not learned from (their times are not
+        shared) run the exchange once it won at some learned size."""
+        self._trial = False
+        if not (_even_ring(plan) and plan.window):
+            return plan
+        if nbytes < self.learn_bytes:
+            arm = self._small_arm()
+        else:
+            arm, self._trial = self.duel.pick(nbytes)
+        return self._exchange(nbytes) if arm == "exchange" else plan
+
+    def _winner_of(self, plan: Pattern, nbytes: int) -> Pattern:
+        """What runs for `plan` once the duel's trials are done: the paced even ring stands for the arm
+        that wins at `nbytes` (as `_arm` at sizes not learned from); other plans for themselves."""
+        won = self._small_arm() if nbytes < self.learn_bytes else self.duel.winner(nbytes)
+        return self._exchange(nbytes) if _even_ring(plan) and plan.window and won == "exchange" else plan
+
+    def _small_arm(self) -> str:
+        return "exchange" if self.duel.exchange_won() else "ring"
+
+    def _exchange(self, nbytes: int) -> Pattern:
+        """The duel's other arm: the direct exchange, even chunks, its pieces set by the size."""
+        return Pattern(kind="pipelined", order=tuple(range(self.world)), split=(1,) * self.world,
+                       pieces=planner.pieces_for(nbytes))
+
+    def _duel_ran(self, arm: str, nbytes: int, seconds: float) -> None:
+        """Give the duel `arm`'s time; when what runs with nothing planned around changes (the first
+        winner the exchange, or a later switch), an event says so."""
+        before, after = self.duel.ran(nbytes, arm, seconds)
+        if self.emit and after is not None and after != (before or "ring"):
+            plans = {"ring": planner.paced(Pattern.static_ring(self.world), nbytes), "exchange": self._exchange(nbytes)}
+            self.emit("collective_plan", seq=self.seq + 1, plan=plans[after].to_json(),
+                      previous=plans["exchange" if after == "ring" else "ring"].to_json(), predicted_s=None,
+                      congested=[], contended=[], bytes=nbytes, by_time=dict(self.duel.seconds[nbytes]))
+
+    def _plan_links(self, nbytes: int) -> None:
+        """The plan around the flagged links for the next collective of `nbytes`, from the current
+        estimates (the planner runs only when the links' picture changed: which links are slow and by
+        how much, to 5%); the paced even ring when there is nothing to plan around."""
         slow, fleet = self.slow_links()
         if self._origin and not set(slow) & self._origin and self.plan is not None:
             # every slow link the job left the even ring for has cleared; links slow now were read
@@ -359,7 +417,9 @@ class AdaptiveAllreduce:
                           rate_Bps=est.rate if est else None, reference_Bps=fleet)
         self._slow = set(slow)
         self._origin = (self._origin or set(slow)) if slow else set()
-        contended = [] if slow or vetoed else self.contended(fleet)
+        # shared links are planned around only once the direct exchange beat the ring by time (comm/duel.py):
+        # readings alone flagged healthy links as shared on 8 ranks sharing 2 cores (stop 51)
+        contended = [] if slow or vetoed or not self.duel.exchange_won() else self.contended(fleet)
         self._contended = set(contended)
         rates = self._rates({**slow, **{k: self._share(k, fleet) for k in contended}}, fleet)
         ref = max(rates.up + rates.down)
@@ -375,12 +435,15 @@ class AdaptiveAllreduce:
         kinds = ("pipelined",) if contended else None if slow else ("ring",)
         prior = chosen if known is not None and known[1] == key[1] else None
         chosen, predicted = planner.choose(prior, rates, nbytes, min_gain=self.min_gain, kinds=kinds)
+        if contended:  # the duel's exchange's pieces: the model's deeper pipelines lost on 8 ranks (stop 51)
+            chosen = dataclasses.replace(chosen, pieces=planner.pieces_for(nbytes))
         plan = chosen if slow or contended else planner.paced(chosen, nbytes)  # nothing to plan around: paced
         # a size's first plan is an event only when made around slow links (not a mere size change)
         previous = current if current is not None else (self.plan if self._slow else None)
         run = self._reference(plan, nbytes)
-        if self.emit and previous is not None and plan != previous:
-            self.emit("collective_plan", seq=self.seq + 1, plan=plan.to_json(), previous=previous.to_json(),
+        shown, before = self._winner_of(plan, nbytes), previous and self._winner_of(previous, nbytes)
+        if self.emit and previous is not None and shown != before:
+            self.emit("collective_plan", seq=self.seq + 1, plan=shown.to_json(), previous=before.to_json(),
                       predicted_s=predicted, congested=[f"{k}:{r}" for k, r in sorted(self._slow)],
                       contended=[f"{k}:{r}" for k, r in contended], bytes=nbytes, after_paced_ring=run != plan)
         self._sizes[nbytes] = (key, chosen, plan)
@@ -401,7 +464,7 @@ class AdaptiveAllreduce:
         if _even_ring(plan):
             return plan
         if nbytes < self.learn_bytes:
-            if not self._last or self._flags() == self._passed:
+            if not self._last or self._flags() == self._passed or (not self._slow and self.duel.exchange_won()):
                 return plan
         elif nbytes in self._ring_s:
             return plan

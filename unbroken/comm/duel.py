@@ -1,0 +1,66 @@
+"""The ring against the direct exchange, by time: which of the two runs when no link is planned around.
+
+With nothing flagged the adaptive all-reduce runs the paced ring: one of our flows per link at a
+time, the fastest on links it has to itself. When another job's TCP stream shares a link, the
+ring's one flow on it gets about half of it, while the direct exchange's N-1 flows get N-1 of N
+shares: on 8 ranks with a stream from rank 2 to rank 3 a fixed exchange ran 1.15-1.45x faster than
+the ring, the even ring 1.1x faster than the exchange without the stream (docs/design.md, stop 51).
+The link readings did not tell the two apart (on 8 ranks sharing 2 cores the stream's links read
+like the others), so the choice is made by the collectives' times: at each learned size the ring
+runs first, then the exchange once; the faster (the exchange only by `margin`) runs from then on,
+and every `every`-th collective of that size runs the other once more, so a stream that stops or
+starts is followed. Once the exchange wins at some size, sizes not learned from run it too, and
+links read as shared are planned around (comm/adaptive.py).
+Pure: the same times (the slowest rank's, shared by every rank) give the same choices on every rank.
+"""
+from __future__ import annotations
+
+ARMS = ("ring", "exchange")
+DUEL_EVERY = 16  # collectives of a size between two runs of the losing arm
+DUEL_MARGIN = 1.05  # the exchange wins only when it is this much faster than the ring
+
+
+class Duel:
+    """Per all-reduce size: the last seconds of each arm, which one wins, which one runs next."""
+
+    def __init__(self, *, every: int = DUEL_EVERY, margin: float = DUEL_MARGIN) -> None:
+        if not isinstance(every, int) or every < 2:
+            raise ValueError(f"duel every must be an integer >= 2 (collectives), got {every!r}")
+        if not margin >= 1:
+            raise ValueError(f"duel margin must be >= 1 (a ratio of times), got {margin!r}")
+        self.every, self.margin = every, margin
+        self.seconds: dict[int, dict[str, float]] = {}
+        self._since: dict[int, int] = {}  # collectives of the size since its losing arm last ran
+
+    def winner(self, nbytes: int) -> str | None:
+        """The faster arm at `nbytes` once both ran (the exchange only by `margin`), else None."""
+        t = self.seconds.get(nbytes, {})
+        if len(t) < len(ARMS):
+            return None
+        return "exchange" if t["exchange"] * self.margin < t["ring"] else "ring"
+
+    def exchange_won(self) -> bool:
+        """The exchange is the winner at some size."""
+        return any(self.winner(n) == "exchange" for n in self.seconds)
+
+    def pick(self, nbytes: int) -> tuple[str, bool]:
+        """The arm the next collective of `nbytes` runs, and whether it runs as a trial (an arm not yet
+        timed, or the loser run again): the ring first, then the exchange, then the winner."""
+        t = self.seconds.get(nbytes, {})
+        for arm in ARMS:
+            if arm not in t:
+                return arm, arm != "ring"
+        won = self.winner(nbytes)
+        self._since[nbytes] = self._since.get(nbytes, 0) + 1
+        if self._since[nbytes] >= self.every:
+            self._since[nbytes] = 0
+            return ARMS[1 - ARMS.index(won)], True
+        return won, False
+
+    def ran(self, nbytes: int, arm: str, seconds: float) -> tuple[str | None, str | None]:
+        """Record that `arm` ran `seconds` at `nbytes`; the size's winner before and after."""
+        if arm not in ARMS:
+            raise ValueError(f"duel arm must be one of {', '.join(ARMS)}, got {arm!r}")
+        before = self.winner(nbytes)
+        self.seconds.setdefault(nbytes, {})[arm] = seconds
+        return before, self.winner(nbytes)
