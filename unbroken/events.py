@@ -67,7 +67,7 @@ KINDS: dict[str, str] = {
     "rl_requeue": "proc, step, prompts, why, rollout, train (a lost rollout worker's in-flight prompts went back to the queue)",
     "rl_redo": "step, proc, why, rollout, train (a lost trainer rank: the step is redone by the survivors in a new training generation)",
     "link_congestion": "link (up|down:rank), congested, seq, rate_Bps, reference_Bps (comm/adaptive.py slow_links: a link's estimate crossed its threshold of the fleet's rate)",
-    "collective_plan": "seq, plan, previous, predicted_s, congested, contended, bytes (comm/adaptive.py: the pattern of all-reduces of that size from collective seq on)",
+    "collective_plan": "seq, plan, previous, predicted_s, congested, contended, bytes, by_time when the duel of ring and exchange decided it (comm/adaptive.py: the pattern of all-reduces of that size from collective seq on)",
     "recovery_abandoned": "gen, outcome (finish|fail), reason, lost, finished, step (ranks lost after their peers finished the job: no generation can form; runtime/stranded.py)",
     "nonfinite": "step, tensor, attempts, action (skip|stop: non-finite gradients persisted past the retry bound)",
 }

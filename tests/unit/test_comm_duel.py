@@ -148,3 +148,17 @@ def test_a_split_around_shared_links_slower_than_the_even_exchange_is_rejected()
     (kind, f), = [e for e in events if e[0] == "collective_plan_rejected"]
     assert f["previous_seconds"] == 1.0
     assert ad.plan == ad._exchange(SIZE)  # nothing planned around: the duel's winner
+
+
+def test_a_link_that_gets_slow_starts_the_duel_afresh():
+    """The paced ring that called the probe ran at the slow hop's pace: against it the exchange of
+    before would win, and keep running once the link is fast again."""
+    ad = _fresh([])
+    _ran(ad, 1.0)
+    _ran(ad, 1.1)  # the ring won
+    for _ in range(3):
+        for way in ("up", "down"):
+            ad.table.observe((way, 1), FAST / 4)
+    _ran(ad, 2.5)  # a paced ring at the slow hop's pace; its probe's readings (here fed) flag rank 1
+    assert ad.plan.split[1] == 0 and ad.duel.seconds == {}
+    assert Duel().pick(SIZE) == ad.duel.pick(SIZE) == ("ring", False)

@@ -19,7 +19,10 @@ token bucket refills, so the slow link read well above its rate and cleared, fas
 below the threshold, and plans flapped from step to step (a trial with 2 MB buckets). Plans
 are kept per size (a step's buckets differ in size; each keeps its plan until the links change).
 
-With no slow link the ring runs paced (`planner.paced`). A paced ring says nothing about single
+With nothing to plan around, the duel (comm/duel.py) picks by time between the paced ring and the
+even direct exchange (another job's TCP stream on a link gives the ring's one flow half of it, the
+exchange's N-1 flows most of it); links read as shared are planned around only once the exchange won.
+The ring runs paced (`planner.paced`). A paced ring says nothing about single
 links (each pair's bytes spread over the whole collective at the slowest hop's pace), so its flows
 are not read, only its time. The first learned collective, one after a paced ring PROBE_SLOWER
 times slower than the fastest of its size, and every PROBE_EVERY-th paced one run the ring
@@ -415,6 +418,8 @@ class AdaptiveAllreduce:
                 est = self.table.links.get(link)
                 self.emit("link_congestion", link=f"{link[0]}:{link[1]}", congested=link in slow, seq=self.seq,
                           rate_Bps=est.rate if est else None, reference_Bps=fleet)
+        if slow and not self._slow:  # a link got slow: the duel's times were of other links (and the
+            self.duel.forget()  # paced ring that called the probe ran at the slow hop's pace): afresh after
         self._slow = set(slow)
         self._origin = (self._origin or set(slow)) if slow else set()
         # shared links are planned around only once the direct exchange beat the ring by time (comm/duel.py):

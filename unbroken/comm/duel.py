@@ -57,6 +57,12 @@ class Duel:
             return ARMS[1 - ARMS.index(won)], True
         return won, False
 
+    def forget(self) -> None:
+        """The links changed (a link got slow): every size's duel starts afresh once nothing is planned
+        around again (times of before say nothing of the links after)."""
+        self.seconds.clear()
+        self._since.clear()
+
     def ran(self, nbytes: int, arm: str, seconds: float) -> tuple[str | None, str | None]:
         """Record that `arm` ran `seconds` at `nbytes`; the size's winner before and after."""
         if arm not in ARMS:
