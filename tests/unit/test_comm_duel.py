@@ -162,3 +162,12 @@ def test_a_link_that_gets_slow_starts_the_duel_afresh():
     _ran(ad, 2.5)  # a paced ring at the slow hop's pace; its probe's readings (here fed) flag rank 1
     assert ad.plan.split[1] == 0 and ad.duel.seconds == {}
     assert Duel().pick(SIZE) == ad.duel.pick(SIZE) == ("ring", False)
+
+
+def test_a_split_at_a_size_whose_duel_was_forgotten_is_judged_against_the_paced_ring():
+    ad = _fresh([])
+    ad._ring_s[SIZE] = 1.0  # a paced ring ran at SIZE before a slow link made the duel start afresh
+    ad._last[SIZE] = (Pattern(kind="pipelined", order=(0, 1, 2, 3), split=(1, 0, 1, 1), pieces=4), 2.0)
+    split = Pattern(kind="pipelined", order=(0, 1, 2, 3), split=(3, 3, 1, 3), pieces=4)
+    ad._judge(split, SIZE, 1.2)
+    assert ad._judged[SIZE] == 1.0  # slower than the ring once: its next run decides

@@ -326,7 +326,7 @@ class AdaptiveAllreduce:
         elif last is not None and last[0] != ran and not self._slow and nbytes in self._ring_s:
             # re-made around other shared links: against the faster of the duel's arms (the even exchange
             # too: on 8 ranks splits made from misread links ran 1.1-1.3x its time; stop 51)
-            ring_s = min(self._ring_s[nbytes], *self.duel.seconds.get(nbytes, {}).values())
+            ring_s = min([self._ring_s[nbytes], *self.duel.seconds.get(nbytes, {}).values()])
         else:
             ring_s = float("inf")
         if seconds > REJECT_SLOWER * ring_s:
