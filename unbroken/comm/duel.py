@@ -3,8 +3,9 @@
 With nothing flagged the adaptive all-reduce runs the paced ring: one of our flows per link at a
 time, the fastest on links it has to itself. When another job's TCP stream shares a link, the
 ring's one flow on it gets about half of it, while the direct exchange's N-1 flows get N-1 of N
-shares: on 8 ranks with a stream from rank 2 to rank 3 a fixed exchange ran 1.15-1.45x faster than
-the ring, the even ring 1.1x faster than the exchange without the stream (docs/design.md, stop 51).
+shares: on 8 ranks with a stream from rank 2 to rank 3 fixed exchanges ran 1.06-1.43x the static
+ring's speed; without the stream the paced ring ran 1.10-1.16x faster than the even exchange
+(docs/design.md, stop 51).
 The link readings did not tell the two apart (on 8 ranks sharing 2 cores the stream's links read
 like the others), so the choice is made by the collectives' times: at each learned size the ring
 runs first, then the exchange once; the faster (the exchange only by `margin`) runs from then on,
