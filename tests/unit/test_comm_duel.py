@@ -161,6 +161,9 @@ def test_a_link_that_gets_slow_starts_the_duel_afresh():
             ad.table.observe((way, 1), FAST / 4)
     _ran(ad, 2.5)  # a paced ring at the slow hop's pace; its probe's readings (here fed) flag rank 1
     assert ad.plan.split[1] == 0 and ad.duel.seconds == {}
+    ad.plan = paced(Pattern.static_ring(4), SIZE)  # a paced ring beside the slow link (a new size's first)
+    _ran(ad, 2.5)
+    assert ad.duel.seconds == {}  # beside a slow link the duel learns nothing
     assert Duel().pick(SIZE) == ad.duel.pick(SIZE) == ("ring", False)
 
 

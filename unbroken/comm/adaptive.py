@@ -304,7 +304,7 @@ class AdaptiveAllreduce:
         self._last[nbytes] = (ran, seconds)
         arm = "ring" if _even_ring(ran) and ran.window else \
             "exchange" if ran == self._exchange(nbytes) and not self._flags() else None
-        if arm is not None:
+        if arm is not None and not self._slow:  # beside a slow link the duel learns nothing (`_plan_links`)
             self._duel_ran(arm, nbytes, seconds)
         if arm == "exchange":  # the duel judges it, against the paced ring
             self._judged.pop(nbytes, None)
