@@ -215,6 +215,10 @@ def test_choose_held_to_some_kinds_picks_among_them_alone():
     assert plan.kind == "pipelined" and max(plan.split[2:]) < min(plan.split[:2])
     with pytest.raises(ValueError, match="no candidate plan of kinds"):
         choose(None, rates, MB, kinds=("nonesuch",))
+    plan, _ = choose(None, rates, 64 * MB, kinds=("pipelined",), pieces=2)  # held to a depth too
+    assert plan.kind == "pipelined" and plan.pieces == 2
+    with pytest.raises(ValueError, match="in 3 pieces"):
+        choose(None, rates, MB, kinds=("pipelined",), pieces=3)
 
 
 @pytest.mark.parametrize("nbytes", [MB, 4 * MB, 64 * MB])

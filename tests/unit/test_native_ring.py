@@ -88,6 +88,7 @@ def test_the_launcher_builds_the_walk_when_our_ring_is_named(monkeypatch, tmp_pa
 
     from unbroken.config import RunConfig
     from unbroken.runtime import command
+    from unbroken.runtime.overlap_tune import checked_overlap
 
     built = []
     monkeypatch.setattr(native_ring, "module", lambda: None)
@@ -97,5 +98,5 @@ def test_the_launcher_builds_the_walk_when_our_ring_is_named(monkeypatch, tmp_pa
         f = tmp_path / "plan.json"
         f.write_text(json.dumps({"format": "unbroken-overlap/1", "plan": {"bucket_kb": 32, "collectives": plan}}))
         cfg = cfg.replace(overlap=str(f))
-    command._build_ring_walk(cfg)
+    command._build_ring_walk(*checked_overlap(cfg))
     assert built == ([True] if builds else [])

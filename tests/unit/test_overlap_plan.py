@@ -69,7 +69,7 @@ def test_plan_file_round_trip_and_bad_files(tmp_path):
     with pytest.raises(PlanError, match="not an unbroken overlap plan"):
         read_plan_file(tmp_path / "other.json")
     cfg = RunConfig(overlap=str(p))
-    assert checked_overlap(cfg).overlap == str(p.resolve())
+    assert checked_overlap(cfg)[0].overlap == str(p.resolve())
     (tmp_path / "zero.json").write_text(json.dumps({"format": FORMAT, "plan": {"bucket_kb": 0}}))
     with pytest.raises(PlanError, match="bucket_kb"):
         checked_overlap(RunConfig(overlap=str(tmp_path / "zero.json")))

@@ -302,7 +302,7 @@ class AdaptiveAllreduce:
         lets sizes under `learn_bytes` take plans around the same links (`_passed`, `_reference`)."""
         last = self._last.get(nbytes)
         self._last[nbytes] = (ran, seconds)
-        arm = "ring" if _even_ring(ran) and ran.window else \
+        arm = "ring" if _paced_even_ring(ran) else \
             "exchange" if ran == self._exchange(nbytes) and not self._flags() else None
         if arm is not None and not self._slow:  # beside a slow link the duel learns nothing (`_plan_links`)
             self._duel_ran(arm, nbytes, seconds)
@@ -368,7 +368,7 @@ class AdaptiveAllreduce:
         that ring or the even direct exchange (comm/duel.py). Sizes not learned from (their times are not
         shared) run the exchange once it won at some learned size."""
         self._trial = False
-        if not (_even_ring(plan) and plan.window):
+        if not _paced_even_ring(plan):
             return plan
         if nbytes < self.learn_bytes:
             arm = self._small_arm()
@@ -380,7 +380,7 @@ class AdaptiveAllreduce:
         """What runs for `plan` once the duel's trials are done: the paced even ring stands for the arm
         that wins at `nbytes` (as `_arm` at sizes not learned from); other plans for themselves."""
         won = self._small_arm() if nbytes < self.learn_bytes else self.duel.winner(nbytes)
-        return self._exchange(nbytes) if _even_ring(plan) and plan.window and won == "exchange" else plan
+        return self._exchange(nbytes) if _paced_even_ring(plan) and won == "exchange" else plan
 
     def _small_arm(self) -> str:
         return "exchange" if self.duel.exchange_won() else "ring"
@@ -439,9 +439,9 @@ class AdaptiveAllreduce:
         # direct exchange, N-1 flows per link, faster at 16-64 MB, and it ran 1.2x the paced ring)
         kinds = ("pipelined",) if contended else None if slow else ("ring",)
         prior = chosen if known is not None and known[1] == key[1] else None
-        chosen, predicted = planner.choose(prior, rates, nbytes, min_gain=self.min_gain, kinds=kinds)
-        if contended:  # the duel's exchange's pieces: the model's deeper pipelines lost on 8 ranks (stop 51)
-            chosen = dataclasses.replace(chosen, pieces=planner.pieces_for(nbytes))
+        # around shared links, the duel's exchange's pieces: the model's deeper pipelines lost on 8 ranks (stop 51)
+        chosen, predicted = planner.choose(prior, rates, nbytes, min_gain=self.min_gain, kinds=kinds,
+                                           pieces=planner.pieces_for(nbytes) if contended else None)
         plan = chosen if slow or contended else planner.paced(chosen, nbytes)  # nothing to plan around: paced
         # a size's first plan is an event only when made around slow links (not a mere size change)
         previous = current if current is not None else (self.plan if self._slow else None)
@@ -474,6 +474,11 @@ class AdaptiveAllreduce:
         elif nbytes in self._ring_s:
             return plan
         return planner.paced(Pattern.static_ring(self.world), nbytes)
+
+
+def _paced_even_ring(p: Pattern) -> bool:
+    """What runs with nothing planned around, and the duel's ring arm."""
+    return _even_ring(p) and p.window > 0
 
 
 def _even_ring(p: Pattern) -> bool:

@@ -255,17 +255,22 @@ def paced(p: Pattern, nbytes: int) -> Pattern:
 
 
 def choose(current: Pattern | None, rates: Rates, nbytes: int, *, min_gain: float = 0.05,
-           kinds: tuple[str, ...] | None = None) -> tuple[Pattern, float]:
+           kinds: tuple[str, ...] | None = None, pieces: int | None = None) -> tuple[Pattern, float]:
     """The plan for the next collectives and its predicted seconds, among the candidates of `kinds`
-    (all when None); `current` stays unless another is predicted at least `min_gain` (a fraction) faster."""
+    (all when None) cut in `pieces` (any when None); `current` stays unless another is predicted at
+    least `min_gain` (a fraction) faster."""
     if not 0 <= min_gain < 1:
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
-    pool = [p for p in candidates(rates, nbytes) if kinds is None or p.kind in kinds]
+    pool = [p for p in candidates(rates, nbytes) if (kinds is None or p.kind in kinds)
+            and (pieces is None or p.pieces == pieces)]
     if not pool:
-        raise ValueError(f"no candidate plan of kinds {kinds} for {rates.world} ranks; pick from {', '.join(KINDS)}")
+        in_pieces = "" if pieces is None else f" in {pieces} pieces"
+        raise ValueError(f"no candidate plan of kinds {kinds}{in_pieces} for {rates.world} ranks; pick from "
+                         f"{', '.join(KINDS)}")
     scored = [(predict(p, nbytes, rates), i, p) for i, p in enumerate(pool)]
     t_best, _, best = min(scored, key=lambda x: (x[0], x[1]))
-    if current is not None and current.world == rates.world and (kinds is None or current.kind in kinds):
+    if current is not None and current.world == rates.world and (kinds is None or current.kind in kinds) \
+            and (pieces is None or current.pieces == pieces):
         t_cur = predict(current, nbytes, rates)
         if t_best > (1 - min_gain) * t_cur:
             return current, t_cur

@@ -15,7 +15,6 @@ from rich.table import Table
 from unbroken.cli_error import fail
 from unbroken.comm import native_ring
 from unbroken.config import SHARDED, ConfigError, RunConfig, build_config
-from unbroken.parallel.overlap import read_plan_file
 from unbroken.runtime.faults import NODE_KINDS, FaultSpec, chaos_schedule, check_reachable
 from unbroken.runtime import auth, cluster_env
 from unbroken.runtime.cluster_env import NodePlace
@@ -219,13 +218,13 @@ def _launch(*, script, config, run_dir, host, port, token, store=None, nnodes, n
             token=token, nnodes=nnodes or place.nnodes or 1,
             node_rank=node_rank if node_rank is not None else (place.node_rank or 0),
             faults=tuple(faults), resume=resume, tee=tee, store=store)
-        cfg = checked_overlap(cfg)  # a plan file's contents (bucket size, cores): PlanError, exit 2
+        cfg, plan_file = checked_overlap(cfg)  # a plan file's contents (bucket size, cores): PlanError, exit 2
         _check_one_host_collectives(cfg, opts.nnodes)
         cfg = _one_member_per_node(cfg, opts.nnodes)
         _check_node_faults(faults, cfg.world_size, opts.nnodes, replicated=store is not None)
         cfg = resolve_backend(cfg, nnodes=opts.nnodes)
         check_tee_ranks(tee, cfg.world_size)
-        _build_ring_walk(cfg)
+        _build_ring_walk(cfg, plan_file)
         return launch(cfg, opts, progress=progress, tee_to_stderr=tee_to_stderr)
     except SoftwareFault as e:
         typer.secho(f"stopped, not retried: {e}", err=True, fg=typer.colors.RED)
@@ -237,13 +236,11 @@ def _launch(*, script, config, run_dir, host, port, token, store=None, nnodes, n
         raise typer.Exit(130)
 
 
-def _build_ring_walk(cfg: RunConfig) -> None:
-    """Our ring all-reduce (--collectives adaptive|static, or a plan file naming them) walks in C++ once
-    built (comm/native_ring.py): build it here, once per machine, never inside a collective; without a
-    compiler the Python walk runs."""
-    named = {cfg.collectives}
-    if cfg.overlap not in ("on", "off", "auto"):  # a plan file (checked_overlap read it already)
-        named.add(((read_plan_file(cfg.overlap) or {}).get("plan") or {}).get("collectives"))
+def _build_ring_walk(cfg: RunConfig, plan_file: dict | None) -> None:
+    """Our ring all-reduce (--collectives adaptive|static, or `plan_file` (its JSON) naming them) walks in
+    C++ once built (comm/native_ring.py): build it here, once per machine, never inside a collective;
+    without a compiler the Python walk runs."""
+    named = {cfg.collectives, ((plan_file or {}).get("plan") or {}).get("collectives")}
     if not named & {"adaptive", "static"} or native_ring.module() is not None or not native_ring.enabled():
         return
     typer.secho("building the compiled ring walk (once per machine, ~40 s; UNBROKEN_NATIVE=0 skips it)", err=True)

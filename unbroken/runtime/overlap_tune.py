@@ -373,9 +373,9 @@ def overlap_control(tr) -> OverlapControl:
 
 def checked_overlap(cfg):
     """At launch: a plan file's path made absolute (the workers' working directory may differ) and
-    its contents checked (a bucket size <= 0, cores the machine lacks: PlanError, exit 2)."""
+    its contents checked (a bucket size <= 0, cores the machine lacks: PlanError, exit 2); the config
+    and the plan file's JSON (None without a plan file, or with one not written yet)."""
     if cfg.overlap in ("on", "off", "auto"):
-        return cfg
+        return cfg, None
     path = Path(cfg.overlap).resolve()
-    read_plan_file(path)
-    return cfg.replace(overlap=str(path))
+    return cfg.replace(overlap=str(path)), read_plan_file(path)
