@@ -25,8 +25,8 @@ class _Dying(Transport):
         super().__init__(*a, **kw)
         self.left = left
 
-    def _post(self, kind, t, peer, tag):
-        x = super()._post(kind, t, peer, tag)
+    def _post(self, kind, t, peer, tag, *rest):
+        x = super()._post(kind, t, peer, tag, *rest)
         self.left -= 1
         if self.left <= 0:
             os._exit(9)

@@ -55,7 +55,9 @@ def patterns(draw, world: int) -> Pattern:
     if not sum(split):
         split = (1,) * world
     window = draw(st.integers(0, 5)) if kind == "ring" else 0  # a ring paced with 1..5 sends in flight
-    return Pattern(kind=kind, order=order, split=split, pieces=draw(st.integers(1, 4)), window=window)
+    squeezed = tuple(sorted(draw(st.sets(st.integers(0, world - 1))))) if kind == "pipelined" else ()
+    return Pattern(kind=kind, order=order, split=split, pieces=draw(st.integers(1, 4)), window=window,
+                   squeeze=squeezed)
 
 
 @settings(max_examples=40)
@@ -102,7 +104,8 @@ def test_bounds_and_pieces_cover_the_tensor_once(n, split, pieces):
                                  dict(pieces=0), dict(kind="tree", aggregators=()),
                                  dict(kind="tree", aggregators=(0,), split=(1, 1, 0)),
                                  dict(kind="chain", order=(1, 0, 2)), dict(window=-1),
-                                 dict(kind="pipelined", window=2)])
+                                 dict(kind="pipelined", window=2), dict(squeeze=(1,)),
+                                 dict(kind="pipelined", squeeze=(3,)), dict(kind="pipelined", squeeze=(1, 0))])
 def test_bad_patterns_are_refused(bad):
     base = dict(kind="ring", order=(0, 1, 2), split=(1, 1, 1))
     with pytest.raises(ValueError):
@@ -136,5 +139,40 @@ def test_a_paced_ring_gives_the_reference_bits(world, window):
 def test_a_pattern_keeps_its_window_through_json():
     p = Pattern(kind="ring", order=(2, 0, 1), split=(1, 2, 0), pieces=5, window=3)
     assert Pattern.from_json(p.to_json()) == p
-    old = {k: v for k, v in p.to_json().items() if k != "window"}  # a plan recorded before windows
-    assert Pattern.from_json(old).window == 0
+    old = {k: v for k, v in p.to_json().items() if k not in ("window", "squeeze")}  # recorded before both
+    assert Pattern.from_json(old).window == 0 and Pattern.from_json(old).squeeze == ()
+    q = Pattern(kind="pipelined", order=(0, 1, 2), split=(1, 0, 1), pieces=3, squeeze=(1,))
+    assert Pattern.from_json(q.to_json()) == q
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("timed", [True, False])
+def test_a_squeezed_exchange_gives_the_reference_bits_and_counts_the_bytes_sent(dtype, timed):
+    """Rank 1 owns nothing and every transfer to or from it is compressed (what a plan around its slow
+    link runs): the bits are the reference's, and the flow statistics see the compressed bytes."""
+    world, n = 4, 30_000
+    xs = _inputs(world, n, dtype, 7)
+    if dtype != torch.int64:  # values as gradients look (the spread of _inputs leaves nothing to compress)
+        xs = [torch.randn(n, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(world)]
+    want = _run(world, xs, None)
+    seen: list[tuple[int, int, int]] = []  # (rank, peer, bytes) of each receive
+    seq = next(_seq)
+    ts = [x.clone() for x in xs]
+    plan = Pattern(kind="pipelined", order=tuple(range(world)), split=(1, 0, 1, 1), pieces=3, squeeze=(1,))
+
+    def body(tp, r):
+        allreduce(tp, ts[r], plan, seq, timed=timed)
+        return ts[r]
+
+    def counter(r):
+        return lambda kind, peer, tag, nbytes, *_: seen.append((r, peer, nbytes)) if kind == "recv" else None
+
+    got = on_ranks(world, body, on_transfer=counter)
+    for r in range(world):
+        assert torch.equal(got[r].view(torch.uint8), want[r].view(torch.uint8)), r
+    if timed:
+        raw = n * xs[0].element_size()
+        into_1 = sum(b for r, _, b in seen if r == 1)  # the whole result, squeezed
+        assert 0 < into_1 < raw / 1.05
+        # between two ranks outside `squeeze`, the raw bytes: rank 0's rows from 2 and 3, their results
+        assert sum(b for r, p, b in seen if r == 0 and p != 1) == 4 * (raw // 3)

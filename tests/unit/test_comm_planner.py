@@ -289,3 +289,23 @@ def test_with_no_slow_link_the_ring_is_paced_and_a_slow_link_unpaces_it():
     _feed(ad, {})
     ad.decide(256 * MB)
     assert ad.plan.window == PACED_WINDOW and ad.plan.kind == "ring"
+
+
+@pytest.mark.parametrize("slow_Bps", [SLOW, 60e6])
+def test_a_plan_around_a_slow_link_squeezes_its_ranks_transfers_only_below_the_bar(slow_Bps):
+    """Around rank 1's slow link the direct exchange compresses every transfer to or from rank 1 while
+    the link is slower than `squeeze_below_Bps` (31 MB/s at 250 Mbit/s: yes; 60 MB/s: no), and the
+    plan drops it again when the link clears; a bar of 0 never squeezes."""
+    from unbroken.comm.squeeze import SQUEEZE_BELOW_BPS
+
+    ad = _fed(4, {("up", 1): slow_Bps, ("down", 1): slow_Bps})
+    ad.decide(64 * MB)
+    assert ad.plan.kind == "pipelined" and ad.plan.split[1] == 0
+    assert ad.plan.squeeze == ((1,) if slow_Bps < SQUEEZE_BELOW_BPS else ())
+    off = AdaptiveAllreduce(None, rank=0, world=4, timeout_s=5, learn_bytes=1 << 40, squeeze_below_Bps=0)
+    _feed(off, {("up", 1): slow_Bps, ("down", 1): slow_Bps})
+    off.decide(64 * MB)
+    assert off.plan.squeeze == () and off.plan.split == ad.plan.split
+    _feed(ad, {}, times=8)
+    ad.decide(64 * MB)
+    assert ad.plan.kind == "ring" and ad.plan.squeeze == ()

@@ -46,7 +46,7 @@ from typing import Callable
 
 import torch
 
-from unbroken.comm import flows, planner
+from unbroken.comm import flows, planner, squeeze
 from unbroken.comm.duel import Duel
 from unbroken.comm.group import CollectiveError
 from unbroken.comm.patterns import PHASE_RESULTS, Pattern, allreduce
@@ -68,11 +68,13 @@ class AdaptiveAllreduce:
     def __init__(self, pg, *, rank: int, world: int, timeout_s: float, mode: str = "adaptive",
                  flow_cfg: flows.FlowConfig | None = None, min_gain: float = 0.05,
                  emit: Emit | None = None, interrupted: Callable[[], bool] | None = None,
-                 abort: Callable[[], None] | None = None, learn_bytes: int = 8 << 20) -> None:
+                 abort: Callable[[], None] | None = None, learn_bytes: int = 8 << 20,
+                 squeeze_below_Bps: float = squeeze.SQUEEZE_BELOW_BPS) -> None:
         if mode not in MODES:
             raise ValueError(f"collectives mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.pg, self.rank, self.world, self.mode, self.min_gain = pg, rank, world, mode, min_gain
         self.learn_bytes = learn_bytes  # smaller all-reduces neither pay for the sync nor change the plan
+        self.squeeze_below_Bps = squeeze_below_Bps  # slow links under this carry compressed bytes (0: never)
         self.emit = emit if rank == 0 else None
         self.tp = Transport(pg, rank=rank, world=world, timeout_s=timeout_s, on_transfer=self._record,
                             interrupted=interrupted, abort=abort)
@@ -443,6 +445,7 @@ class AdaptiveAllreduce:
         chosen, predicted = planner.choose(prior, rates, nbytes, min_gain=self.min_gain, kinds=kinds,
                                            pieces=planner.pieces_for(nbytes) if contended else None)
         plan = chosen if slow or contended else planner.paced(chosen, nbytes)  # nothing to plan around: paced
+        plan = _squeezed(plan, slow, self.squeeze_below_Bps)
         # a size's first plan is an event only when made around slow links (not a mere size change)
         previous = current if current is not None else (self.plan if self._slow else None)
         run = self._reference(plan, nbytes)
@@ -474,6 +477,13 @@ class AdaptiveAllreduce:
         elif nbytes in self._ring_s:
             return plan
         return planner.paced(Pattern.static_ring(self.world), nbytes)
+
+
+def _squeezed(plan: Pattern, slow: dict[flows.Link, float], below_Bps: float) -> Pattern:
+    """A direct exchange around slow links, compressing every transfer of the ranks with a link under
+    `below_Bps` (comm/squeeze.py): the slow rank's own bytes bound the plan, and its CPU is idle."""
+    ranks = tuple(sorted({r for (_, r), rate in slow.items() if rate < below_Bps}))
+    return dataclasses.replace(plan, squeeze=ranks) if plan.kind == "pipelined" and ranks else plan
 
 
 def _paced_even_ring(p: Pattern) -> bool:

@@ -39,7 +39,7 @@ from typing import Sequence
 
 import torch
 
-from unbroken.comm import native_ring
+from unbroken.comm import native_ring, squeeze
 from unbroken.comm.group import CollectiveError
 from unbroken.comm.transport import Transfer, Transport
 
@@ -58,6 +58,7 @@ class Pattern:
     pieces: int = 1
     aggregators: tuple[int, ...] = ()
     window: int = 0  # a ring's sends in flight when paced (0: every row at once)
+    squeeze: tuple[int, ...] = ()  # a direct exchange's ranks whose every transfer is compressed (squeeze.py)
 
     def __post_init__(self) -> None:
         n = len(self.order)
@@ -79,6 +80,10 @@ class Pattern:
         if not isinstance(self.window, int) or self.window < 0 or (self.window and self.kind != "ring"):
             raise ValueError(f"pattern window must be an integer >= 0, and > 0 only for a ring; got {self.window!r} "
                              f"for a {self.kind}")
+        if self.squeeze and (self.kind != "pipelined" or list(self.squeeze) != sorted(set(self.squeeze))
+                             or not all(0 <= r < n for r in self.squeeze)):
+            raise ValueError(f"pattern squeeze must be distinct ranks in 0..{n - 1} in ascending order, and only for a "
+                             f"pipelined exchange; got {self.squeeze!r} for a {self.kind}")
         if self.kind == "chain" and self.order != tuple(range(n)):
             raise ValueError(f"a chain runs in rank order (its running sum is the rank-order reduction); "
                              f"order must be 0..{n - 1}, got {self.order}")
@@ -94,12 +99,13 @@ class Pattern:
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "order": list(self.order), "split": list(self.split), "pieces": self.pieces,
-                "aggregators": list(self.aggregators), "window": self.window}
+                "aggregators": list(self.aggregators), "window": self.window, "squeeze": list(self.squeeze)}
 
     @classmethod
     def from_json(cls, d: dict) -> "Pattern":
         return cls(kind=d["kind"], order=tuple(d["order"]), split=tuple(d["split"]), pieces=int(d["pieces"]),
-                   aggregators=tuple(d.get("aggregators", ())), window=int(d.get("window", 0)))
+                   aggregators=tuple(d.get("aggregators", ())), window=int(d.get("window", 0)),
+                   squeeze=tuple(d.get("squeeze", ())))
 
 
 def bounds(n: int, split: Sequence[int]) -> list[tuple[int, int]]:
@@ -270,26 +276,69 @@ def _exchange(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str
               holders: dict[int, list[int]], rows_of: dict[int, torch.Tensor]) -> None:
     """The direct exchange among `holders` (rank -> the ranks whose raw rows it holds; this rank's
     rows are `rows_of`): rows go to the owners of their chunks, pieces reduced in rank order, each
-    reduced piece sent to every holder as soon as it is done."""
+    reduced piece sent to every holder as soon as it is done. Sends are posted piece by piece across
+    the owners (a squeezed piece is compressed as it is posted: every owner's first piece leaves
+    first); a transfer to or from a rank in `p.squeeze` is compressed (squeeze.py)."""
     me, b, peers = tp.rank, bounds(flat.numel(), p.split), [h for h in holders if h != tp.rank]
     lo, hi = b[me]
     my_pieces = pieces_of(lo, hi, p.pieces)
     got = {r: rows_of[r][lo:hi] if r in rows_of else torch.empty(hi - lo, dtype=flat.dtype)
            for r in range(tp.world)}
-    recvs = [[tp.recv(got[src][a - lo:z - lo], h, tag(seq, PHASE_ROWS, src, i)) for h in peers for src in holders[h]]
+    wire = _Wire(tp, p.squeeze, flat.element_size())
+    recvs = [[wire.recv(got[src][a - lo:z - lo], h, tag(seq, PHASE_ROWS, src, i)) for h in peers for src in holders[h]]
              for i, (a, z) in enumerate(my_pieces)]
+    theirs = {h: pieces_of(*b[h], p.pieces) for h in peers}
     sends, results = [], []
-    for h in peers:  # my rows for each other owner's chunk, piece by piece; its result back into place
-        for i, (a, z) in enumerate(pieces_of(*b[h], p.pieces)):
-            sends += [tp.send(rows_of[src][a:z], h, tag(seq, PHASE_ROWS, src, i)) for src in holders[me]]
-            # posted now, into the rows just sent: the owner sends a result only after it has
-            # received my rows for it, so no result byte can arrive before they left this buffer
-            results.append(tp.recv(flat[a:z], h, tag(seq, PHASE_RESULTS, h, i)))
+    for i in range(max((len(c) for c in theirs.values()), default=0)):  # my rows for other owners' chunks
+        for h in (h for h in peers if i < len(theirs[h])):
+            a, z = theirs[h][i]
+            sends += [wire.send(rows_of[src][a:z], h, tag(seq, PHASE_ROWS, src, i)) for src in holders[me]]
+            # posted now, into the rows just sent (or squeezed): the owner sends a result only after it
+            # has received my rows for it, so no result byte can arrive before they left this buffer
+            results.append(wire.recv(flat[a:z], h, tag(seq, PHASE_RESULTS, h, i)))
     for i, (a, z) in enumerate(my_pieces):
         tp.wait(recvs[i], f"{what} (reduce-scatter piece {i})")
+        wire.decode(recvs[i])
         flat[a:z] = reduce_rows([got[r][a - lo:z - lo] for r in range(tp.world)])
-        results += [tp.send(flat[a:z], h, tag(seq, PHASE_RESULTS, me, i)) for h in peers]
+        results += wire.send_all(flat[a:z], peers, tag(seq, PHASE_RESULTS, me, i))
     tp.wait(sends + results, f"{what} (all-gather)")
+    wire.decode(results)
+
+
+class _Wire:
+    """The exchange's sends and receives, squeezed (compressed) where either end is in `squeeze`."""
+
+    def __init__(self, tp: Transport, squeeze: tuple[int, ...], itemsize: int) -> None:
+        self.tp, self.squeeze, self.itemsize = tp, frozenset(squeeze), itemsize
+        self._into: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(transfer) -> (message, destination)
+
+    def _squeezed(self, peer: int) -> bool:
+        return self.tp.rank in self.squeeze or peer in self.squeeze
+
+    def send(self, t: torch.Tensor, peer: int, tg: int) -> Transfer:
+        return self.tp.send(squeeze.squeeze(t) if self._squeezed(peer) else t, peer, tg)
+
+    def send_all(self, t: torch.Tensor, peers: list[int], tg: int) -> list[Transfer]:
+        """`t` to every peer; compressed once for all the squeezed ones."""
+        msg = squeeze.squeeze(t) if any(self._squeezed(h) for h in peers) else None
+        return [self.tp.send(msg if self._squeezed(h) else t, h, tg) for h in peers]
+
+    def recv(self, t: torch.Tensor, peer: int, tg: int) -> Transfer:
+        if not self._squeezed(peer):
+            return self.tp.recv(t, peer, tg)
+        buf = torch.empty(squeeze.bound(t.numel() * self.itemsize), dtype=torch.uint8)
+        x = self.tp.recv(buf, peer, tg, wire_bytes=lambda: squeeze.wire_bytes(buf))
+        self._into[id(x)] = (buf, t)
+        return x
+
+    def decode(self, transfers: list[Transfer]) -> None:
+        """Write the squeezed ones among `transfers` (all waited for) into their destinations."""
+        for x in transfers:
+            if (m := self._into.pop(id(x), None)) is not None:
+                try:
+                    squeeze.unsqueeze(*m)
+                except squeeze.SqueezeError as e:
+                    raise CollectiveError(f"rank {self.tp.rank}: from rank {x.peer}: {e}") from e
 
 
 def _tree(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) -> None:

@@ -46,10 +46,12 @@ class Transfer:
     C call, where a `threading.Event` costs a Condition and a fresh lock per wait (user time per
     message 21 -> 12 us on two ranks over loopback; docs/design.md, stop 45)."""
 
-    __slots__ = ("kind", "peer", "tag", "nbytes", "posted", "ended", "error", "_pending", "work")
+    __slots__ = ("kind", "peer", "tag", "nbytes", "posted", "ended", "error", "_pending", "work", "wire_bytes")
 
-    def __init__(self, kind: str, peer: int, tag: int, nbytes: int, work, *, timed: bool = True) -> None:
+    def __init__(self, kind: str, peer: int, tag: int, nbytes: int, work, *, timed: bool = True,
+                 wire_bytes: Callable[[], int] | None = None) -> None:
         self.kind, self.peer, self.tag, self.nbytes, self.work = kind, peer, tag, nbytes, work
+        self.wire_bytes = wire_bytes  # a receive into a larger buffer: the bytes that came, once it ended
         self.posted, self.ended, self.error = time.time(), 0.0, None
         self._pending: threading.Lock | None = None  # None: the caller waits on `work` itself
         if timed:
@@ -129,10 +131,13 @@ class Transport:
     def send(self, t: torch.Tensor, dst: int, tag: int) -> Transfer:
         return self._post("send", t, dst, tag)
 
-    def recv(self, t: torch.Tensor, src: int, tag: int) -> Transfer:
-        return self._post("recv", t, src, tag)
+    def recv(self, t: torch.Tensor, src: int, tag: int, *, wire_bytes: Callable[[], int] | None = None) -> Transfer:
+        """Receive into `t`; a message shorter than `t` fills a prefix of it (gloo allows it), and then
+        `wire_bytes` says, once it ended, how many bytes came (what the flow statistics count)."""
+        return self._post("recv", t, src, tag, wire_bytes)
 
-    def _post(self, kind: str, t: torch.Tensor, peer: int, tag: int) -> Transfer:
+    def _post(self, kind: str, t: torch.Tensor, peer: int, tag: int,
+              wire_bytes: Callable[[], int] | None = None) -> Transfer:
         assert t.is_contiguous() and peer != self.rank, (kind, peer, self.rank)
         raw = t.reshape(-1).view(torch.uint8)  # bytes on the wire: every dtype travels alike
         try:
@@ -140,7 +145,7 @@ class Transport:
         except RuntimeError as e:  # a closed link fails at issue
             self.broken = f"{kind} with rank {peer}: {str(e).splitlines()[0][:160]}"
             raise CollectiveError(f"rank {self.rank}: {self.broken}") from e
-        x = Transfer(kind, peer, tag, t.numel() * t.element_size(), work, timed=self._timed)
+        x = Transfer(kind, peer, tag, t.numel() * t.element_size(), work, timed=self._timed, wire_bytes=wire_bytes)
         if self._timed:
             self._queue(kind, peer).put(x)
         return x
@@ -188,7 +193,8 @@ class Transport:
             if x.error is not None:
                 self._fail(what, x)
             if self.on_transfer is not None and x.nbytes:
-                self.on_transfer(x.kind, x.peer, x.tag, x.nbytes, x.posted, x.ended)
+                nbytes = x.wire_bytes() if x.wire_bytes is not None else x.nbytes
+                self.on_transfer(x.kind, x.peer, x.tag, nbytes, x.posted, x.ended)
 
     def _wait_work(self, x: Transfer, what: str) -> None:
         """Wait on an untimed transfer's gloo work here, bounded by the deadline; a newer generation
