@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--pattern", default="pipelined")
     ap.add_argument("--untimed", action="store_true", help="the caller waits inside gloo (no waiter threads)")
+    ap.add_argument("--squeeze", action="store_true", help="every transfer of rank 1 compressed (comm/squeeze.py)")
     a = ap.parse_args()
     store = dist.TCPStore("127.0.0.1", a.port, a.world, a.rank == 0, timedelta(seconds=30))
     pg = dist.ProcessGroupGloo(store, a.rank, a.world, timedelta(seconds=30))
@@ -62,7 +63,8 @@ def main() -> None:
     world = a.world
     aggs = (0, 1) if a.pattern == "tree" else ()
     p = None if a.pattern == "shm" else Pattern(kind=a.pattern, order=tuple(range(world)), pieces=8 if a.pattern in ("pipelined", "chain") else 1,
-                split=tuple(int(not aggs or r in aggs) for r in range(world)), aggregators=aggs)
+                split=tuple(int(not aggs or r in aggs) for r in range(world)), aggregators=aggs,
+                squeeze=(1,) if a.squeeze else ())
     t = torch.ones(4_000_000)
     if a.pattern == "shm":  # the shared-memory all-reduce: --die-after counts its meetings
         shm = dying = _DyingShm(pg, left=1 << 30, **kw)

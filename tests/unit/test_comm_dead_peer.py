@@ -18,7 +18,7 @@ from unbroken.comm import native_ring
 TIMEOUT_S = 6.0
 
 
-@pytest.mark.parametrize("pattern", ["pipelined", "chain", "shm", "pipelined-untimed", "ring-compiled",
+@pytest.mark.parametrize("pattern", ["pipelined", "chain", "shm", "pipelined-untimed", "ring-compiled", "pipelined-squeezed",
                                      pytest.param("ring", marks=pytest.mark.slow),
                                      pytest.param("ring-untimed", marks=pytest.mark.slow),
                                      pytest.param("tree", marks=pytest.mark.slow)])
@@ -31,7 +31,7 @@ def test_a_dead_peer_raises_in_every_survivor(pattern):
     # compiled: the survivors' ring walks in C++; the victim's in Python, where its posts are counted
     procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.comm_peer", "--rank", str(r), "--world", str(world),
                                "--port", str(port), "--timeout", str(TIMEOUT_S), "--pattern", pattern,
-                               "--die-after", str(1 if r == victim else 0), *(["--untimed"] if untimed else [])],
+                               "--die-after", str(1 if r == victim else 0), *(["--squeeze"] if untimed == "squeezed" else ["--untimed"] if untimed else [])],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**env, "UNBROKEN_NATIVE": str(int(untimed == "compiled" and r != victim))})
              for r in range(world)]

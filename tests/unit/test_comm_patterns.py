@@ -164,8 +164,15 @@ def test_a_squeezed_exchange_gives_the_reference_bits_and_counts_the_bytes_sent(
         allreduce(tp, ts[r], plan, seq, timed=timed)
         return ts[r]
 
+    posted: dict[tuple[int, int], set[float]] = {}  # (rank, peer) -> the post times of its sends' records
+
     def counter(r):
-        return lambda kind, peer, tag, nbytes, *_: seen.append((r, peer, nbytes)) if kind == "recv" else None
+        def rec(kind, peer, tag, nbytes, when, _ended):
+            if kind == "recv":
+                seen.append((r, peer, nbytes))
+            elif (tag >> 18) & 3 == 0:  # rows (tag layout: patterns.tag)
+                posted.setdefault((r, peer), set()).add(when)
+        return rec
 
     got = on_ranks(world, body, on_transfer=counter)
     for r in range(world):
@@ -176,3 +183,6 @@ def test_a_squeezed_exchange_gives_the_reference_bits_and_counts_the_bytes_sent(
         assert 0 < into_1 < raw / 1.05
         # between two ranks outside `squeeze`, the raw bytes: rank 0's rows from 2 and 3, their results
         assert sum(b for r, p, b in seen if r == 0 and p != 1) == 4 * (raw // 3)
+        # squeezed rows are dated from their last post (`_Wire.settle`): one time per peer; raw ones differ
+        assert all(len(posted[(1, p)]) == 1 for p in (0, 2, 3))
+        assert len(posted[(0, 2)]) > 1

@@ -28,6 +28,10 @@ are not read, only its time. The first learned collective, one after a paced rin
 times slower than the fastest of its size, and every PROBE_EVERY-th paced one run the ring
 unpaced (a probe), and their flows are read as before.
 
+A plan around a slow link is a direct exchange in which the slow rank owns nothing; where the link
+is under `squeeze_below_Bps` every transfer of that rank is compressed (`_squeezed`, comm/squeeze.py):
+its own bytes are what bounds the plan.
+
 Readings can lie (eight ranks on two cores read healthy links at 0.9-3.3x their rate; under a plan
 around a slow link, the other links read their owners' busy links), so a plan is also judged by
 its time: a plan made around flagged links whose first two runs are both slower than the even ring

@@ -17,7 +17,8 @@ in rank order) bit for bit, for floats as for integers.
                moves: a link carries one or two of our flows at a time instead of N
     pipelined  every transfer in flight at once, each owner chunk cut in `pieces`: a piece's
                all-gather starts as soon as it is reduced, so a rank's sending (reduce-scatter)
-               overlaps its receiving (all-gather); `split` sets each rank's share
+               overlaps its receiving (all-gather); `split` sets each rank's share; every transfer
+               to or from a rank in `squeeze` is compressed losslessly (squeeze.py)
     tree       two-level: each other rank sends its whole tensor to an aggregator (`aggregators`,
                assigned round-robin in rank order); aggregators exchange the raw rows for each
                other's chunks, reduce, share results, and send the whole result back
@@ -296,6 +297,7 @@ def _exchange(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str
             # posted now, into the rows just sent (or squeezed): the owner sends a result only after it
             # has received my rows for it, so no result byte can arrive before they left this buffer
             results.append(wire.recv(flat[a:z], h, tag(seq, PHASE_RESULTS, h, i)))
+    wire.settle(sends)
     for i, (a, z) in enumerate(my_pieces):
         tp.wait(recvs[i], f"{what} (reduce-scatter piece {i})")
         wire.decode(recvs[i])
@@ -330,6 +332,24 @@ class _Wire:
         x = self.tp.recv(buf, peer, tg, wire_bytes=lambda: squeeze.wire_bytes(buf))
         self._into[id(x)] = (buf, t)
         return x
+
+    def settle(self, sends: list[Transfer]) -> None:
+        """Date every squeezed send to a peer as posted when the last of them was (before anything
+        waits for them: the flow statistics read `posted` then). A flow starts when both ends had
+        posted (flows.join), and squeezed pieces are posted as they are compressed: where the codec
+        is slower than the link (a link that got fast again, a busy host), the first piece's post
+        would time the codec, the link would keep reading slow and the plan around it would stay
+        (on 8 ranks sharing 2 cores one did for the rest of a run). From the last post, what is
+        timed is the wire draining what the codec queued: on a link slower than the codec nearly all
+        of it (the reading is high by at most the codec's share of the time), on a fast one little,
+        which reads fast, and the link clears."""
+        last: dict[int, float] = {}
+        for x in sends:
+            if self._squeezed(x.peer):
+                last[x.peer] = max(last.get(x.peer, 0.0), x.posted)
+        for x in sends:
+            if x.peer in last:
+                x.posted = last[x.peer]
 
     def decode(self, transfers: list[Transfer]) -> None:
         """Write the squeezed ones among `transfers` (all waited for) into their destinations."""
