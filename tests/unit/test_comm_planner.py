@@ -306,6 +306,11 @@ def test_a_plan_around_a_slow_link_squeezes_its_ranks_transfers_only_below_the_b
     _feed(off, {("up", 1): slow_Bps, ("down", 1): slow_Bps})
     off.decide(64 * MB)
     assert off.plan.squeeze == () and off.plan.split == ad.plan.split
+    if slow_Bps < SQUEEZE_BELOW_BPS:  # read above the bar while still slow: squeezed all the same (hysteresis)
+        _feed(ad, {("up", 1): 60e6, ("down", 1): 60e6}, times=3)
+        ad.decide(64 * MB)
+        assert ad.plan.split[1] == 0 and ad.plan.squeeze == (1,)
     _feed(ad, {}, times=8)
     ad.decide(64 * MB)
     assert ad.plan.kind == "ring" and ad.plan.squeeze == ()
+    assert ad._squeeze == set()  # cleared: a later slow spell starts from the bar again

@@ -93,6 +93,7 @@ class AdaptiveAllreduce:
         self._slow: set[flows.Link] = set()  # the links the current plan was made around (hysteresis)
         self._origin: set[flows.Link] = set()  # the slow links the plan left the even ring for
         self._contended: set[flows.Link] = set()  # the links the current plan saw as shared (hysteresis)
+        self._squeeze: set[int] = set()  # the ranks whose transfers are compressed around their slow links
         self._estimates: dict | None = None  # the link estimates the current plan was chosen from
         self._pending: tuple | None = None  # the flow exchange in flight: (work, output, input)
         self._ran: tuple[Pattern, int] | None = None  # the plan and size of the collective that exchange is of
@@ -427,6 +428,10 @@ class AdaptiveAllreduce:
         if slow and not self._slow:  # a link got slow: the duel's times were of other links (and the
             self.duel.forget()  # paced ring that called the probe ran at the slow hop's pace): afresh after
         self._slow = set(slow)
+        # a rank is squeezed once a slow link of its reads under the bar, and stays so while a link of its
+        # is slow: squeezed readings are high by the codec's share (`_Wire.settle`), and on 8 ranks sharing
+        # 2 cores they crossed the bar every other collective
+        self._squeeze = {r for (_, r), rate in slow.items() if rate < self.squeeze_below_Bps or r in self._squeeze}
         self._origin = (self._origin or set(slow)) if slow else set()
         # shared links are planned around only once the direct exchange beat the ring by time (comm/duel.py):
         # readings alone flagged healthy links as shared on 8 ranks sharing 2 cores (stop 51)
@@ -434,7 +439,7 @@ class AdaptiveAllreduce:
         self._contended = set(contended)
         rates = self._rates({**slow, **{k: self._share(k, fleet) for k in contended}}, fleet)
         ref = max(rates.up + rates.down)
-        key = (tuple(round(x / ref * 20) for x in rates.up + rates.down), bool(contended))
+        key = (tuple(round(x / ref * 20) for x in rates.up + rates.down), bool(contended), tuple(sorted(self._squeeze)))
         known, chosen, current = self._sizes.get(nbytes, (None, None, None))
         if known == key:
             self.plan = self._reference(current, nbytes)
@@ -449,7 +454,7 @@ class AdaptiveAllreduce:
         chosen, predicted = planner.choose(prior, rates, nbytes, min_gain=self.min_gain, kinds=kinds,
                                            pieces=planner.pieces_for(nbytes) if contended else None)
         plan = chosen if slow or contended else planner.paced(chosen, nbytes)  # nothing to plan around: paced
-        plan = _squeezed(plan, slow, self.squeeze_below_Bps)
+        plan = _squeezed(plan, self._squeeze)
         # a size's first plan is an event only when made around slow links (not a mere size change)
         previous = current if current is not None else (self.plan if self._slow else None)
         run = self._reference(plan, nbytes)
@@ -483,11 +488,10 @@ class AdaptiveAllreduce:
         return planner.paced(Pattern.static_ring(self.world), nbytes)
 
 
-def _squeezed(plan: Pattern, slow: dict[flows.Link, float], below_Bps: float) -> Pattern:
-    """A direct exchange around slow links, compressing every transfer of the ranks with a link under
-    `below_Bps` (comm/squeeze.py): the slow rank's own bytes bound the plan, and its CPU is idle."""
-    ranks = tuple(sorted({r for (_, r), rate in slow.items() if rate < below_Bps}))
-    return dataclasses.replace(plan, squeeze=ranks) if plan.kind == "pipelined" and ranks else plan
+def _squeezed(plan: Pattern, ranks: set[int]) -> Pattern:
+    """A direct exchange around slow links, compressing every transfer of `ranks` (comm/squeeze.py):
+    the slow rank's own bytes bound the plan, and its CPU is idle."""
+    return dataclasses.replace(plan, squeeze=tuple(sorted(ranks))) if plan.kind == "pipelined" and ranks else plan
 
 
 def _paced_even_ring(p: Pattern) -> bool:
