@@ -275,7 +275,8 @@ def collectives(out: Path = _OUT, world: int = typer.Option(4, "--world-size", h
                 slow: float = typer.Option(250.0, "--slow-mbit", help="a congested link's rate"),
                 scenarios: str = typer.Option("", "--scenarios", help="comma-separated; default: all"),
                 only: Optional[List[str]] = typer.Option(None, "--only", help="just this section, merged into "
-                                                         "collectives.json: e2e (the demo job, one slow link)"),
+                                                         "collectives.json: e2e (the demo job, one slow link), codec "
+                                                         "(squeezed transfers' codec on this host)"),
                 steps: int = typer.Option(20, "--steps", help="e2e: steps per run (the first 2 are not timed)"),
                 bucket_kb: Optional[int] = typer.Option(None, "--bucket-kb", help="e2e: gradient bucket size (KiB) "
                                                         "of every method; default the job's (25600)"),
@@ -316,13 +317,22 @@ def collectives(out: Path = _OUT, world: int = typer.Option(4, "--world-size", h
 
 def _collectives_e2e(out: Path, only: list[str], *, world: int, fast: float, slow: float, steps: int, rounds: int,
                      quick: bool, bucket_kb: int | None = None) -> None:
-    """The `e2e` section of collectives.json (bench/collectives_e2e.py), every other key kept."""
+    """The `e2e` section of collectives.json (bench/collectives_e2e.py) and/or its `codec` section
+    (bench/squeeze_codec.py), every other key kept."""
     from unbroken.bench import collectives_e2e as e2e
     from unbroken.bench.node_loss import write_sections
     from unbroken.plan.netns import available
 
-    if bad := [o for o in only if o != "e2e"]:
-        fail(f"unknown --only {', '.join(bad)}; choose from e2e")
+    if bad := [o for o in only if o not in ("e2e", "codec")]:
+        fail(f"unknown --only {', '.join(bad)}; choose from e2e, codec")
+    if "codec" in only:
+        from unbroken.bench import squeeze_codec
+
+        res = squeeze_codec.measure(nbytes=(1 << 20) if quick else (16 << 20))
+        Console().print("codec: " + json.dumps(res))
+        write_sections({"codec": res}, Path(out) / "collectives.json")
+        if only == ["codec"]:
+            return
     if not 2 <= world <= 64 or rounds < 1 or steps < 4 or not 0 < slow < fast:
         fail(f"need 2 <= --world-size <= 64, --rounds >= 1, --steps >= 4 and 0 < --slow-mbit < --fast-mbit; "
              f"got {world}, {rounds}, {steps}, {slow}, {fast}")
