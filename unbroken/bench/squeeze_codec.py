@@ -3,8 +3,8 @@
 `unbroken bench collectives --only codec` writes the `codec` section of collectives.json: per
 payload kind, the ratio raw / squeezed bytes and the megabytes per second of raw data that one
 core compresses and decodes (median of `reps`). Kinds: normal float32 and bfloat16 values (what
-gradients roughly look like, and the bench's payloads), and uniform random int64 (bytes with no
-redundancy: the codec's cost with nothing to gain).
+gradients roughly look like, and the bench's payloads), and uniformly random bytes viewed as int64
+(no redundancy: the codec's cost with nothing to gain).
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import torch
 
 from unbroken.comm import squeeze
 
-KINDS = ("float32", "bfloat16", "int64_uniform")
+KINDS = ("float32", "bfloat16", "random_bytes")
 
 
 def payload(kind: str, nbytes: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(52)
-    if kind == "int64_uniform":
-        return torch.randint(-2**62, 2**62, (max(1, nbytes // 8),), generator=g)
+    if kind == "random_bytes":
+        return torch.randint(0, 256, (max(8, nbytes // 8 * 8),), dtype=torch.uint8, generator=g).view(torch.int64)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[kind]
     return torch.randn(max(1, nbytes // dtype.itemsize), generator=g).to(dtype)
 
