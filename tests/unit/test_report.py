@@ -176,6 +176,10 @@ def test_a_replanned_all_reduce_is_listed_with_its_pattern_and_links(cli, tmp_pa
     back = _write(tmp_path / "back", [ev(0, "run_start"), ev(2, "collective_plan", rank=0, seq=9, plan=paced),
                                       ev(3, "run_end", steps=5)])
     assert analyze(load_runs([back]))["collective_plans"][0]["kind"] == "ring paced"
+    squeezed = _write(tmp_path / "squeezed", [ev(0, "run_start"), ev(2, "collective_plan", rank=0, seq=9,
+                                                                      plan={**plan, "squeeze": [1, 2]}),
+                                              ev(3, "run_end", steps=5)])
+    assert analyze(load_runs([squeezed]))["collective_plans"][0]["kind"] == "pipelined, squeezing rank(s) 1, 2"
 
 
 def test_a_rejected_plan_is_listed_with_its_time_and_the_rings_or_why(tmp_path):

@@ -290,6 +290,8 @@ def _plan(ev: Event, start: float, run: str) -> dict[str, Any]:
     or a plan rejected ("rejected ...": it ran slower than the ring it replaced, or its slow links cleared)."""
     plan = ev.fields.get("plan") if isinstance(ev.fields.get("plan"), dict) else {}
     kind = f"{plan.get('kind')} paced" if plan.get("window") else plan.get("kind")  # every send in turn
+    if plan.get("squeeze"):  # those ranks' transfers compressed (comm/squeeze.py)
+        kind = f"{kind}, squeezing rank(s) {', '.join(map(str, plan['squeeze']))}"
     if ev.kind == "collective_plan_rejected":
         why = f"{_secs(ev.fields.get('seconds'))} vs the ring's {_secs(ev.fields.get('previous_seconds'))}" \
             if ev.fields.get("seconds") is not None else ev.fields.get("why")
