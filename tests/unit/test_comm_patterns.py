@@ -186,3 +186,47 @@ def test_a_squeezed_exchange_gives_the_reference_bits_and_counts_the_bytes_sent(
         # squeezed rows are dated from their last post (`_Wire.settle`): one time per peer; raw ones differ
         assert all(len(posted[(1, p)]) == 1 for p in (0, 2, 3))
         assert len(posted[(0, 2)]) > 1
+
+
+def test_a_damaged_squeezed_message_fails_the_collective_and_retires_the_group(monkeypatch):
+    """A squeezed message that does not decode (here every one, a byte flipped after compression)
+    raises CollectiveError naming the sender in its receiver, and that transport refuses further
+    collectives (the group's message stream cannot be trusted; a new generation's group is needed)."""
+    import threading
+
+    from tests.unit.commgroups import fresh_groups
+    from unbroken.comm import squeeze
+    from unbroken.comm.group import CollectiveError
+    from unbroken.comm.transport import Transport
+
+    real = squeeze.squeeze
+
+    def damaged(t):
+        msg = real(t)
+        msg[-5] ^= 0xFF
+        return msg
+
+    monkeypatch.setattr(squeeze, "squeeze", damaged)
+    world, pgs, out = 3, fresh_groups(3), {}
+    plan = Pattern(kind="pipelined", order=(0, 1, 2), split=(1, 0, 1), pieces=2, squeeze=(1,))
+    seq = next(_seq)
+
+    def body(r):
+        tp = Transport(pgs[r], rank=r, world=world, timeout_s=3.0)
+        try:
+            allreduce(tp, torch.randn(3000), plan, seq)
+            out[r] = ("ok", tp)
+        except CollectiveError as e:
+            out[r] = (str(e), tp)
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert not any(t.is_alive() for t in threads)
+    for owner in (0, 2):  # rank 1's rows reach the owners damaged
+        why, tp = out[owner]
+        assert "damaged message from rank 1" in why
+        with pytest.raises(CollectiveError, match="already failed"):
+            tp.begin()

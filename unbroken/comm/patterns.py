@@ -357,8 +357,9 @@ class _Wire:
             if (m := self._into.pop(id(x), None)) is not None:
                 try:
                     squeeze.unsqueeze(*m)
-                except squeeze.SqueezeError as e:
-                    raise CollectiveError(f"rank {self.tp.rank}: from rank {x.peer}: {e}") from e
+                except squeeze.SqueezeError as e:  # the group's stream can no longer be trusted: a new one
+                    self.tp.broken = f"a damaged message from rank {x.peer}: {e}"
+                    raise CollectiveError(f"rank {self.tp.rank}: {self.tp.broken}") from e
 
 
 def _tree(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) -> None:
