@@ -287,8 +287,13 @@ def collectives(out: Path = _OUT, world: int = typer.Option(4, "--world-size", h
     from unbroken.plan.netns import available
 
     if only:
-        _collectives_e2e(out, only, world=world, fast=fast, slow=slow, steps=steps, rounds=rounds, quick=quick,
-                         bucket_kb=bucket_kb)
+        if bad := [o for o in only if o not in ("e2e", "codec")]:
+            fail(f"unknown --only {', '.join(bad)}; choose from e2e, codec")
+        if "codec" in only:
+            _collectives_codec(out, quick)
+        if "e2e" in only:
+            _collectives_e2e(out, world=world, fast=fast, slow=slow, steps=steps, rounds=rounds, quick=quick,
+                             bucket_kb=bucket_kb)
         return
     if bucket_kb is not None:
         fail("--bucket-kb is for --only e2e (the training job's buckets); drop it or add --only e2e")
@@ -315,24 +320,23 @@ def collectives(out: Path = _OUT, world: int = typer.Option(4, "--world-size", h
     _finish("collectives", {**res, **cb.kept_sections(Path(out) / "collectives.json")}, cb.table, out)
 
 
-def _collectives_e2e(out: Path, only: list[str], *, world: int, fast: float, slow: float, steps: int, rounds: int,
+def _collectives_codec(out: Path, quick: bool) -> None:
+    """The `codec` section of collectives.json (bench/squeeze_codec.py), every other key kept."""
+    from unbroken.bench import squeeze_codec
+    from unbroken.bench.node_loss import write_sections
+
+    res = squeeze_codec.measure(nbytes=(1 << 20) if quick else (16 << 20))
+    Console().print("codec: " + json.dumps(res))
+    write_sections({"codec": res}, Path(out) / "collectives.json")
+
+
+def _collectives_e2e(out: Path, *, world: int, fast: float, slow: float, steps: int, rounds: int,
                      quick: bool, bucket_kb: int | None = None) -> None:
-    """The `e2e` section of collectives.json (bench/collectives_e2e.py) and/or its `codec` section
-    (bench/squeeze_codec.py), every other key kept."""
+    """The `e2e` section of collectives.json (bench/collectives_e2e.py), every other key kept."""
     from unbroken.bench import collectives_e2e as e2e
     from unbroken.bench.node_loss import write_sections
     from unbroken.plan.netns import available
 
-    if bad := [o for o in only if o not in ("e2e", "codec")]:
-        fail(f"unknown --only {', '.join(bad)}; choose from e2e, codec")
-    if "codec" in only:
-        from unbroken.bench import squeeze_codec
-
-        res = squeeze_codec.measure(nbytes=(1 << 20) if quick else (16 << 20))
-        Console().print("codec: " + json.dumps(res))
-        write_sections({"codec": res}, Path(out) / "collectives.json")
-        if only == ["codec"]:
-            return
     if not 2 <= world <= 64 or rounds < 1 or steps < 4 or not 0 < slow < fast:
         fail(f"need 2 <= --world-size <= 64, --rounds >= 1, --steps >= 4 and 0 < --slow-mbit < --fast-mbit; "
              f"got {world}, {rounds}, {steps}, {slow}, {fast}")

@@ -43,10 +43,9 @@ def squeeze(t: torch.Tensor) -> torch.Tensor:
     raw = t.reshape(-1).view(torch.uint8).numpy()
     planes = np.ascontiguousarray(raw.reshape(-1, t.element_size()).T)
     frame = zstandard.ZstdCompressor(level=LEVEL, write_checksum=True).compress(planes)
-    out = torch.empty(_HEADER + len(frame), dtype=torch.uint8)
-    out[:_HEADER] = torch.frombuffer(bytearray(len(frame).to_bytes(_HEADER, "little")), dtype=torch.uint8)
-    out[_HEADER:] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
-    return out
+    msg = bytearray(len(frame).to_bytes(_HEADER, "little"))
+    msg += frame  # one copy of the frame: the tensor shares the bytearray's memory
+    return torch.frombuffer(msg, dtype=torch.uint8)
 
 
 def wire_bytes(buf: torch.Tensor) -> int:
@@ -62,7 +61,7 @@ def unsqueeze(buf: torch.Tensor, out: torch.Tensor) -> None:
         raise SqueezeError(f"squeezed message claims {n} bytes, the buffer holds {buf.numel() - _HEADER}")
     want = out.numel() * out.element_size()
     try:
-        planes = zstandard.ZstdDecompressor().decompress(buf[_HEADER:_HEADER + n].numpy().tobytes(),
+        planes = zstandard.ZstdDecompressor().decompress(memoryview(buf[_HEADER:_HEADER + n].numpy()),
                                                          max_output_size=want)
     except zstandard.ZstdError as e:
         raise SqueezeError(f"squeezed message does not decode: {e}") from e
