@@ -22,6 +22,11 @@ are kept per size (a step's buckets differ in size; each keeps its plan until th
 With nothing to plan around, the duel (comm/duel.py) picks by time between the paced ring and the
 even direct exchange (another job's TCP stream on a link gives the ring's one flow half of it, the
 exchange's N-1 flows most of it); links read as shared are planned around only once the exchange won.
+Once it won at a learned size, every size under `learn_bytes` duels on its own (`_small_arm`): the
+exchange (or the plan around shared links) first, then the paced ring, then the faster. Its times
+are agreed by the same all-gather, issued only for the collectives the duel needs timed
+(`Duel.due`: two in every DUEL_EVERY): on 8 ranks the even exchange won at 16 MB and ran 1 MB at
+1.7x the static ring's time, where at 4 ranks it beat the ring at every size (stop 52).
 The ring runs paced (`planner.paced`). A paced ring says nothing about single
 links (each pair's bytes spread over the whole collective at the slowest hop's pace), so its flows
 are not read, only its time. The first learned collective, one after a paced ring PROBE_SLOWER
@@ -109,6 +114,7 @@ class AdaptiveAllreduce:
         self._vetoed_until = 0  # until this many learned collectives no link is planned around (`_judge`)
         self.duel = Duel()  # with nothing planned around: the paced ring or the direct exchange, by time
         self._trial = False  # the plan decided runs as the duel's trial (an arm not yet timed, or the loser)
+        self._small_due = False  # the plan decided is of a size under learn_bytes whose time the duel needs
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
         nbytes = t.numel() * t.element_size()
@@ -134,7 +140,7 @@ class AdaptiveAllreduce:
         self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": seconds,
                              "sync_s": sync_s, "estimates": self._estimates,
                              "probe": self._probe or ("duel" if self._trial else None)})
-        if learn:
+        if learn or self._small_due:  # a small size's exchange carries its seconds only (untimed transfers)
             self._ran = (plan, nbytes)
             self._start_gather(what, seconds)
 
@@ -269,6 +275,12 @@ class AdaptiveAllreduce:
         the median of three then moves at once (with one reading it took a second probe, four
         collectives after a link got slow instead of two)."""
         ran, ran_bytes = self._ran
+        if ran_bytes < self.learn_bytes:  # a small size's duel (`_small_arm`): its time, no flows
+            self._duel_ran("ring" if _paced_even_ring(ran) else "exchange", ran_bytes, slowest_s,
+                           exchange=None if _paced_even_ring(ran) else ran)
+            self.decide(nbytes)
+            self._probe_if(None if self._measured else "first", nbytes)
+            return
         probe, self._probe = self._probe, None  # why the collective that ran was a probe, if it was
         trial = self._trial  # a duel's trial: its time is the duel's evidence (`_judge`), not a slowdown's
         best = self._best.get(ran_bytes, slowest_s)
@@ -372,37 +384,61 @@ class AdaptiveAllreduce:
 
     def _arm(self, plan: Pattern, nbytes: int) -> Pattern:
         """`plan`, or where it is the paced even ring (nothing planned around) the arm the duel picks:
-        that ring or the even direct exchange (comm/duel.py). Sizes not learned from (their times are not
-        shared) run the exchange once it won at some learned size."""
-        self._trial = False
+        that ring or the even direct exchange (comm/duel.py); sizes not learned from: `_small_arm`."""
+        self._trial = self._small_due = False
+        if nbytes < self.learn_bytes:
+            return self._small_arm(plan, nbytes)
         if not _paced_even_ring(plan):
             return plan
-        if nbytes < self.learn_bytes:
-            arm = self._small_arm()
-        else:
-            arm, self._trial = self.duel.pick(nbytes)
+        arm, self._trial = self.duel.pick(nbytes)
         return self._exchange(nbytes) if arm == "exchange" else plan
+
+    def _small_arm(self, plan: Pattern, nbytes: int) -> Pattern:
+        """A size under `learn_bytes`: `plan`, or once the exchange won at a learned size (another job's
+        stream) and no link is slow, the arm its own duel picks, the exchange first (`_small_pair`);
+        the collectives whose time the duel needs carry it in the flow exchange (`_small_due`)."""
+        if not self._small_duels():
+            return plan
+        arm, self._trial = self.duel.pick(nbytes, first="exchange")
+        self._small_due = self.duel.due(nbytes)
+        return self._small_pair(plan, nbytes)[arm]
+
+    def _small_duels(self) -> bool:
+        return not self._slow and self._exchange_won()
+
+    def _exchange_won(self) -> bool:
+        """The exchange beat the ring at a learned size (a small size's own duel is no evidence of a stream)."""
+        return self.duel.exchange_won(self.learn_bytes)
+
+    def _small_pair(self, plan: Pattern, nbytes: int) -> dict[str, Pattern]:
+        """A small size's duel arms: the paced ring, and `plan` where it is a direct exchange (around
+        shared links), else the even one."""
+        return {"ring": planner.paced(Pattern.static_ring(self.world), nbytes),
+                "exchange": plan if plan.kind == "pipelined" else self._exchange(nbytes)}
 
     def _winner_of(self, plan: Pattern, nbytes: int) -> Pattern:
         """What runs for `plan` once the duel's trials are done: the paced even ring stands for the arm
-        that wins at `nbytes` (as `_arm` at sizes not learned from); other plans for themselves."""
-        won = self._small_arm() if nbytes < self.learn_bytes else self.duel.winner(nbytes)
+        that wins at `nbytes`; at a small size that duels, its winner (the exchange until decided)."""
+        if nbytes < self.learn_bytes:
+            return self._small_pair(plan, nbytes)[self.duel.winner(nbytes) or "exchange"] \
+                if self._small_duels() else plan
+        won = self.duel.winner(nbytes)
         return self._exchange(nbytes) if _paced_even_ring(plan) and won == "exchange" else plan
-
-    def _small_arm(self) -> str:
-        return "exchange" if self.duel.exchange_won() else "ring"
 
     def _exchange(self, nbytes: int) -> Pattern:
         """The duel's other arm: the direct exchange, even chunks, its pieces set by the size."""
         return Pattern(kind="pipelined", order=tuple(range(self.world)), split=(1,) * self.world,
                        pieces=planner.pieces_for(nbytes))
 
-    def _duel_ran(self, arm: str, nbytes: int, seconds: float) -> None:
+    def _duel_ran(self, arm: str, nbytes: int, seconds: float, exchange: Pattern | None = None) -> None:
         """Give the duel `arm`'s time; when what runs with nothing planned around changes (the first
-        winner the exchange, or a later switch), an event says so."""
+        winner the exchange, or a later switch), an event says so (`exchange`: that arm's plan, when it
+        is not the even exchange)."""
         before, after = self.duel.ran(nbytes, arm, seconds)
-        if self.emit and after is not None and after != (before or "ring"):
-            plans = {"ring": planner.paced(Pattern.static_ring(self.world), nbytes), "exchange": self._exchange(nbytes)}
+        first = "exchange" if nbytes < self.learn_bytes else "ring"  # what ran before the duel decided
+        if self.emit and after is not None and after != (before or first):
+            plans = {"ring": planner.paced(Pattern.static_ring(self.world), nbytes),
+                     "exchange": exchange or self._exchange(nbytes)}
             self.emit("collective_plan", seq=self.seq + 1, plan=plans[after].to_json(),
                       previous=plans["exchange" if after == "ring" else "ring"].to_json(), predicted_s=None,
                       congested=[], contended=[], bytes=nbytes, by_time=dict(self.duel.seconds[nbytes]))
@@ -435,7 +471,7 @@ class AdaptiveAllreduce:
         self._origin = (self._origin or set(slow)) if slow else set()
         # shared links are planned around only once the direct exchange beat the ring by time (comm/duel.py):
         # readings alone flagged healthy links as shared on 8 ranks sharing 2 cores (stop 51)
-        contended = [] if slow or vetoed or not self.duel.exchange_won() else self.contended(fleet)
+        contended = [] if slow or vetoed or not self._exchange_won() else self.contended(fleet)
         self._contended = set(contended)
         rates = self._rates({**slow, **{k: self._share(k, fleet) for k in contended}}, fleet)
         ref = max(rates.up + rates.down)
@@ -481,7 +517,7 @@ class AdaptiveAllreduce:
         if _even_ring(plan):
             return plan
         if nbytes < self.learn_bytes:
-            if not self._last or self._flags() == self._passed or (not self._slow and self.duel.exchange_won()):
+            if not self._last or self._flags() == self._passed or self._small_duels():
                 return plan
         elif nbytes in self._ring_s:
             return plan

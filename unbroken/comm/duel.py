@@ -10,8 +10,9 @@ The link readings did not tell the two apart (on 8 ranks sharing 2 cores the str
 like the others), so the choice is made by the collectives' times: at each learned size the ring
 runs first, then the exchange once; the faster (the exchange only by `margin`) runs from then on,
 and every `every`-th collective of that size runs the other once more, so a stream that stops or
-starts is followed. Once the exchange wins at some size, sizes not learned from run it too, and
-links read as shared are planned around (comm/adaptive.py).
+starts is followed. Once the exchange wins at some learned size, links read as shared are planned
+around, and sizes not learned from duel too, the exchange first (comm/adaptive.py): their times
+cost a sync of their own, so only the collectives `due` names are timed.
 Pure: the same times (the slowest rank's, shared by every rank) give the same choices on every rank.
 """
 from __future__ import annotations
@@ -40,23 +41,33 @@ class Duel:
             return None
         return "exchange" if t["exchange"] * self.margin < t["ring"] else "ring"
 
-    def exchange_won(self) -> bool:
-        """The exchange is the winner at some size."""
-        return any(self.winner(n) == "exchange" for n in self.seconds)
+    def exchange_won(self, at_least: int = 0) -> bool:
+        """The exchange is the winner at some size of `at_least` bytes or more."""
+        return any(self.winner(n) == "exchange" for n in self.seconds if n >= at_least)
 
-    def pick(self, nbytes: int) -> tuple[str, bool]:
+    def pick(self, nbytes: int, first: str = "ring") -> tuple[str, bool]:
         """The arm the next collective of `nbytes` runs, and whether it runs as a trial (an arm not yet
-        timed, or the loser run again): the ring first, then the exchange, then the winner."""
+        timed, or the loser run again): `first`, then the other arm, then the winner."""
+        if first not in ARMS:
+            raise ValueError(f"duel arm must be one of {', '.join(ARMS)}, got {first!r}")
         t = self.seconds.get(nbytes, {})
-        for arm in ARMS:
+        for arm in sorted(ARMS, key=lambda a: a != first):
             if arm not in t:
-                return arm, arm != "ring"
+                return arm, arm != first
         won = self.winner(nbytes)
         self._since[nbytes] = self._since.get(nbytes, 0) + 1
         if self._since[nbytes] >= self.every:
             self._since[nbytes] = 0
             return ARMS[1 - ARMS.index(won)], True
         return won, False
+
+    def due(self, nbytes: int) -> bool:
+        """Whether the collective just picked at `nbytes` must be timed where timing costs a sync: an arm
+        has no time yet, it is the loser's re-run, or the next one is (the winner's time, fresh beside
+        the loser's, is what the re-run is weighed against)."""
+        if len(self.seconds.get(nbytes, {})) < len(ARMS):
+            return True
+        return self._since.get(nbytes, 0) in (0, self.every - 1)
 
     def forget(self) -> None:
         """The links changed (a link got slow): every size's duel starts afresh once nothing is planned

@@ -1,0 +1,158 @@
+"""Sizes under learn_bytes duel on their own once the exchange won at a learned size (comm/adaptive.py
+`_small_arm`, comm/duel.py `due`): planning alone, and on real gloo groups (agreed times, no hang)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.unit.commgroups import groups, on_ranks
+from unbroken.comm import adaptive
+from unbroken.comm.adaptive import AdaptiveAllreduce
+from unbroken.comm.duel import Duel
+from unbroken.comm.patterns import Pattern, reference
+from unbroken.comm.planner import paced
+
+MB = 1 << 20
+FAST = 125e6
+SIZE = 64 * MB  # learned
+SMALL = 1 * MB  # under learn_bytes (8 MB)
+_seq = itertools.count(900)
+
+
+@settings(max_examples=40, deadline=None)
+@given(every=st.integers(2, 9), first=st.sampled_from(["ring", "exchange"]),
+       times=st.lists(st.floats(0.01, 10.0), min_size=2, max_size=40))
+def test_due_names_the_first_runs_each_loser_rerun_and_the_winners_run_before_it(every, first, times):
+    d = Duel(every=every)
+    trials = []
+    for i, t in enumerate(times):
+        arm, trial = d.pick(SMALL, first=first)
+        if i == 0:
+            assert arm == first and not trial
+        elif i == 1:
+            assert arm != first and trial
+        trials.append(trial)
+        due = d.due(SMALL)
+        next_is_trial = i >= 1 and (i + 1 - 1) % every == 0  # picks after both ran: the every-th is the loser
+        assert due == (i < 2 or trial or next_is_trial)
+        d.ran(SMALL, arm, t)
+    with pytest.raises(ValueError, match="arm"):
+        d.pick(SMALL, first="tree")
+
+
+def test_exchange_won_counts_only_sizes_from_at_least():
+    d = Duel()
+    d.ran(SMALL, "ring", 2.0)
+    d.ran(SMALL, "exchange", 1.0)
+    assert d.exchange_won() and not d.exchange_won(8 * MB)
+    d.ran(SIZE, "ring", 2.0)
+    d.ran(SIZE, "exchange", 1.0)
+    assert d.exchange_won(8 * MB)
+
+
+def _planning(events: list, *, exchange_won: bool) -> AdaptiveAllreduce:
+    """Planning only: every link read at FAST; at SIZE the duel ran (the exchange won unless not `exchange_won`)."""
+    a = AdaptiveAllreduce(None, rank=0, world=4, timeout_s=5, emit=lambda kind, **f: events.append((kind, f)))
+    for _ in range(3):
+        for r in range(4):
+            for way in ("up", "down"):
+                a.table.observe((way, r), FAST)
+    a._measured = True
+    a.duel.ran(SIZE, "ring", 2.0)
+    a.duel.ran(SIZE, "exchange", 1.0 if exchange_won else 2.0)
+    return a
+
+
+def _small_ran(ad: AdaptiveAllreduce, seconds: float) -> None:
+    """As if the small plan decided just ran in `seconds` and its time came back in the flow exchange."""
+    assert ad._small_due
+    ad._ran = (ad.plan, SMALL)
+    ad._replan(torch.zeros(ad.world, ad.world, adaptive.PHASES, 4, dtype=torch.float64), seconds, SMALL)
+
+
+def test_a_small_size_runs_the_ring_when_the_ring_beats_the_exchange_at_that_size():
+    """On 8 ranks the exchange won at 16 MB and ran 1 MB at 1.7x the static ring's time (stop 52)."""
+    events: list = []
+    ad = _planning(events, exchange_won=True)
+    ring = paced(Pattern.static_ring(4), SMALL)
+    ad.decide(SMALL)
+    assert ad.plan == ad._exchange(SMALL) and ad._small_due and not ad._trial  # the learned sizes' winner first
+    _small_ran(ad, 0.07)
+    assert ad.plan == ring and ad._small_due and ad._trial  # then the ring, as a trial
+    _small_ran(ad, 0.04)
+    assert ad.plan == ring and not ad._small_due and not ad._trial  # it won at this size: it runs, untimed
+    (kind, f), = [e for e in events if e[0] == "collective_plan"]
+    assert f["bytes"] == SMALL and f["plan"] == ring.to_json() and f["by_time"] == {"exchange": 0.07, "ring": 0.04}
+    assert ad.duel.winner(SIZE) == "exchange"  # the learned size keeps its own winner
+
+
+def test_a_small_size_keeps_the_exchange_where_it_wins_and_its_time_stays_fresh():
+    ad = _planning([], exchange_won=True)
+    ad.decide(SMALL)
+    _small_ran(ad, 0.03)  # the exchange
+    _small_ran(ad, 0.05)  # the ring's trial: slower
+    due = []
+    for _ in range(2 * ad.duel.every):
+        assert ad.plan.kind == "pipelined" or ad._trial
+        due.append(ad._small_due)
+        if ad._small_due:
+            _small_ran(ad, 0.05 if ad._trial else 0.03)
+        else:
+            ad.decide(SMALL)
+    assert sum(due) == 4  # two timed collectives in every DUEL_EVERY: the loser's re-run and the one before
+
+
+@pytest.mark.parametrize("why", ["no stream", "slow link"])
+def test_without_a_stream_at_a_learned_size_or_beside_a_slow_link_small_sizes_neither_duel_nor_sync(why):
+    """The uncongested job's small all-reduces cost what they did: no trial of the exchange, no sync."""
+    ad = _planning([], exchange_won=why != "no stream")
+    if why == "slow link":
+        for _ in range(3):
+            for way in ("up", "down"):
+                ad.table.observe((way, 1), FAST / 4)
+    for _ in range(20):
+        ad.decide(SMALL)
+        assert not ad._small_due and ad.plan.kind in ("ring", "pipelined")
+        assert why == "slow link" or ad.plan == paced(Pattern.static_ring(4), SMALL)
+    assert SMALL not in ad.duel.seconds
+
+
+def test_small_sizes_duel_on_real_groups_with_agreed_times_and_reference_bits():
+    """Three ranks (threads) of one gloo group: the small size's timed collectives carry their seconds
+    in the flow exchange, every rank runs the same plan at every collective, and every result equals the
+    reference reduction bitwise."""
+    world, steps, n = 3, 12, 4096
+    g = torch.Generator().manual_seed(7)
+    xs = [[torch.randn(n, generator=g) * 1e3 for _ in range(world)] for _ in range(steps)]
+    seqs = [next(_seq) for _ in range(steps)]
+    want = [on_ranks(world, lambda tp, r, i=i: (reference(tp, t := xs[i][r].clone(), seqs[i]), t)[1])
+            for i in range(steps)]
+
+    def body(tp, r):
+        ad = AdaptiveAllreduce(groups(world)[r], rank=r, world=world, timeout_s=20, learn_bytes=1 << 20)
+        ad.duel = Duel(every=4)
+        ad.duel.ran(1 << 30, "ring", 2.0)  # another job's stream: the exchange won at a learned size
+        ad.duel.ran(1 << 30, "exchange", 1.0)
+        outs = []
+        for i in range(steps):
+            t = xs[i][r].clone()
+            ad(t)
+            outs.append(t)
+        ad.close()
+        return outs, list(ad.history), dict(ad.duel.seconds[n * 4])
+
+    runs = on_ranks(world, body, timeout_s=60)
+    plans = [h["plan"] for h in runs[0][1]]
+    assert plans[0]["kind"] == "pipelined" and plans[1]["kind"] == "ring" and plans[1]["window"] > 0
+    waited = [h["sync_s"] is not None for h in runs[0][1]]
+    assert waited == [i in (1, 2, 5, 6, 9, 10) for i in range(steps)]  # after collectives 0, 1, 4, 5, 8, 9
+    assert [h["probe"] == "duel" for h in runs[0][1]] == [i in (1, 5, 9) for i in range(steps)]
+    for r in range(world):
+        outs, history, seconds = runs[r]
+        assert [h["plan"] for h in history] == plans and seconds == runs[0][2]  # agreed on every rank
+        for i in range(steps):
+            assert torch.equal(outs[i].view(torch.uint8), want[i][r].view(torch.uint8))
