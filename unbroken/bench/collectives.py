@@ -182,6 +182,7 @@ def rows_of(runs: dict) -> list[dict]:
                     if m == "adaptive":  # which plans ran, and what learning cost (waiting for the last rank included)
                         rows[-1]["plans"] = [r.get("plan") for r in cell]
                         rows[-1]["sync_s"] = [r.get("sync_s") for r in cell]
+                        rows[-1]["plan_s"] = [r.get("plan_s") for r in cell]
     return rows
 
 

@@ -82,6 +82,7 @@ def rank_main(args) -> None:
                 rec["plan"] = adaptive.history[-1]["plan"]
                 rec["estimates"] = adaptive.history[-1].get("estimates")
                 rec["sync_s"] = adaptive.history[-1].get("sync_s")
+                rec["plan_s"] = adaptive.history[-1].get("plan_s")
                 rec["probe"] = adaptive.history[-1].get("probe")
             out.write(json.dumps(rec) + "\n")
             out.flush()

@@ -67,6 +67,7 @@ PROBE_SLOWER = 1.1  # a paced ring this much slower than the fastest collective 
 CONTENDED_STEPS = 10  # a contended link is planned at a whole number of tenths of the fleet's rate
 VETO_FOR = 32  # learned collectives during which a rejected picture of the links is not planned around
 REJECT_SLOWER = 1.05  # a plan around flagged links this much slower than the even ring it replaced is rejected
+CHOICES_KEPT = 256  # planner choices remembered per picture of the links (`_choose`)
 PHASES = 4  # tag phases: reduce-scatter rows, all-gather results, tree up, tree down
 Emit = Callable[..., object]  # EventLog.emit
 
@@ -92,6 +93,7 @@ class AdaptiveAllreduce:
         # per all-reduce size: the links' picture its plan was made for, the planner's choice, and the
         # plan run (the choice; `planner.paced` of it while no link is slow or contended)
         self._sizes: dict[int, tuple[tuple, Pattern, Pattern]] = {}
+        self._choices: dict[tuple, tuple[Pattern, float]] = {}  # (key, size, kinds, pieces, prior) -> choice
         self.seq = 0
         self.history: deque[dict] = deque(maxlen=1024)  # the last collectives: seq, plan, seconds, estimates
         self._slots = self._empty_slots()  # per peer, phase: bytes, posted, ended (receives), posted (sends)
@@ -118,7 +120,7 @@ class AdaptiveAllreduce:
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
         nbytes = t.numel() * t.element_size()
-        sync_s = None
+        sync_s = plan_s = None
         if self.mode == "static":
             self.plan = Pattern.static_ring(self.world, planner.pieces_for(nbytes))
         elif self.mode == "chain":
@@ -126,8 +128,11 @@ class AdaptiveAllreduce:
                                 pieces=planner.chain_pieces(nbytes))
         elif self._pending is not None:  # the last flow exchange: fold it in, re-plan
             t1 = time.perf_counter()
-            self._replan(*self._finish_gather(what), nbytes)
-            sync_s = time.perf_counter() - t1  # learning's cost here: the wait for it and the planner
+            gathered = self._finish_gather(what)
+            t2 = time.perf_counter()
+            self._replan(*gathered, nbytes)
+            t3 = time.perf_counter()  # learning's cost here: the wait for it and the planner (of which plan_s)
+            sync_s, plan_s = t3 - t1, t3 - t2
         else:
             self.decide(nbytes)  # a new size gets its plan (a no-op while size and links hold)
             self._probe_if(None if self._measured else "first", nbytes)  # nothing measured yet: measure first
@@ -138,7 +143,7 @@ class AdaptiveAllreduce:
         allreduce(self.tp, t, plan, self.seq, what, timed=learn and not plan.window)  # a paced ring's flows: not read
         seconds = time.perf_counter() - t0
         self.history.append({"seq": self.seq, "plan": plan.to_json(), "seconds": seconds,
-                             "sync_s": sync_s, "estimates": self._estimates,
+                             "sync_s": sync_s, "plan_s": plan_s, "estimates": self._estimates,
                              "probe": self._probe or ("duel" if self._trial else None)})
         if learn or self._small_due:  # a small size's exchange carries its seconds only (untimed transfers)
             self._ran = (plan, nbytes)
@@ -487,8 +492,8 @@ class AdaptiveAllreduce:
         kinds = ("pipelined",) if contended else None if slow else ("ring",)
         prior = chosen if known is not None and known[1] == key[1] else None
         # around shared links, the duel's exchange's pieces: the model's deeper pipelines lost on 8 ranks (stop 51)
-        chosen, predicted = planner.choose(prior, rates, nbytes, min_gain=self.min_gain, kinds=kinds,
-                                           pieces=planner.pieces_for(nbytes) if contended else None)
+        chosen, predicted = self._choose(prior, rates, nbytes, key, kinds, pieces=planner.pieces_for(nbytes)
+                                         if contended else None)
         plan = chosen if slow or contended else planner.paced(chosen, nbytes)  # nothing to plan around: paced
         plan = _squeezed(plan, self._squeeze)
         # a size's first plan is an event only when made around slow links (not a mere size change)
@@ -501,6 +506,19 @@ class AdaptiveAllreduce:
                       contended=[f"{k}:{r}" for k, r in contended], bytes=nbytes, after_paced_ring=run != plan)
         self._sizes[nbytes] = (key, chosen, plan)
         self.plan = run
+
+    def _choose(self, prior: Pattern | None, rates: planner.Rates, nbytes: int, key: tuple,
+                kinds: tuple[str, ...] | None, pieces: int | None) -> tuple[Pattern, float]:
+        """The planner's choice, once per picture of the links (`key`), size, kinds and prior: readings
+        that wobble across a step of the key bring back pictures seen before, and on 8 ranks sharing
+        2 cores one choice took 30-90 ms of a collective's wall time (stop 53)."""
+        memo = (key, nbytes, kinds, pieces, prior)
+        if memo not in self._choices:
+            if len(self._choices) >= CHOICES_KEPT:
+                self._choices.clear()
+            self._choices[memo] = planner.choose(prior, rates, nbytes, min_gain=self.min_gain, kinds=kinds,
+                                                 pieces=pieces)
+        return self._choices[memo]
 
     def _reference(self, plan: Pattern, nbytes: int) -> Pattern:
         """`plan`, or the paced even ring while `plan` is made around flagged links and not yet trusted.

@@ -207,23 +207,29 @@ def _least_time_intervals(lines: dict, free: list[int], mass: float) -> dict[int
         if hi > 1e300:
             return None
     hi = max(hi, 1e-300)
-    for _ in range(100):
+    for _ in range(100):  # to 1e-13 of the time (~45 halvings): plans are integers of 1/SPLIT_SCALE
+        if hi - lo <= 1e-13 * hi:
+            break
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if at(mid) is not None else (mid, hi)
     return at(hi)
 
 
-def candidates(rates: Rates, nbytes: int) -> list[Pattern]:
+def candidates(rates: Rates, nbytes: int, kinds: tuple[str, ...] | None = None) -> list[Pattern]:
+    """The plans `choose` scores, of `kinds` only (all when None): the balanced splits are most of a
+    plan's cost (on 8 ranks sharing 2 cores, 30-90 ms a re-plan when every kind was built and most
+    thrown away)."""
     n, pieces = rates.world, pieces_for(nbytes)
     ident = tuple(range(n))
     by_speed = sorted(range(n), key=lambda r: (-min(rates.up[r], rates.down[r]), r))
     out = [Pattern.static_ring(n, pieces), Pattern.static_ring(n),
            Pattern(kind="pipelined", order=ident, split=(1,) * n, pieces=pieces)]
-    split = balanced_split(rates, list(range(n)))
-    out += [Pattern(kind="pipelined", order=ident, split=split, pieces=k) for k in PIECES if k != pieces]
-    out.append(Pattern(kind="pipelined", order=ident, split=split, pieces=pieces))
-    out.append(Pattern(kind="ring", order=tuple(by_speed), split=split, pieces=pieces))
-    for k in range(1, n):
+    if kinds is None or {"pipelined", "ring"} & set(kinds):
+        split = balanced_split(rates, list(range(n)))
+        out += [Pattern(kind="pipelined", order=ident, split=split, pieces=k) for k in PIECES if k != pieces]
+        out.append(Pattern(kind="pipelined", order=ident, split=split, pieces=pieces))
+        out.append(Pattern(kind="ring", order=tuple(by_speed), split=split, pieces=pieces))
+    for k in range(1, n) if kinds is None or "tree" in kinds else ():
         aggs = tuple(sorted(by_speed[:k]))
         leaves = [r for r in range(n) if r not in aggs]
         holders = {a: 1 + sum(1 for i, leaf in enumerate(leaves) if aggs[i % k] == a) for a in aggs}
@@ -261,7 +267,7 @@ def choose(current: Pattern | None, rates: Rates, nbytes: int, *, min_gain: floa
     least `min_gain` (a fraction) faster."""
     if not 0 <= min_gain < 1:
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
-    pool = [p for p in candidates(rates, nbytes) if (kinds is None or p.kind in kinds)
+    pool = [p for p in candidates(rates, nbytes, kinds) if (kinds is None or p.kind in kinds)
             and (pieces is None or p.pieces == pieces)]
     if not pool:
         in_pieces = "" if pieces is None else f" in {pieces} pieces"
