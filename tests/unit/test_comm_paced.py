@@ -143,7 +143,7 @@ def test_the_first_learned_collective_runs_unpaced_then_the_ring_is_paced(monkey
                               flow_cfg=FlowConfig(min_bytes=1 << 40))
         for _ in range(3):
             a(torch.ones(n))
-        a._finish_gather("test")
+        a.sync.finish()
         small = AdaptiveAllreduce(groups(world)[r], rank=r, world=world, timeout_s=20)
         small(torch.ones(n // 2))  # 4 MB: too small to learn from, so no probe: the paced ring as decided
         return [(h["plan"]["kind"], h["plan"]["window"], h["probe"]) for h in a.history], \

@@ -1,7 +1,7 @@
 """The congestion-aware all-reduce: run the current plan, learn the links, re-plan, all ranks alike.
 
 After every collective each rank issues an all-gather of one small fixed-size table of what its
-transfers saw (per peer and phase: bytes, when it posted, when the receive ended) and returns;
+transfers saw (per peer and phase: bytes, when it posted, when the receive ended; comm/flow_sync.py) and returns;
 the next call waits for it (by then it has usually arrived: the caller computed meanwhile), so
 every rank folds the same flows into the same estimates (comm/flows.py) and computes the same
 plan (comm/planner.py) for that collective: no plan ever has to be broadcast, and a change takes
@@ -50,15 +50,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from datetime import timedelta
 from typing import Callable
 
 import torch
 
 from unbroken.comm import flows, planner, squeeze
 from unbroken.comm.duel import Duel
+from unbroken.comm.flow_sync import PHASES, FlowSync, flows_of  # noqa: F401 - PHASES: the slots' shape
 from unbroken.comm.group import CollectiveError
-from unbroken.comm.patterns import PHASE_RESULTS, Pattern, allreduce
+from unbroken.comm.patterns import Pattern, allreduce
 from unbroken.comm.transport import Transport
 
 MODES = ("adaptive", "static", "chain")  # chain: the rank-order chain, for ranks in node blocks
@@ -68,7 +68,6 @@ CONTENDED_STEPS = 10  # a contended link is planned at a whole number of tenths 
 VETO_FOR = 32  # learned collectives during which a rejected picture of the links is not planned around
 REJECT_SLOWER = 1.05  # a plan around flagged links this much slower than the even ring it replaced is rejected
 CHOICES_KEPT = 256  # planner choices remembered per picture of the links (`_choose`)
-PHASES = 4  # tag phases: reduce-scatter rows, all-gather results, tree up, tree down
 Emit = Callable[..., object]  # EventLog.emit
 
 
@@ -86,7 +85,8 @@ class AdaptiveAllreduce:
         self.learn_bytes = learn_bytes  # smaller all-reduces neither pay for the sync nor change the plan
         self.squeeze_below_Bps = squeeze_below_Bps  # slow links under this carry compressed bytes (0: never)
         self.emit = emit if rank == 0 else None
-        self.tp = Transport(pg, rank=rank, world=world, timeout_s=timeout_s, on_transfer=self._record,
+        self.sync = FlowSync(pg, world=world, timeout_s=timeout_s)  # the flows' all-gather (comm/flow_sync.py)
+        self.tp = Transport(pg, rank=rank, world=world, timeout_s=timeout_s, on_transfer=self.sync.record,
                             interrupted=interrupted, abort=abort)
         self.table = flows.FlowTable(flow_cfg)
         self.plan: Pattern | None = Pattern.static_ring(world) if mode == "static" else None  # the last one used
@@ -96,13 +96,11 @@ class AdaptiveAllreduce:
         self._choices: dict[tuple, tuple[Pattern, float]] = {}  # (key, size, kinds, pieces, prior) -> choice
         self.seq = 0
         self.history: deque[dict] = deque(maxlen=1024)  # the last collectives: seq, plan, seconds, estimates
-        self._slots = self._empty_slots()  # per peer, phase: bytes, posted, ended (receives), posted (sends)
         self._slow: set[flows.Link] = set()  # the links the current plan was made around (hysteresis)
         self._origin: set[flows.Link] = set()  # the slow links the plan left the even ring for
         self._contended: set[flows.Link] = set()  # the links the current plan saw as shared (hysteresis)
         self._squeeze: set[int] = set()  # the ranks whose transfers are compressed around their slow links
         self._estimates: dict | None = None  # the link estimates the current plan was chosen from
-        self._pending: tuple | None = None  # the flow exchange in flight: (work, output, input)
         self._ran: tuple[Pattern, int] | None = None  # the plan and size of the collective that exchange is of
         self._measured = False  # some collective's flows were read
         self._best: dict[int, float] = {}  # per size: the fastest learned collective so far (slowest rank's s)
@@ -126,9 +124,12 @@ class AdaptiveAllreduce:
         elif self.mode == "chain":
             self.plan = Pattern(kind="chain", order=tuple(range(self.world)), split=(1,) * self.world,
                                 pieces=planner.chain_pieces(nbytes))
-        elif self._pending is not None:  # the last flow exchange: fold it in, re-plan
+        elif self.sync.pending is not None:  # the last flow exchange: fold it in, re-plan
             t1 = time.perf_counter()
-            gathered = self._finish_gather(what)
+            try:
+                gathered = self.sync.finish()
+            except RuntimeError as e:
+                self._gather_failed(what, e)
             t2 = time.perf_counter()
             self._replan(*gathered, nbytes)
             t3 = time.perf_counter()  # learning's cost here: the wait for it and the planner (of which plan_s)
@@ -138,7 +139,7 @@ class AdaptiveAllreduce:
             self._probe_if(None if self._measured else "first", nbytes)  # nothing measured yet: measure first
         self.seq += 1
         plan, t0 = self.plan, time.perf_counter()
-        self._slots = self._empty_slots()
+        self.sync.reset()
         learn = self.mode == "adaptive" and self.world > 1 and nbytes >= self.learn_bytes
         allreduce(self.tp, t, plan, self.seq, what, timed=learn and not plan.window)  # a paced ring's flows: not read
         seconds = time.perf_counter() - t0
@@ -147,70 +148,20 @@ class AdaptiveAllreduce:
                              "probe": self._probe or ("duel" if self._trial else None)})
         if learn or self._small_due:  # a small size's exchange carries its seconds only (untimed transfers)
             self._ran = (plan, nbytes)
-            self._start_gather(what, seconds)
+            try:
+                self.sync.start(seconds)
+            except RuntimeError as e:
+                self._gather_failed(what, e)
 
     def close(self) -> None:
         """The group is retired: its transport's waiter threads may end (a flow exchange still in
         flight fails with the group's sockets; it writes only into its own buffer)."""
-        self._pending = None
+        self.sync.pending = None
         self.tp.close()
-
-    # --- flow records ------------------------------------------------------------------------
-    def _empty_slots(self) -> list[list[list[float]]]:
-        return [[[0.0] * 4 for _ in range(PHASES)] for _ in range(self.world)]
-
-    def _record(self, kind: str, peer: int, tag: int, nbytes: int, posted: float, ended: float) -> None:
-        phase = (tag >> 18) & 3
-        if phase == PHASE_RESULTS:  # paced by the owners' reductions, not by the link: no rate
-            return
-        s = self._slots[peer][phase]
-        if kind == "send":
-            s[3] = posted if s[3] == 0 else min(s[3], posted)
-            return
-        s[1] = posted if s[0] == 0 else min(s[1], posted)
-        s[2] = max(s[2], ended)
-        s[0] += nbytes
-
-    def _start_gather(self, what: str, seconds: float) -> None:
-        """Issue the all-gather of every rank's slots (world, PHASES, 4) and the collective's seconds on
-        it, and return: it travels while the caller computes, and the next call waits for it (every
-        rank issues it at the same point of the group's op sequence, so other collectives on the group
-        keep their order)."""
-        mine = torch.tensor([*(x for peer in self._slots for ph in peer for x in ph), seconds], dtype=torch.float64)
-        out = torch.empty((self.world, mine.numel()), dtype=torch.float64)
-        try:
-            work = self.pg.allgather([[out[r] for r in range(self.world)]], [mine])
-        except RuntimeError as e:
-            self._gather_failed(what, e)
-        self._pending = (work, out, mine)
-
-    def _finish_gather(self, what: str) -> tuple[torch.Tensor, float]:
-        """The slots (world, world, PHASES, 4) of the exchange `_start_gather` issued and the slowest
-        rank's seconds; bounded by the transport's timeout."""
-        work, out, _ = self._pending
-        self._pending = None
-        try:
-            work.wait(timedelta(seconds=self.tp.timeout_s))
-        except RuntimeError as e:
-            self._gather_failed(what, e)
-        return out[:, :-1].reshape(self.world, self.world, PHASES, 4), float(out[:, -1].max())
 
     def _gather_failed(self, what: str, e: RuntimeError) -> None:
         self.tp.broken = f"{what} (flow statistics): {str(e).splitlines()[0][:160]}"
         raise CollectiveError(f"rank {self.rank}/{self.world}: {self.tp.broken}") from e
-
-    def flows_of(self, slots: torch.Tensor) -> list[flows.Flow]:
-        """The collective's flows from every rank's slots (rank j's row: what j received and sent)."""
-        recvs, sends = [], []
-        rows = slots.tolist()  # one conversion: indexing a tensor element by element costs microseconds each
-        for j in range(self.world):
-            for i in range(self.world):
-                for ph, (nb, posted, ended, sent) in enumerate(rows[j][i]):
-                    if nb > 0:
-                        recvs.append((i, j, ph, int(nb), posted, ended))
-                    if sent > 0:
-                        sends.append((j, i, ph, sent))
-        return flows.join(recvs, sends)
 
     # --- planning ------------------------------------------------------------------------------
     def slow_links(self) -> tuple[dict[flows.Link, float], float]:
@@ -305,7 +256,7 @@ class AdaptiveAllreduce:
         # a probe counts twice when a slower ring called it or it ran slower itself (a routine probe
         # that ran into a slowdown: before, the plan changed a slow ring and a second probe later)
         changed = probe == "slower" or (probe is not None and slowest_s > PROBE_SLOWER * best)
-        self.table.observe_flows(self.flows_of(slots), weight=2 if changed else 1)
+        self.table.observe_flows(flows_of(slots), weight=2 if changed else 1)
         self._estimates = {f"{k}:{r}": round(v.rate) for (k, r), v in sorted(self.table.links.items())}
         self.decide(nbytes)
 
