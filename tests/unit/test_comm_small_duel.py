@@ -2,6 +2,7 @@
 `_small_arm`, comm/duel.py `due`): planning alone, and on real gloo groups (agreed times, no hang)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -107,18 +108,69 @@ def test_a_small_size_keeps_the_exchange_where_it_wins_and_its_time_stays_fresh(
 
 
 @pytest.mark.parametrize("why", ["no stream", "slow link"])
-def test_without_a_stream_at_a_learned_size_or_beside_a_slow_link_small_sizes_neither_duel_nor_sync(why):
-    """The uncongested job's small all-reduces cost what they did: no trial of the exchange, no sync."""
+def test_without_a_stream_at_a_learned_size_or_beside_a_slow_link_small_sizes_do_not_duel_the_ring(why):
+    """The uncongested job's small all-reduces cost what they did: no trial of the exchange, no sync.
+    Beside a slow link the ring/exchange duel is off; the plan around it duels its depth instead."""
     ad = _planning([], exchange_won=why != "no stream")
     if why == "slow link":
-        for _ in range(3):
-            for way in ("up", "down"):
-                ad.table.observe((way, 1), FAST / 4)
+        _slow_rank_one(ad)
     for _ in range(20):
         ad.decide(SMALL)
-        assert not ad._small_due and ad.plan.kind in ("ring", "pipelined")
-        assert why == "slow link" or ad.plan == paced(Pattern.static_ring(4), SMALL)
+        if why == "no stream":
+            assert not ad._small_due and ad.plan == paced(Pattern.static_ring(4), SMALL)
+        else:
+            assert ad.plan.kind == "pipelined" and ad.plan.split[1] == 0 and ad._depth_arm is not None
     assert SMALL not in ad.duel.seconds
+
+
+def _slow_rank_one(ad: AdaptiveAllreduce) -> None:
+    for _ in range(3):
+        for way in ("up", "down"):
+            ad.table.observe((way, 1), FAST / 4)
+
+
+def _depth_ran(ad: AdaptiveAllreduce, nbytes: int, seconds: float) -> None:
+    """As if the plan decided ran in `seconds` and its exchange came back (no flows)."""
+    ad._ran, ad._ran_depth = (ad.plan, nbytes), ad._depth_arm
+    ad._replan(torch.zeros(ad.world, ad.world, adaptive.PHASES, 4, dtype=torch.float64), seconds, nbytes)
+
+
+@pytest.mark.parametrize("nbytes", [SMALL, 4 * MB])
+def test_a_plan_around_a_slow_rank_runs_at_the_depth_that_ran_faster(nbytes):
+    """On 8 ranks sharing 2 cores, 1 MB around a slow rank ran 1.4x the static ring in one piece and
+    1.1x in the model's two (stop 53): the depth is tried, not only modelled."""
+    events: list = []
+    ad = _planning(events, exchange_won=False)
+    _slow_rank_one(ad)
+    ad.decide(nbytes)
+    model = ad.plan
+    assert model.split[1] == 0 and model.pieces >= 2 and ad._depth_arm == "model" and ad._small_due
+    _depth_ran(ad, nbytes, 0.05)
+    assert ad.plan == dataclasses.replace(model, pieces=model.pieces // 2) and ad._trial and ad._small_due
+    _depth_ran(ad, nbytes, 0.04)  # half the pieces: faster
+    assert ad.plan.pieces == model.pieces // 2 and not ad._trial and not ad._small_due
+    (kind, f), = [e for e in events if e[0] == "collective_plan" and e[1]["bytes"] == nbytes]
+    assert f["plan"]["pieces"] == model.pieces // 2 and f["previous"]["pieces"] == model.pieces
+    assert f["by_time"] == {"model": 0.05, "half": 0.04} and f["congested"] == ["down:1", "up:1"]
+    runs = []
+    for _ in range(ad.depth.every):
+        runs.append(ad.plan.pieces)
+        _depth_ran(ad, nbytes, 0.04) if ad._small_due else ad.decide(nbytes)
+    assert runs.count(model.pieces) == 1  # the model's depth once more (a trial), the faster otherwise
+
+
+def test_the_depth_duel_starts_afresh_when_the_plan_changes():
+    ad = _planning([], exchange_won=False)
+    _slow_rank_one(ad)
+    ad.decide(SMALL)
+    _depth_ran(ad, SMALL, 0.05)
+    _depth_ran(ad, SMALL, 0.04)
+    assert ad.depth.winner(SMALL) == "half"
+    for _ in range(3):  # rank 2 gets slow too: another plan
+        for way in ("up", "down"):
+            ad.table.observe((way, 2), FAST / 4)
+    ad.decide(SMALL)
+    assert ad.plan.split[2] == 0 and ad._depth_arm == "model" and ad.depth.winner(SMALL) is None
 
 
 def test_small_sizes_duel_on_real_groups_with_agreed_times_and_reference_bits():
@@ -154,5 +206,41 @@ def test_small_sizes_duel_on_real_groups_with_agreed_times_and_reference_bits():
     for r in range(world):
         outs, history, seconds = runs[r]
         assert [h["plan"] for h in history] == plans and seconds == runs[0][2]  # agreed on every rank
+        for i in range(steps):
+            assert torch.equal(outs[i].view(torch.uint8), want[i][r].view(torch.uint8))
+
+
+def test_the_depth_duel_on_real_groups_agrees_and_keeps_the_reference_bits():
+    """Three ranks (threads), rank 1 read slow on every rank: the plan around it runs at both depths,
+    the same plan at every collective on every rank, results bitwise equal to the reference."""
+    world, steps, n = 3, 8, 1 << 20  # 4 MB: the model cuts it in pieces
+    g = torch.Generator().manual_seed(11)
+    xs = [[torch.randn(n, generator=g) * 1e3 for _ in range(world)] for _ in range(steps)]
+    seqs = [next(_seq) for _ in range(steps)]
+    want = [on_ranks(world, lambda tp, r, i=i: (reference(tp, t := xs[i][r].clone(), seqs[i]), t)[1])
+            for i in range(steps)]
+
+    def body(tp, r):
+        ad = AdaptiveAllreduce(groups(world)[r], rank=r, world=world, timeout_s=20, learn_bytes=1 << 40)
+        ad.depth = Duel(arms=ad.depth.arms, every=4)
+        for _ in range(3):
+            for rr in range(world):
+                for way in ("up", "down"):
+                    ad.table.observe((way, rr), FAST / 4 if rr == 1 else FAST)
+        outs = []
+        for i in range(steps):
+            t = xs[i][r].clone()
+            ad(t)
+            outs.append(t)
+        ad.close()
+        return outs, [h["plan"] for h in ad.history], dict(ad.depth.seconds.get(n * 4, {}))
+
+    runs = on_ranks(world, body, timeout_s=60)
+    plans = runs[0][1]
+    assert plans[0]["split"][1] == 0 and plans[1]["pieces"] == plans[0]["pieces"] // 2
+    assert set(runs[0][2]) == {"model", "half"}
+    for r in range(world):
+        outs, p, seconds = runs[r]
+        assert p == plans and seconds == runs[0][2]
         for i in range(steps):
             assert torch.equal(outs[i].view(torch.uint8), want[i][r].view(torch.uint8))

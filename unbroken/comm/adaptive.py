@@ -35,7 +35,8 @@ unpaced (a probe), and their flows are read as before.
 
 A plan around a slow link is a direct exchange in which the slow rank owns nothing; where the link
 is under `squeeze_below_Bps` every transfer of that rank is compressed (`_squeezed`, comm/squeeze.py):
-its own bytes are what bounds the plan.
+its own bytes are what bounds the plan. It runs at the planner's pipeline depth or half of it,
+whichever ran faster at its size (`_depth`; small sizes' times agreed as the duel's).
 
 Readings can lie (eight ranks on two cores read healthy links at 0.9-3.3x their rate; under a plan
 around a slow link, the other links read their owners' busy links), so a plan is also judged by
@@ -55,7 +56,7 @@ from typing import Callable
 import torch
 
 from unbroken.comm import flows, planner, squeeze
-from unbroken.comm.duel import Duel
+from unbroken.comm.duel import DEPTHS, Duel
 from unbroken.comm.flow_sync import PHASES, FlowSync, flows_of  # noqa: F401 - PHASES: the slots' shape
 from unbroken.comm.group import CollectiveError
 from unbroken.comm.patterns import Pattern, allreduce
@@ -115,6 +116,10 @@ class AdaptiveAllreduce:
         self.duel = Duel()  # with nothing planned around: the paced ring or the direct exchange, by time
         self._trial = False  # the plan decided runs as the duel's trial (an arm not yet timed, or the loser)
         self._small_due = False  # the plan decided is of a size under learn_bytes whose time the duel needs
+        self.depth = Duel(arms=DEPTHS)  # a plan around slow links: the planner's pieces or half (`_depth`)
+        self._depth_of: dict[int, Pattern] = {}  # per size: the plan the depth duel is of
+        self._depth_arm: str | None = None  # the depth the plan decided runs at (None: not duelled)
+        self._ran_depth: str | None = None  # ... and the one of the collective whose exchange is in flight
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
         nbytes = t.numel() * t.element_size()
@@ -147,7 +152,7 @@ class AdaptiveAllreduce:
                              "sync_s": sync_s, "plan_s": plan_s, "estimates": self._estimates,
                              "probe": self._probe or ("duel" if self._trial else None)})
         if learn or self._small_due:  # a small size's exchange carries its seconds only (untimed transfers)
-            self._ran = (plan, nbytes)
+            self._ran, self._ran_depth = (plan, nbytes), self._depth_arm
             try:
                 self.sync.start(seconds)
             except RuntimeError as e:
@@ -231,9 +236,13 @@ class AdaptiveAllreduce:
         the median of three then moves at once (with one reading it took a second probe, four
         collectives after a link got slow instead of two)."""
         ran, ran_bytes = self._ran
-        if ran_bytes < self.learn_bytes:  # a small size's duel (`_small_arm`): its time, no flows
-            self._duel_ran("ring" if _paced_even_ring(ran) else "exchange", ran_bytes, slowest_s,
-                           exchange=None if _paced_even_ring(ran) else ran)
+        depth, self._ran_depth = self._ran_depth, None
+        if depth is not None:
+            self._depth_ran(depth, ran_bytes, slowest_s)
+        if ran_bytes < self.learn_bytes:  # a small size's duel (`_small_arm`, `_depth`): its time, no flows
+            if depth is None:
+                self._duel_ran("ring" if _paced_even_ring(ran) else "exchange", ran_bytes, slowest_s,
+                               exchange=None if _paced_even_ring(ran) else ran)
             self.decide(nbytes)
             self._probe_if(None if self._measured else "first", nbytes)
             return
@@ -336,7 +345,35 @@ class AdaptiveAllreduce:
         """The plan for the next collective of `nbytes`: the one made around the flagged links
         (`_plan_links`), or with nothing to plan around, the duel's arm (`_arm`)."""
         self._plan_links(nbytes)
-        self.plan = self._arm(self.plan, nbytes)
+        self.plan = self._depth(self._arm(self.plan, nbytes), nbytes)
+
+    def _depth(self, plan: Pattern, nbytes: int) -> Pattern:
+        """`plan`, or where it is a direct exchange around slow links, that plan at the depth its size's
+        duel picks (comm/duel.py DEPTHS): the planner's pieces, then half of them, then the faster.
+        The model's cost of a message is one host's at 4 ranks: on 8 ranks sharing 2 cores, 1 MB
+        around one slow rank ran 1.4x the static ring's speed in one piece, 1.1x in the model's two
+        (stop 53)."""
+        self._depth_arm = None
+        if not self._slow or plan.kind != "pipelined" or plan.pieces < 2:
+            return plan
+        if self._depth_of.get(nbytes) != plan:  # a new plan at this size: its depths afresh
+            self._depth_of[nbytes] = plan
+            self.depth.drop(nbytes)
+        arm, trial = self.depth.pick(nbytes)
+        self._depth_arm, self._trial = arm, self._trial or trial
+        if nbytes < self.learn_bytes:
+            self._small_due = self.depth.due(nbytes)
+        return _at_depth(plan, arm)
+
+    def _depth_ran(self, arm: str, nbytes: int, seconds: float) -> None:
+        """Give the depth duel `arm`'s time; a change of the depth that runs is an event."""
+        before, after = self.depth.ran(nbytes, arm, seconds)
+        base = self._depth_of.get(nbytes)
+        if self.emit and base is not None and after is not None and after != (before or DEPTHS[0]):
+            self.emit("collective_plan", seq=self.seq + 1, plan=_at_depth(base, after).to_json(),
+                      previous=_at_depth(base, DEPTHS[1 - DEPTHS.index(after)]).to_json(), predicted_s=None,
+                      congested=[f"{k}:{r}" for k, r in sorted(self._slow)], contended=[], bytes=nbytes,
+                      by_time=dict(self.depth.seconds[nbytes]))
 
     def _arm(self, plan: Pattern, nbytes: int) -> Pattern:
         """`plan`, or where it is the paced even ring (nothing planned around) the arm the duel picks:
@@ -419,6 +456,7 @@ class AdaptiveAllreduce:
                           rate_Bps=est.rate if est else None, reference_Bps=fleet)
         if slow and not self._slow:  # a link got slow: the duel's times were of other links (and the
             self.duel.forget()  # paced ring that called the probe ran at the slow hop's pace): afresh after
+            self.depth.forget()
         self._slow = set(slow)
         # a rank is squeezed once a slow link of its reads under the bar, and stays so while a link of its
         # is slow: squeezed readings are high by the codec's share (`_Wire.settle`), and on 8 ranks sharing
@@ -497,6 +535,11 @@ def _squeezed(plan: Pattern, ranks: set[int]) -> Pattern:
     """A direct exchange around slow links, compressing every transfer of `ranks` (comm/squeeze.py):
     the slow rank's own bytes bound the plan, and its CPU is idle."""
     return dataclasses.replace(plan, squeeze=tuple(sorted(ranks))) if plan.kind == "pipelined" and ranks else plan
+
+
+def _at_depth(plan: Pattern, arm: str) -> Pattern:
+    """`plan` at the depth duel's `arm`: its own pieces ("model"), or half of them."""
+    return plan if arm == DEPTHS[0] else dataclasses.replace(plan, pieces=max(1, plan.pieces // 2))
 
 
 def _paced_even_ring(p: Pattern) -> bool:
