@@ -201,6 +201,9 @@ def test_small_sizes_duel_on_real_groups_with_agreed_times_and_reference_bits():
     plans = [h["plan"] for h in runs[0][1]]
     assert plans[0]["kind"] == "pipelined" and plans[1]["kind"] == "ring" and plans[1]["window"] > 0
     waited = [h["sync_s"] is not None for h in runs[0][1]]
+    planned = [h["plan_s"] for h in runs[0][1]]  # the planner's part of the wait
+    assert [x is not None for x in planned] == waited
+    assert all(h["plan_s"] <= h["sync_s"] for h in runs[0][1] if h["sync_s"] is not None)
     assert waited == [i in (1, 2, 5, 6, 9, 10) for i in range(steps)]  # after collectives 0, 1, 4, 5, 8, 9
     assert [h["probe"] == "duel" for h in runs[0][1]] == [i in (1, 5, 9) for i in range(steps)]
     for r in range(world):
