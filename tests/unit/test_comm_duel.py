@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.unit.planning import uniform
 from unbroken.comm import adaptive
 from unbroken.comm.adaptive import AdaptiveAllreduce
 from unbroken.comm.duel import DUEL_EVERY, DUEL_MARGIN, Duel
@@ -61,12 +62,7 @@ def test_a_bad_duel_setting_names_itself(kw, names):
 
 def _fresh(events: list) -> AdaptiveAllreduce:
     """Planning only (no group): every link read at FAST, nothing duelled yet."""
-    a = AdaptiveAllreduce(None, rank=0, world=4, timeout_s=5, emit=lambda kind, **f: events.append((kind, f)))
-    for _ in range(3):
-        for r in range(4):
-            for way in ("up", "down"):
-                a.table.observe((way, r), FAST)
-    a._measured = True
+    a = uniform(events)
     a.decide(SIZE)
     return a
 

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.commgroups import groups, on_ranks
+from tests.unit.planning import FAST, uniform
 from unbroken.comm import adaptive
 from unbroken.comm.adaptive import AdaptiveAllreduce
 from unbroken.comm.duel import Duel
@@ -18,7 +19,6 @@ from unbroken.comm.patterns import Pattern, reference
 from unbroken.comm.planner import paced
 
 MB = 1 << 20
-FAST = 125e6
 SIZE = 64 * MB  # learned
 SMALL = 1 * MB  # under learn_bytes (8 MB)
 _seq = itertools.count(900)
@@ -57,12 +57,7 @@ def test_exchange_won_counts_only_sizes_from_at_least():
 
 def _planning(events: list, *, exchange_won: bool) -> AdaptiveAllreduce:
     """Planning only: every link read at FAST; at SIZE the duel ran (the exchange won unless not `exchange_won`)."""
-    a = AdaptiveAllreduce(None, rank=0, world=4, timeout_s=5, emit=lambda kind, **f: events.append((kind, f)))
-    for _ in range(3):
-        for r in range(4):
-            for way in ("up", "down"):
-                a.table.observe((way, r), FAST)
-    a._measured = True
+    a = uniform(events)
     a.duel.ran(SIZE, "ring", 2.0)
     a.duel.ran(SIZE, "exchange", 1.0 if exchange_won else 2.0)
     return a
@@ -177,27 +172,14 @@ def test_small_sizes_duel_on_real_groups_with_agreed_times_and_reference_bits():
     """Three ranks (threads) of one gloo group: the small size's timed collectives carry their seconds
     in the flow exchange, every rank runs the same plan at every collective, and every result equals the
     reference reduction bitwise."""
-    world, steps, n = 3, 12, 4096
-    g = torch.Generator().manual_seed(7)
-    xs = [[torch.randn(n, generator=g) * 1e3 for _ in range(world)] for _ in range(steps)]
-    seqs = [next(_seq) for _ in range(steps)]
-    want = [on_ranks(world, lambda tp, r, i=i: (reference(tp, t := xs[i][r].clone(), seqs[i]), t)[1])
-            for i in range(steps)]
+    n = 4096
 
-    def body(tp, r):
-        ad = AdaptiveAllreduce(groups(world)[r], rank=r, world=world, timeout_s=20, learn_bytes=1 << 20)
+    def setup(ad: AdaptiveAllreduce) -> None:
         ad.duel = Duel(every=4)
         ad.duel.ran(1 << 30, "ring", 2.0)  # another job's stream: the exchange won at a learned size
         ad.duel.ran(1 << 30, "exchange", 1.0)
-        outs = []
-        for i in range(steps):
-            t = xs[i][r].clone()
-            ad(t)
-            outs.append(t)
-        ad.close()
-        return outs, list(ad.history), dict(ad.duel.seconds[n * 4])
 
-    runs = on_ranks(world, body, timeout_s=60)
+    runs = _run_on_groups(steps := 12, n, setup, learn_bytes=1 << 20, seconds_of=lambda ad: ad.duel.seconds[n * 4])
     plans = [h["plan"] for h in runs[0][1]]
     assert plans[0]["kind"] == "pipelined" and plans[1]["kind"] == "ring" and plans[1]["window"] > 0
     waited = [h["sync_s"] is not None for h in runs[0][1]]
@@ -206,44 +188,52 @@ def test_small_sizes_duel_on_real_groups_with_agreed_times_and_reference_bits():
     assert all(h["plan_s"] <= h["sync_s"] for h in runs[0][1] if h["sync_s"] is not None)
     assert waited == [i in (1, 2, 5, 6, 9, 10) for i in range(steps)]  # after collectives 0, 1, 4, 5, 8, 9
     assert [h["probe"] == "duel" for h in runs[0][1]] == [i in (1, 5, 9) for i in range(steps)]
-    for r in range(world):
-        outs, history, seconds = runs[r]
-        assert [h["plan"] for h in history] == plans and seconds == runs[0][2]  # agreed on every rank
-        for i in range(steps):
-            assert torch.equal(outs[i].view(torch.uint8), want[i][r].view(torch.uint8))
 
 
 def test_the_depth_duel_on_real_groups_agrees_and_keeps_the_reference_bits():
     """Three ranks (threads), rank 1 read slow on every rank: the plan around it runs at both depths,
     the same plan at every collective on every rank, results bitwise equal to the reference."""
-    world, steps, n = 3, 8, 1 << 20  # 4 MB: the model cuts it in pieces
-    g = torch.Generator().manual_seed(11)
+    n = 1 << 20  # 4 MB: the model cuts it in pieces
+
+    def setup(ad: AdaptiveAllreduce) -> None:
+        ad.depth = Duel(arms=ad.depth.arms, every=4)
+        for _ in range(3):
+            for rr in range(ad.world):
+                for way in ("up", "down"):
+                    ad.table.observe((way, rr), FAST / 4 if rr == 1 else FAST)
+
+    runs = _run_on_groups(8, n, setup, learn_bytes=1 << 40, seconds_of=lambda ad: ad.depth.seconds.get(n * 4, {}))
+    plans = [h["plan"] for h in runs[0][1]]
+    assert plans[0]["split"][1] == 0 and plans[1]["pieces"] == plans[0]["pieces"] // 2
+    assert set(runs[0][2]) == {"model", "half"}
+
+
+def _run_on_groups(steps: int, n: int, setup, *, learn_bytes: int, seconds_of, world: int = 3) -> list:
+    """`steps` all-reduces of n random float32 on each of `world` ranks (threads, one gloo group), each
+    rank's all-reduce prepared by `setup`; asserts every rank ran the same plans, agreed on the duel's
+    seconds (`seconds_of`) and got the reference reduction's bits. Per rank: results, history, seconds."""
+    g = torch.Generator().manual_seed(n + steps)
     xs = [[torch.randn(n, generator=g) * 1e3 for _ in range(world)] for _ in range(steps)]
     seqs = [next(_seq) for _ in range(steps)]
     want = [on_ranks(world, lambda tp, r, i=i: (reference(tp, t := xs[i][r].clone(), seqs[i]), t)[1])
             for i in range(steps)]
 
     def body(tp, r):
-        ad = AdaptiveAllreduce(groups(world)[r], rank=r, world=world, timeout_s=20, learn_bytes=1 << 40)
-        ad.depth = Duel(arms=ad.depth.arms, every=4)
-        for _ in range(3):
-            for rr in range(world):
-                for way in ("up", "down"):
-                    ad.table.observe((way, rr), FAST / 4 if rr == 1 else FAST)
+        ad = AdaptiveAllreduce(groups(world)[r], rank=r, world=world, timeout_s=20, learn_bytes=learn_bytes)
+        setup(ad)
         outs = []
         for i in range(steps):
             t = xs[i][r].clone()
             ad(t)
             outs.append(t)
         ad.close()
-        return outs, [h["plan"] for h in ad.history], dict(ad.depth.seconds.get(n * 4, {}))
+        return outs, list(ad.history), dict(seconds_of(ad))
 
     runs = on_ranks(world, body, timeout_s=60)
-    plans = runs[0][1]
-    assert plans[0]["split"][1] == 0 and plans[1]["pieces"] == plans[0]["pieces"] // 2
-    assert set(runs[0][2]) == {"model", "half"}
+    plans = [h["plan"] for h in runs[0][1]]
     for r in range(world):
-        outs, p, seconds = runs[r]
-        assert p == plans and seconds == runs[0][2]
+        outs, history, seconds = runs[r]
+        assert [h["plan"] for h in history] == plans and seconds == runs[0][2]  # agreed on every rank
         for i in range(steps):
             assert torch.equal(outs[i].view(torch.uint8), want[i][r].view(torch.uint8))
+    return runs
