@@ -155,8 +155,8 @@ def test_a_plan_around_a_slow_rank_runs_at_the_depth_that_ran_faster(nbytes):
 
 
 def test_a_sizes_first_collective_is_no_duels_evidence():
-    """In stop 52's 4-rank record the first round of every slow cell ran 1.05-1.19x static's speed at
-    1-16 MB and the others 1.25-1.64x: one such time picked the ring over the split at 1 MB (stop 53)."""
+    """In stop 52's 4-rank record the first round ran 1.05-1.19x static's speed in four of the six slow
+    cells at 1-16 MB, their others 1.25-1.64x: one such time picked the ring over the split at 1 MB (stop 53)."""
     ad = uniform([])
     ad.decide(SIZE)
     ring = ad.plan

@@ -240,8 +240,8 @@ class AdaptiveAllreduce:
         collectives after a link got slow instead of two)."""
         ran, ran_bytes = self._ran
         depth, self._ran_depth = self._ran_depth, None
-        # a size's first collective is no duel's evidence: in stop 52's 4-rank record (no duel) the
-        # first round of every slow cell ran 1.05-1.19x static's speed at 1-16 MB, the others 1.25-1.64x,
+        # a size's first collective is no duel's evidence: in stop 52's 4-rank record (no duel) the first
+        # round ran 1.05-1.19x static's speed in four of the six slow cells at 1-16 MB, their others 1.25-1.64x,
         # and single first times picked the ring over the split at 1 MB and half the depth at 4 MB (stop 53)
         cold, self._ran_cold = self._ran_cold, False
         if depth is not None and not cold:
