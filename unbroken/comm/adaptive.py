@@ -120,8 +120,6 @@ class AdaptiveAllreduce:
         self._depth_of: dict[int, Pattern] = {}  # per size: the plan the depth duel is of
         self._depth_arm: str | None = None  # the depth the plan decided runs at (None: not duelled)
         self._ran_depth: str | None = None  # ... and the one of the collective whose exchange is in flight
-        self._seen: set[int] = set()  # the sizes some collective ran at (a size's first runs cold: `_replan`)
-        self._ran_cold = False  # the collective whose exchange is in flight was its size's first
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
         nbytes = t.numel() * t.element_size()
@@ -145,8 +143,7 @@ class AdaptiveAllreduce:
             self.decide(nbytes)  # a new size gets its plan (a no-op while size and links hold)
             self._probe_if(None if self._measured else "first", nbytes)  # nothing measured yet: measure first
         self.seq += 1
-        plan, t0, cold = self.plan, time.perf_counter(), nbytes not in self._seen
-        self._seen.add(nbytes)
+        plan, t0 = self.plan, time.perf_counter()
         self.sync.reset()
         learn = self.mode == "adaptive" and self.world > 1 and nbytes >= self.learn_bytes
         allreduce(self.tp, t, plan, self.seq, what, timed=learn and not plan.window)  # a paced ring's flows: not read
@@ -155,7 +152,7 @@ class AdaptiveAllreduce:
                              "sync_s": sync_s, "plan_s": plan_s, "estimates": self._estimates,
                              "probe": self._probe or ("duel" if self._trial else None)})
         if learn or self._small_due:  # a small size's exchange carries its seconds only (untimed transfers)
-            self._ran, self._ran_depth, self._ran_cold = (plan, nbytes), self._depth_arm, cold
+            self._ran, self._ran_depth = (plan, nbytes), self._depth_arm
             try:
                 self.sync.start(seconds)
             except RuntimeError as e:
@@ -240,14 +237,10 @@ class AdaptiveAllreduce:
         collectives after a link got slow instead of two)."""
         ran, ran_bytes = self._ran
         depth, self._ran_depth = self._ran_depth, None
-        # a size's first collective is no duel's evidence: in stop 52's 4-rank record (no duel) the first
-        # round ran 1.05-1.19x static's speed in four of the six slow cells at 1-16 MB, their others 1.25-1.64x,
-        # and single first times picked the ring over the split at 1 MB and half the depth at 4 MB (stop 53)
-        cold, self._ran_cold = self._ran_cold, False
-        if depth is not None and not cold:
+        if depth is not None:
             self._depth_ran(depth, ran_bytes, slowest_s)
         if ran_bytes < self.learn_bytes:  # a small size's duel (`_small_arm`, `_depth`): its time, no flows
-            if depth is None and not cold:
+            if depth is None:
                 self._duel_ran("ring" if _paced_even_ring(ran) else "exchange", ran_bytes, slowest_s,
                                exchange=None if _paced_even_ring(ran) else ran)
             self.decide(nbytes)
@@ -258,7 +251,7 @@ class AdaptiveAllreduce:
         best = self._best.get(ran_bytes, slowest_s)
         self._best[ran_bytes] = min(best, slowest_s)
         self._learned += 1
-        self._judge(ran, ran_bytes, slowest_s, cold=cold)
+        self._judge(ran, ran_bytes, slowest_s)
         if ran.window:
             self._paced_runs += 1
             why = "slower" if slowest_s > PROBE_SLOWER * best and not trial \
@@ -276,7 +269,7 @@ class AdaptiveAllreduce:
         self._estimates = {f"{k}:{r}": round(v.rate) for (k, r), v in sorted(self.table.links.items())}
         self.decide(nbytes)
 
-    def _judge(self, ran: Pattern, nbytes: int, seconds: float, cold: bool = False) -> None:
+    def _judge(self, ran: Pattern, nbytes: int, seconds: float) -> None:
         """A plan made around flagged links must beat the even ring: its first two runs after an even
         ring of its size (the probe whose readings made it, or a paced ring), each REJECT_SLOWER slower
         than that ring, reject the picture of the links it was made from (`_reject`). One slow run is
@@ -295,7 +288,7 @@ class AdaptiveAllreduce:
         self._last[nbytes] = (ran, seconds)
         arm = "ring" if _paced_even_ring(ran) else \
             "exchange" if ran == self._exchange(nbytes) and not self._flags() else None
-        if arm is not None and not self._slow and not cold:  # beside a slow link the duel learns nothing
+        if arm is not None and not self._slow:  # beside a slow link the duel learns nothing (`_plan_links`)
             self._duel_ran(arm, nbytes, seconds)
         if arm == "exchange":  # the duel judges it, against the paced ring
             self._judged.pop(nbytes, None)
