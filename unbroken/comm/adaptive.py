@@ -388,13 +388,13 @@ class AdaptiveAllreduce:
 
     def _small_arm(self, plan: Pattern, nbytes: int) -> Pattern:
         """A size under `learn_bytes`: `plan`, or once the exchange won at a learned size (another job's
-        stream) and no link is slow, the arm its own duel picks, the exchange first (`_small_pair`);
+        stream) and no link is slow, the arm its own duel picks, the exchange first (`_duel_arms`);
         the collectives whose time the duel needs carry it in the flow exchange (`_small_due`)."""
         if not self._small_duels():
             return plan
         arm, self._trial = self.duel.pick(nbytes, first="exchange")
         self._small_due = self.duel.due(nbytes)
-        return self._small_pair(plan, nbytes)[arm]
+        return self._duel_arms(plan, nbytes)[arm]
 
     def _small_duels(self) -> bool:
         return not self._slow and self._exchange_won()
@@ -403,9 +403,9 @@ class AdaptiveAllreduce:
         """The exchange beat the ring at a learned size (a small size's own duel is no evidence of a stream)."""
         return self.duel.exchange_won(self.learn_bytes)
 
-    def _small_pair(self, plan: Pattern, nbytes: int) -> dict[str, Pattern]:
-        """A small size's duel arms: the paced ring, and `plan` where it is a direct exchange (around
-        shared links), else the even one."""
+    def _duel_arms(self, plan: Pattern, nbytes: int) -> dict[str, Pattern]:
+        """The duel's arms at `nbytes`: the paced ring, and `plan` where it is a direct exchange (the
+        split around shared links at a small size), else the even one."""
         return {"ring": planner.paced(Pattern.static_ring(self.world), nbytes),
                 "exchange": plan if plan.kind == "pipelined" else self._exchange(nbytes)}
 
@@ -413,7 +413,7 @@ class AdaptiveAllreduce:
         """What runs for `plan` once the duel's trials are done: the paced even ring stands for the arm
         that wins at `nbytes`; at a small size that duels, its winner (the exchange until decided)."""
         if nbytes < self.learn_bytes:
-            return self._small_pair(plan, nbytes)[self.duel.winner(nbytes) or "exchange"] \
+            return self._duel_arms(plan, nbytes)[self.duel.winner(nbytes) or "exchange"] \
                 if self._small_duels() else plan
         won = self.duel.winner(nbytes)
         return self._exchange(nbytes) if _paced_even_ring(plan) and won == "exchange" else plan
@@ -430,8 +430,7 @@ class AdaptiveAllreduce:
         before, after = self.duel.ran(nbytes, arm, seconds)
         first = "exchange" if nbytes < self.learn_bytes else "ring"  # what ran before the duel decided
         if self.emit and after is not None and after != (before or first):
-            plans = {"ring": planner.paced(Pattern.static_ring(self.world), nbytes),
-                     "exchange": exchange or self._exchange(nbytes)}
+            plans = self._duel_arms(exchange or self._exchange(nbytes), nbytes)
             self.emit("collective_plan", seq=self.seq + 1, plan=plans[after].to_json(),
                       previous=plans["exchange" if after == "ring" else "ring"].to_json(), predicted_s=None,
                       congested=[], contended=[], bytes=nbytes, by_time=dict(self.duel.seconds[nbytes]))
