@@ -56,3 +56,25 @@ def test_a_damaged_or_mismatched_message_is_refused_before_writing():
     liar[:8] = torch.frombuffer(bytearray((1 << 40).to_bytes(8, "little")), dtype=torch.uint8)
     with pytest.raises(squeeze.SqueezeError, match="claims"):
         squeeze.unsqueeze(liar, out)
+
+
+def test_a_message_whose_plane_lengths_lie_is_refused_before_writing():
+    x = torch.randn(4096)
+    msg = squeeze.squeeze(x)
+    liar = _received(msg, x.numel() * 4)
+    first = int.from_bytes(liar[8:12].numpy().tobytes(), "little")
+    liar[8:12] = torch.frombuffer(bytearray((first + 1).to_bytes(4, "little")), dtype=torch.uint8)
+    out = torch.zeros_like(x)
+    with pytest.raises(squeeze.SqueezeError, match="planes take"):
+        squeeze.unsqueeze(liar, out)
+    assert torch.count_nonzero(out) == 0
+
+
+def test_only_the_planes_with_redundancy_shrink():
+    """Normal float32 values: the sign-and-exponent plane shrinks, the low mantissa planes are stored
+    (each frame a few bytes over its plane)."""
+    x = torch.randn(1 << 16)
+    msg = squeeze.squeeze(x).numpy()
+    lengths = [int.from_bytes(msg[8 + 4 * p:12 + 4 * p].tobytes(), "little") for p in range(4)]
+    assert all(x.numel() <= n <= x.numel() + 64 for n in lengths[:2])
+    assert lengths[3] < x.numel() / 2

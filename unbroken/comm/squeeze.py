@@ -13,9 +13,12 @@ reference reduction bit for bit. On normal float32 values it sends 1/1.19 of the
 a link is squeezed only below SQUEEZE_BELOW_BPS, where the codec costs a fraction of the wire time
 it saves.
 
-A message is an 8-byte little-endian frame length, then the zstd frame (with its checksum). The
-receiver posts a buffer of `bound(nbytes)` (gloo fills a prefix of a larger receive buffer) and
-`unsqueeze` checks the length, the frame's checksum and its size before writing the destination.
+A message is an 8-byte little-endian length of what follows, then each plane's frame length (4
+bytes each, little-endian), then one zstd frame (with its checksum) per plane. A plane per frame:
+the planes that hold no redundancy (a float's low mantissa bytes) are stored at once, and 16 MB of
+float32 compressed in 26 ms against 36 ms as one frame, at the same ratio (stop 54). The receiver
+posts a buffer of `bound(nbytes)` (gloo fills a prefix of a larger receive buffer) and `unsqueeze`
+checks the lengths, every frame's checksum and size before writing the destination.
 """
 from __future__ import annotations
 
@@ -25,7 +28,10 @@ import zstandard
 
 SQUEEZE_BELOW_BPS = 50e6  # links slower than this (bytes/s, 400 Mbit/s) carry squeezed messages: a fraction of the codec's speed
 LEVEL = 1  # zstd's fastest level that still finds the exponent planes' redundancy (1.19x vs 1.10x at -1)
-_HEADER = 8
+HASH_LOG, MIN_MATCH = 12, 7  # a cache-sized match table, long matches only: the exponent plane of 4M float32 in ~16 ms, not ~20-30
+_HEADER = 8  # the length of the rest of the message
+_PLANE = 4  # one plane's frame length
+MAX_PLANES = 16  # bytes per element of the widest dtype squeezed (complex128)
 
 
 class SqueezeError(RuntimeError):
@@ -34,17 +40,24 @@ class SqueezeError(RuntimeError):
 
 def bound(nbytes: int) -> int:
     """The largest message `squeeze` makes of `nbytes` (zstd's worst case is stored blocks: 3 bytes
-    per 128 KiB block plus a frame header and checksum)."""
-    return _HEADER + nbytes + (nbytes >> 8) + 512
+    per 128 KiB block plus a frame header and checksum, per plane)."""
+    return _HEADER + nbytes + (nbytes >> 8) + MAX_PLANES * (_PLANE + 512)
 
 
 def squeeze(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s bytes (contiguous), shuffled into planes and compressed: a uint8 tensor to send."""
-    raw = t.reshape(-1).view(torch.uint8).numpy()
-    planes = np.ascontiguousarray(raw.reshape(-1, t.element_size()).T)
-    frame = zstandard.ZstdCompressor(level=LEVEL, write_checksum=True).compress(planes)
-    msg = bytearray(len(frame).to_bytes(_HEADER, "little"))
-    msg += frame  # one copy of the frame: the tensor shares the bytearray's memory
+    """`t`'s bytes (contiguous), cut into planes, each compressed: a uint8 tensor to send."""
+    k = t.element_size()
+    if k > MAX_PLANES:
+        raise ValueError(f"squeeze takes elements of at most {MAX_PLANES} bytes, got {t.dtype} ({k} bytes)")
+    planes = np.ascontiguousarray(t.reshape(-1).view(torch.uint8).numpy().reshape(-1, k).T)
+    codec = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters.from_level(
+        LEVEL, hash_log=HASH_LOG, min_match=MIN_MATCH, write_checksum=True))
+    frames = [codec.compress(plane) for plane in planes]
+    msg = bytearray((k * _PLANE + sum(map(len, frames))).to_bytes(_HEADER, "little"))
+    for f in frames:
+        msg += len(f).to_bytes(_PLANE, "little")
+    for f in frames:
+        msg += f  # one copy of each frame: the tensor shares the bytearray's memory
     return torch.frombuffer(msg, dtype=torch.uint8)
 
 
@@ -55,17 +68,29 @@ def wire_bytes(buf: torch.Tensor) -> int:
 
 def unsqueeze(buf: torch.Tensor, out: torch.Tensor) -> None:
     """Decode the message received into `buf` (a prefix of it) into `out` (contiguous, the sender's
-    shape and dtype); SqueezeError when it is not a whole, intact message of `out`'s size."""
-    n = wire_bytes(buf) - _HEADER
-    if not 0 < n <= buf.numel() - _HEADER:
-        raise SqueezeError(f"squeezed message claims {n} bytes, the buffer holds {buf.numel() - _HEADER}")
-    want = out.numel() * out.element_size()
+    shape and dtype); SqueezeError when it is not a whole, intact message of `out`'s size. Every
+    plane is decoded and checked before anything is written."""
+    n, k = wire_bytes(buf) - _HEADER, out.element_size()
+    if not k * _PLANE <= n <= buf.numel() - _HEADER:
+        raise SqueezeError(f"squeezed message claims {n} bytes, the buffer holds {buf.numel() - _HEADER} "
+                           f"(and {k} planes need at least {k * _PLANE})")
+    body = buf[_HEADER:_HEADER + n].numpy()
+    lengths = np.frombuffer(body[:k * _PLANE].tobytes(), dtype="<u4").astype(np.int64)
+    if int(lengths.sum()) != n - k * _PLANE:
+        raise SqueezeError(f"squeezed message's {k} planes take {int(lengths.sum())} bytes, it holds {n - k * _PLANE}")
+    ends = k * _PLANE + np.cumsum(lengths)
+    planes = [_plane(body[e - m:e], out.numel()) for m, e in zip(lengths, ends)]
+    dst = out.reshape(-1).view(torch.uint8).numpy().reshape(-1, k)
+    for p, plane in enumerate(planes):
+        dst[:, p] = np.frombuffer(plane, dtype=np.uint8)  # plane by plane: 5x faster than one transposed copy
+
+
+def _plane(frame: np.ndarray, want: int) -> bytes:
+    """One plane's frame decoded: `want` bytes, or SqueezeError."""
     try:
-        planes = zstandard.ZstdDecompressor().decompress(memoryview(buf[_HEADER:_HEADER + n].numpy()),
-                                                         max_output_size=want)
+        plane = zstandard.ZstdDecompressor().decompress(memoryview(frame), max_output_size=want)
     except zstandard.ZstdError as e:
         raise SqueezeError(f"squeezed message does not decode: {e}") from e
-    if len(planes) != want:
-        raise SqueezeError(f"squeezed message decodes to {len(planes)} bytes, expected {want}")
-    dst = out.reshape(-1).view(torch.uint8).numpy().reshape(-1, out.element_size())
-    dst[:] = np.frombuffer(planes, dtype=np.uint8).reshape(out.element_size(), -1).T
+    if len(plane) != want:
+        raise SqueezeError(f"squeezed message decodes to {len(plane)} bytes per plane, expected {want}")
+    return plane
