@@ -95,7 +95,21 @@ def test_one_slow_link_scenario_runs_in_namespaces(tmp_path):
                           tmp=tmp_path, port=29790, log=lambda m: None)
     methods = [r["method"] for r in run["records"] if r["phase"] == "measure"]
     assert sorted(methods) == sorted(cb.METHODS)
-    assert cb.result({"one_slow": run}, world=3, fast=1000, slow=250, rounds=1, period=1)["bitwise_equal"]
+    res = cb.result({"one_slow": run}, world=3, fast=1000, slow=250, rounds=1, period=1)
+    assert res["bitwise_equal"]
+    said = res["warmup_events"]["one_slow"] + [e for r in res["rows"] for es in r.get("events", []) for e in es]
+    assert {"kind": "link_congestion", "link": "up:1", "congested": True} in [
+        {k: e.get(k) for k in ("kind", "link", "congested")} for e in said]  # rank 0's events, in the JSON
+
+
+def test_each_adaptive_row_carries_what_was_said_before_each_round():
+    said = [{"kind": "collective_plan", "seq": 5}]
+    recs = [_rec("gloo", 1.0), _rec("static", 1.0), _rec("adaptive", 1.0) | {"events": said},
+            _rec("adaptive", 1.0, rnd=1), {**_rec("adaptive", 1.0), "phase": "warmup",
+                                           "events": [{"kind": "link_congestion"}]}]
+    res = cb.result({"none": {"records": recs, "changes": []}}, world=4, fast=1, slow=0.5, rounds=2, period=1)
+    assert [r["events"] for r in res["rows"] if r["method"] == "adaptive"] == [[said, []]]
+    assert res["warmup_events"] == {"none": [{"kind": "link_congestion"}]}
 
 
 @pytest.mark.parametrize("args,needle", [(["--scenarios", "bogus"], "unknown --scenarios bogus"),

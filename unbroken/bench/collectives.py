@@ -183,6 +183,7 @@ def rows_of(runs: dict) -> list[dict]:
                         rows[-1]["plans"] = [r.get("plan") for r in cell]
                         rows[-1]["sync_s"] = [r.get("sync_s") for r in cell]
                         rows[-1]["plan_s"] = [r.get("plan_s") for r in cell]
+                        rows[-1]["events"] = [r.get("events", []) for r in cell]  # said before each round ran
     return rows
 
 
@@ -268,7 +269,9 @@ def result(runs: dict, *, world: int, fast: float, slow: float, rounds: int, per
            "cpu_vs_gloo_uncongested": statistics.median(cpu) if cpu else None,
            "goal": {"speedup_vs_static_congested": 1.4, "speedup_vs_gloo_congested": 1.2,
                     "slowdown_vs_gloo_uncongested": 0.05, "replan_collectives": 3},
-           "bitwise_equal": _bitwise(runs)}
+           "bitwise_equal": _bitwise(runs),
+           "warmup_events": {sc: [e for r in run["records"] if r["phase"] == "warmup" for e in r.get("events", [])]
+                             for sc, run in runs.items()}}
     if "changing" in runs:
         counts = replan_counts(runs["changing"])
         seen = [c for c in counts if c is not None]

@@ -7,7 +7,8 @@
 A rank times every method on every payload, interleaved round by round (gloo, static,
 adaptive, gloo, ...), each on its own gloo group, a barrier before each; a collective's time
 is the slowest rank's, its CPU the sum over the ranks of their processes' user + system time
-(every thread: gloo's, our waiter threads). Rank 0 writes one JSON line per collective to --out. Background
+(every thread: gloo's, our waiter threads). Rank 0 writes one JSON line per collective to --out
+(the adaptive ones carry the events it said since the one before: plan changes, congestion flags). Background
 traffic is one TCP stream between two namespaces, bounded in bytes and in seconds.
 """
 from __future__ import annotations
@@ -36,7 +37,8 @@ def _runners(pgs: dict, args) -> tuple[dict, object]:
     from unbroken.comm.adaptive import AdaptiveAllreduce
 
     kw = dict(rank=args.rank, world=args.world, timeout_s=args.timeout)
-    ours = {m: AdaptiveAllreduce(pgs[m], mode=m, **kw) for m in ("static", "adaptive")}
+    ours = {"static": AdaptiveAllreduce(pgs["static"], mode="static", **kw),
+            "adaptive": AdaptiveAllreduce(pgs["adaptive"], mode="adaptive", emit=_Events(), **kw)}
 
     def gloo(t) -> None:
         if not pgs["gloo"].allreduce([t]).wait(timedelta(seconds=args.timeout)):
@@ -44,6 +46,21 @@ def _runners(pgs: dict, args) -> tuple[dict, object]:
 
     run = {"gloo": gloo, "static": ours["static"], "adaptive": ours["adaptive"]}
     return {m: run[m] for m in args.methods.split(",")}, ours["adaptive"]
+
+
+class _Events:
+    """What the adaptive all-reduce says on rank 0 (its `emit`): kept, and carried by the record of
+    the collective during which it was said (the bench's JSON keeps why each plan ran)."""
+
+    def __init__(self) -> None:
+        self.said: list[dict] = []
+
+    def __call__(self, kind: str, **fields) -> None:
+        self.said.append({"kind": kind, **fields})
+
+    def drain(self) -> list[dict]:
+        out, self.said = self.said, []
+        return out
 
 
 def _over_ranks(pg, value: float, op: str, timeout: float) -> float:
@@ -84,6 +101,7 @@ def rank_main(args) -> None:
                 rec["sync_s"] = adaptive.history[-1].get("sync_s")
                 rec["plan_s"] = adaptive.history[-1].get("plan_s")
                 rec["probe"] = adaptive.history[-1].get("probe")
+                rec["events"] = adaptive.emit.drain()
             out.write(json.dumps(rec) + "\n")
             out.flush()
 
