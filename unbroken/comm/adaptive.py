@@ -120,6 +120,9 @@ class AdaptiveAllreduce:
         self._depth_of: dict[int, Pattern] = {}  # per size: the plan the depth duel is of
         self._depth_arm: str | None = None  # the depth the plan decided runs at (None: not duelled)
         self._ran_depth: str | None = None  # ... and the one of the collective whose exchange is in flight
+        self._seen: set[int] = set()  # the sizes some collective ran at (a size's first runs cold: `_replan`)
+        self._planned = False  # the planner ran for the plan decided (`_choose`): ranks start it apart
+        self._ran_cold = False  # the collective whose exchange is in flight ran cold (`_replan`)
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
         nbytes = t.numel() * t.element_size()
@@ -143,7 +146,9 @@ class AdaptiveAllreduce:
             self.decide(nbytes)  # a new size gets its plan (a no-op while size and links hold)
             self._probe_if(None if self._measured else "first", nbytes)  # nothing measured yet: measure first
         self.seq += 1
-        plan, t0 = self.plan, time.perf_counter()
+        plan, t0, cold = self.plan, time.perf_counter(), self._planned or nbytes not in self._seen
+        self._seen.add(nbytes)
+        self._planned = False
         self.sync.reset()
         learn = self.mode == "adaptive" and self.world > 1 and nbytes >= self.learn_bytes
         allreduce(self.tp, t, plan, self.seq, what, timed=learn and not plan.window)  # a paced ring's flows: not read
@@ -152,7 +157,7 @@ class AdaptiveAllreduce:
                              "sync_s": sync_s, "plan_s": plan_s, "estimates": self._estimates,
                              "probe": self._probe or ("duel" if self._trial else None)})
         if learn or self._small_due:  # a small size's exchange carries its seconds only (untimed transfers)
-            self._ran, self._ran_depth = (plan, nbytes), self._depth_arm
+            self._ran, self._ran_depth, self._ran_cold = (plan, nbytes), self._depth_arm, cold
             try:
                 self.sync.start(seconds)
             except RuntimeError as e:
@@ -237,10 +242,16 @@ class AdaptiveAllreduce:
         collectives after a link got slow instead of two)."""
         ran, ran_bytes = self._ran
         depth, self._ran_depth = self._ran_depth, None
-        if depth is not None:
+        # a collective run cold (its size's first, or one the planner ran for: ranks leave the planner
+        # apart and the first to start waits for the last inside the timed collective) is no duel's
+        # evidence: in stop 52's 4-rank record the first 1 MB split ran 43 ms after 8 ms of planning, then
+        # 22-26 ms, and such first times picked the ring over the split at 1 MB and half the depth at 4 MB
+        # in stop 53's runs
+        cold, self._ran_cold = self._ran_cold, False
+        if depth is not None and not cold:
             self._depth_ran(depth, ran_bytes, slowest_s)
         if ran_bytes < self.learn_bytes:  # a small size's duel (`_small_arm`, `_depth`): its time, no flows
-            if depth is None:
+            if depth is None and not cold:
                 self._duel_ran("ring" if _paced_even_ring(ran) else "exchange", ran_bytes, slowest_s,
                                exchange=None if _paced_even_ring(ran) else ran)
             self.decide(nbytes)
@@ -251,7 +262,7 @@ class AdaptiveAllreduce:
         best = self._best.get(ran_bytes, slowest_s)
         self._best[ran_bytes] = min(best, slowest_s)
         self._learned += 1
-        self._judge(ran, ran_bytes, slowest_s)
+        self._judge(ran, ran_bytes, slowest_s, cold=cold)
         if ran.window:
             self._paced_runs += 1
             why = "slower" if slowest_s > PROBE_SLOWER * best and not trial \
@@ -269,7 +280,7 @@ class AdaptiveAllreduce:
         self._estimates = {f"{k}:{r}": round(v.rate) for (k, r), v in sorted(self.table.links.items())}
         self.decide(nbytes)
 
-    def _judge(self, ran: Pattern, nbytes: int, seconds: float) -> None:
+    def _judge(self, ran: Pattern, nbytes: int, seconds: float, cold: bool = False) -> None:
         """A plan made around flagged links must beat the even ring: its first two runs after an even
         ring of its size (the probe whose readings made it, or a paced ring), each REJECT_SLOWER slower
         than that ring, reject the picture of the links it was made from (`_reject`). One slow run is
@@ -288,7 +299,7 @@ class AdaptiveAllreduce:
         self._last[nbytes] = (ran, seconds)
         arm = "ring" if _paced_even_ring(ran) else \
             "exchange" if ran == self._exchange(nbytes) and not self._flags() else None
-        if arm is not None and not self._slow:  # beside a slow link the duel learns nothing (`_plan_links`)
+        if arm is not None and not self._slow and not cold:  # beside a slow link the duel learns nothing
             self._duel_ran(arm, nbytes, seconds)
         if arm == "exchange":  # the duel judges it, against the paced ring
             self._judged.pop(nbytes, None)
@@ -502,6 +513,7 @@ class AdaptiveAllreduce:
         2 cores one choice took 30-90 ms of a collective's wall time (stop 53)."""
         memo = (key, nbytes, kinds, pieces, prior)
         if memo not in self._choices:
+            self._planned = True
             if len(self._choices) >= CHOICES_KEPT:
                 self._choices.clear()
             self._choices[memo] = planner.choose(prior, rates, nbytes, min_gain=self.min_gain, kinds=kinds,
