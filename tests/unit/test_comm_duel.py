@@ -31,7 +31,7 @@ def test_the_ring_runs_first_then_the_exchange_then_the_faster_and_every_nth_the
     since = 0
     for t in later:
         won = "exchange" if d.seconds[SIZE]["exchange"] * DUEL_MARGIN < d.seconds[SIZE]["ring"] else "ring"
-        assert d.winner(SIZE) == won and d.exchange_won() == (won == "exchange")
+        assert d.winner(SIZE) == won and d.won_by("exchange") == (won == "exchange")
         arm, trial = d.pick(SIZE)
         since += 1
         if since == every:  # the loser, once
@@ -46,10 +46,10 @@ def test_the_exchange_wins_only_by_the_margin_and_each_size_has_its_own_duel():
     d = Duel()
     d.ran(SIZE, "ring", 1.0)
     d.ran(SIZE, "exchange", 1.0 / DUEL_MARGIN + 1e-6)  # faster, but not by the margin
-    assert d.winner(SIZE) == "ring" and not d.exchange_won()
+    assert d.winner(SIZE) == "ring" and not d.won_by("exchange")
     assert d.winner(2 * SIZE) is None and d.pick(2 * SIZE) == ("ring", False)
     d.ran(SIZE, "exchange", 0.9)
-    assert d.winner(SIZE) == "exchange" and d.exchange_won()
+    assert d.winner(SIZE) == "exchange" and d.won_by("exchange")
 
 
 @pytest.mark.parametrize("kw, names", [({"every": 1}, "every"), ({"margin": 0.9}, "margin")])

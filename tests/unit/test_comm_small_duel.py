@@ -45,14 +45,14 @@ def test_due_names_the_first_runs_each_loser_rerun_and_the_winners_run_before_it
         d.pick(SMALL, first="tree")
 
 
-def test_exchange_won_counts_only_sizes_from_at_least():
+def test_won_by_counts_only_sizes_from_at_least():
     d = Duel()
     d.ran(SMALL, "ring", 2.0)
     d.ran(SMALL, "exchange", 1.0)
-    assert d.exchange_won() and not d.exchange_won(8 * MB)
+    assert d.won_by("exchange") and not d.won_by("exchange", 8 * MB)
     d.ran(SIZE, "ring", 2.0)
     d.ran(SIZE, "exchange", 1.0)
-    assert d.exchange_won(8 * MB)
+    assert d.won_by("exchange", 8 * MB)
 
 
 def _planning(events: list, *, exchange_won: bool) -> AdaptiveAllreduce:

@@ -412,7 +412,7 @@ class AdaptiveAllreduce:
 
     def _exchange_won(self) -> bool:
         """The exchange beat the ring at a learned size (a small size's own duel is no evidence of a stream)."""
-        return self.duel.exchange_won(self.learn_bytes)
+        return self.duel.won_by("exchange", self.learn_bytes)
 
     def _duel_arms(self, plan: Pattern, nbytes: int) -> dict[str, Pattern]:
         """The duel's arms at `nbytes`: the paced ring, and `plan` where it is a direct exchange (the

@@ -50,9 +50,9 @@ class Duel:
         first, second = self.arms
         return second if t[second] * self.margin < t[first] else first
 
-    def exchange_won(self, at_least: int = 0) -> bool:
-        """The exchange is the winner at some size of `at_least` bytes or more."""
-        return any(self.winner(n) == "exchange" for n in self.seconds if n >= at_least)
+    def won_by(self, arm: str, at_least: int = 0) -> bool:
+        """`arm` is the winner at some size of `at_least` bytes or more."""
+        return any(self.winner(n) == arm for n in self.seconds if n >= at_least)
 
     def pick(self, nbytes: int, first: str | None = None) -> tuple[str, bool]:
         """The arm the next collective of `nbytes` runs, and whether it runs as a trial (an arm not yet
