@@ -121,13 +121,19 @@ def _assert_one_node_loss(run_dir: Path, summary: dict, reference: dict, report_
     assert recs[-1]["complete"] and recs[-1]["path"] == "tier1" and summary["steps_lost"] == 0, (recs, seen)
     [lost] = _kinds(run_dir, "node_lost")
     assert lost["fields"]["node"] == 1 and lost["fields"]["ranks"] == [2, 3]
-    detected = [e for e in _kinds(run_dir, "fault_detected") if e["fields"]["fault"] != "collective_error"]
+    # node 1's supervisor may see its processes die in the instant before it dies with them (their
+    # sockets close first) and log it: true, and never acted on (the leader holds another node's
+    # reports until its lease decides: runtime/lease.py, FaultHold). The leader decides; node 0 logs it.
+    last_words = [e for e in _kinds(run_dir, "fault_detected") if e["node"] == 1]
+    assert {e["fields"]["fault"] for e in last_words} <= {"crash"}, seen
+    detected = [e for e in _kinds(run_dir, "fault_detected")
+                if e["fields"]["fault"] != "collective_error" and e["node"] != 1]
     assert [e["fields"]["fault"] for e in detected] == ["node_lost", *links], seen
     last = gens[-1]["members"]
     assert last["2"].startswith("n0-") and last["3"].startswith("n0-")
     rep = subprocess.run([sys.executable, "-m", "unbroken.cli", "report", str(run_dir), "--json", "--out",
                           str(report_dir)], capture_output=True, text=True, timeout=60)
-    faults = json.loads(rep.stdout)["faults"]
+    faults = [f for f in json.loads(rep.stdout)["faults"] if not (f["class"] == "crash" and f["node"] == 1)]
     # the report: one node-loss incident (and a regroup per failed recovery collective, if any)
     assert [(f["class"], f["node"]) for f in faults[:1]] == [("node_lost", 1)], seen
     assert [f["class"] for f in faults[1:]] == links, seen

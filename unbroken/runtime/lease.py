@@ -8,7 +8,9 @@ notes, on its own monotonic clock, when each node's counter last moved (no cross
 clock comparison); a node whose counter has not moved for `lease_s` is lost: the leader
 replaces all its ranks at once (one node-loss incident). A link regroup needs proof that
 every node renewed after the collective error (`renewed_after`): a dead host must not be
-regrouped as though only its link had broken.
+regrouped as though only its link had broken. A fault record from another node waits for that
+node's lease to decide (`FaultHold`): a host that dies whole is one node loss, whichever of its
+ranks' crash reports and its lease's expiry the leader sees first.
 """
 from __future__ import annotations
 
@@ -66,6 +68,60 @@ class NodeLeases:
         self.lost.add(node)
 
 
+class FaultHold:
+    """The leader's fault records from other nodes, each held until that node's lease decides.
+
+    A host that dies whole (supervisor and ranks SIGKILLed at once) may report its ranks' crashes
+    in the instant before its supervisor dies (their sockets close first). Acted on at once, they
+    would make the node's loss two crashes: the outcome would depend on which the leader saw first.
+    So a record from another node is acted on once that node renews its lease after the leader read
+    the record (its supervisor outlived the fault: a process fault), or once the node is no longer
+    live: lost (`lose_node` replaced its ranks as one incident; the record names a process that is
+    no member now) or excluded (its ranks' records move them). The wait ends within the lease:
+    a node that does not renew for `lease_s` is lost. Members' failed collectives are never held.
+    """
+
+    def __init__(self) -> None:
+        self._held: list[tuple[int, dict, int]] = []  # (log index, record, its node's counter when read)
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def admit(self, taken: list[tuple[int, dict]], leases: NodeLeases | None, store: dist.Store) -> list[dict]:
+        """Of the records just `taken` from the fault log ((index, record)) and those held before,
+        the ones to act on now, in log order; the others are held."""
+        if leases is None or not (self._held or any(_from_live_node(r, leases) for _, r in taken)):
+            return [r for _, r in taken]
+        counters = leases.read(store)  # live nodes only: a lost or excluded node is absent
+        ready, held = [], []
+        for i, r, seen in [*self._held, *((i, r, None) for i, r in taken)]:
+            node = r.get("node")
+            if r["fault"] == "collective_error" or node not in counters:
+                ready.append((i, r))  # a member's failed collective; the leader's node; a node lost or excluded
+            elif seen is None:
+                held.append((i, r, counters[node]))  # just read: wait for the node's next renewal
+            elif counters[node] > seen:
+                ready.append((i, r))  # renewed since: its supervisor outlived the fault
+            else:
+                held.append((i, r, seen))
+        self._held = held
+        return [r for _, r in sorted(ready, key=lambda x: x[0])]
+
+    def cursor(self, reader_cursor: int) -> int:
+        """The first record not acted on: a new leader starts reading there (runtime/failover.py)."""
+        return min([reader_cursor, *(i for i, _, _ in self._held)])
+
+    def of_node(self, node: int) -> list[str]:
+        """The held records of `node`, as fault@proc."""
+        return [f"{r['fault']}@{r['proc']}" for _, r, _ in self._held if r.get("node") == node]
+
+
+def _from_live_node(record: dict, leases: NodeLeases) -> bool:
+    """A supervisor's finding from a node whose lease the leader watches and has not found lost."""
+    node = record.get("node")
+    return record["fault"] != "collective_error" and node in leases.nodes and node not in leases.lost
+
+
 def lose_node(sup, node: int, age_s: float, ranks: list[int]) -> None:
     """`sup` (the leader's Supervisor) found `node`'s lease expired: record it, fence the node off
     (excluded: if it comes back it stops its processes and leaves), and replace all its `ranks` at once."""
@@ -75,7 +131,7 @@ def lose_node(sup, node: int, age_s: float, ranks: list[int]) -> None:
     f = Finding(fault="node_lost", proc=f"node{node}", rank=None, node=node, time=now,
                 evidence={"why": f"node {node}'s supervisor has not renewed its lease for {age_s:.1f}s "
                                  f"(node_lease_s={sup.cfg.node_lease_s})", "ranks": ranks,
-                          "lease_age_s": round(age_s, 3)})
+                          "lease_age_s": round(age_s, 3), "reports_held": sup.held.of_node(node)})
     d = classify(f, sup.watch.offenders, can_exclude=True)
     sup.events.emit("fault_detected", **f.event_fields())
     sup.events.emit("fault_classified", **d.event_fields())

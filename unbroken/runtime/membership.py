@@ -42,6 +42,12 @@ class Generation:
         return len(self.members)
 
 
+def incident_cause(dead: dict[int, dict[str, Any]]) -> str:
+    """A generation's cause: each replaced rank's fault, by rank ("crash@rank2,crash@rank3"), or
+    "link" when nobody is replaced (the same members regrouped)."""
+    return ",".join(f"{dead[r]['fault']}@rank{r}" for r in sorted(dead)) or "link"
+
+
 def listen_store(host: str, port: int, *, timeout_s: float) -> tuple[dist.TCPStore, socket.socket]:
     """Host the job's store, listening on exactly `host` (TCPStore alone binds every interface).
 
@@ -228,6 +234,11 @@ class FaultLogReader:
 
     def take(self) -> list[dict[str, Any]]:
         """New records, each returned exactly once over this reader's lifetime."""
+        return [record for _, record in self.take_indexed()]
+
+    def take_indexed(self) -> list[tuple[int, dict[str, Any]]]:
+        """`take`, each record with its index in the log (a leader that holds a record back
+        publishes a cursor no later than its index: runtime/lease.py, FaultHold)."""
         n = int(self._store.add(_FAULTS_N, 0))
         now = self._clock()
         for i in range(self._next, n):
@@ -238,7 +249,7 @@ class FaultLogReader:
             record = get(self._store, fault_key(i))
             if record is not None:
                 del self._pending[i]
-                out.append(record)
+                out.append((i, record))
             elif now - self._pending[i] >= self._give_up_s:
                 self._give_up(i, now - self._pending.pop(i))
         return out

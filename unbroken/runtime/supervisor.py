@@ -76,6 +76,7 @@ class Supervisor:
                                "its reporter died between add and set"))
         self.rate = RecoveryRateLimit(cfg.max_recoveries_per_hour)
         self.leases: lease.NodeLeases | None = None  # the leader's, once every node joined
+        self.held = lease.FaultHold()  # the leader's: other nodes' fault records until their lease decides
         self.pool = ShadowPoolSizer(cfg.max_shadows) if cfg.shadows == "auto" else None
         self._warm: set[str] = set()  # shadows seen ready (their warm-up measured)
         self._quiet = False  # the leader's view: some node's lease is late
@@ -213,11 +214,12 @@ class Supervisor:
 
     # --- the leader's decisions ---------------------------------------------------------
     def _take_faults(self, now: float) -> None:
-        """Read the fault log: a process lost (or to be replaced) starts the next generation;
+        """Read the fault log (a record whose key lands late: on a later tick; another node's: once its
+        lease decides, lease.FaultHold): a process lost (or to be replaced) starts the next generation;
         members' failed collectives with nobody lost may mean a broken link (_check_link)."""
         self.crashes.check_fatal()
         dead = {}
-        for f in self.fault_log.take():  # a record whose key lands late is read on a later tick
+        for f in self.held.admit(self.fault_log.take_indexed(), self.leases, self.store):
             if f["fault"] == "collective_error":
                 # only a current member's report counts (a replaced process may still be failing)
                 if f["gen"] == self.gen.gen and self.gen.members.get(f["rank"]) == f["proc"]:
@@ -231,12 +233,12 @@ class Supervisor:
             rank = self._rank_of(f["proc"])
             if rank is not None:
                 dead[rank] = f
-        if self.replicated and self.fault_log.cursor != self._cursor:  # a successor starts reading there
-            self._cursor = self.fault_log.cursor
+        if self.replicated and (cursor := self.held.cursor(self.fault_log.cursor)) != self._cursor:
+            self._cursor = cursor  # a successor starts reading there
             self.store.set(failover.CURSOR_KEY, str(self._cursor))
         if dead:
             self._next_generation(dead)
-        else:
+        elif not self.held:  # a held record's node may be gone: its lease decides before any link regroup
             self._check_link(now)
 
     def _check_link(self, now: float) -> None:
@@ -285,8 +287,7 @@ class Supervisor:
                                            slot=rank % self.local)
             members[rank] = proc
             assigned.append((rank, proc, cold))
-        gen = membership.Generation(self.gen.gen + 1, members, tuple(sorted(dead)),
-                                    ",".join(f"{dead[r]['fault']}@rank{r}" for r in sorted(dead)) or "link")
+        gen = membership.Generation(self.gen.gen + 1, members, tuple(sorted(dead)), membership.incident_cause(dead))
         membership.publish(self.store, gen)
         self.events.gen = gen.gen
         for rank, proc, cold in assigned:
@@ -355,7 +356,7 @@ class Supervisor:
         if self.leader:
             self.events.emit("run_start", config=self.cfg.to_dict(), world_size=self.cfg.world_size,
                              nodes=self.opts.nnodes, port=self.port)
-            self._wait_for_nodes()
+            self.joined = admission.wait_for_nodes(self.store, self.opts, self.events)
             if self.opts.nnodes > 1:
                 self.leases = lease.NodeLeases(self.opts.nnodes, self.cfg.node_lease_s)
             members = {r: f"n{r // self.local}-w{r}" for r in range(self.cfg.world_size)}
@@ -457,9 +458,6 @@ class Supervisor:
                 time.sleep(0.02)
         except Exception:  # noqa: BLE001 - leaving is best effort; the run's outcome is already decided
             pass
-
-    def _wait_for_nodes(self) -> None:
-        self.joined = admission.wait_for_nodes(self.store, self.opts, self.events)
 
     def _loop(self) -> None:
         """Sleep until a child exits or the next period: every _FAULT_TICK_S the leader takes fault reports
