@@ -8,7 +8,7 @@ compressed: the element bytes are shuffled into planes (every element's byte 0, 
 ...; the sign and exponent bytes of floats are few-valued) and each plane run through zstd level 1
 (python-zstandard). Lossless: the receiver gets the same bits, so every pattern still equals the
 reference reduction bit for bit. On normal float32 values it sends 1/1.19 of the bytes, bfloat16
-1/1.46, and one core compresses and decodes a few hundred MB/s of float32 on this AMD EPYC host
+1/1.48, and one core compresses and decodes a few hundred MB/s of float32 on this AMD EPYC host
 (`unbroken bench collectives --only codec`, the `codec` section of bench/results/collectives.json);
 a link is squeezed only below SQUEEZE_BELOW_BPS, where the codec costs a fraction of the wire time
 it saves.
