@@ -294,7 +294,8 @@ class AdaptiveAllreduce:
         paced ring's time for a whole scenario (stop 48). A plan around slow links is judged only when
         it leaves the ring: the ring's time before the link got slow is no yardstick. Later runs of a
         plan time the links, not the plan, and are not judged. A plan that passes (or is not judged)
-        lets sizes under `learn_bytes` take plans around the same links (`_passed`, `_reference`)."""
+        lets sizes under `learn_bytes` take plans around the same links (`_passed`, `_reference`).
+        A `cold` run (`_replan`) is judged as any other but gives the duel no time."""
         last = self._last.get(nbytes)
         self._last[nbytes] = (ran, seconds)
         arm = "ring" if _paced_even_ring(ran) else \
