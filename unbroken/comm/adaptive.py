@@ -120,8 +120,7 @@ class AdaptiveAllreduce:
         self._depth_of: dict[int, Pattern] = {}  # per size: the plan the depth duel is of
         self._depth_arm: str | None = None  # the depth the plan decided runs at (None: not duelled)
         self._ran_depth: str | None = None  # ... and the one of the collective whose exchange is in flight
-        self._seen: set[int] = set()  # the sizes some collective ran at (a size's first runs cold: `_replan`)
-        self._planned = False  # the planner ran for the plan decided (`_choose`): ranks start it apart
+        self._planned = False  # the planner ran for the plan decided (`_choose`; a new size's always does)
         self._ran_cold = False  # the collective whose exchange is in flight ran cold (`_replan`)
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
@@ -146,8 +145,7 @@ class AdaptiveAllreduce:
             self.decide(nbytes)  # a new size gets its plan (a no-op while size and links hold)
             self._probe_if(None if self._measured else "first", nbytes)  # nothing measured yet: measure first
         self.seq += 1
-        plan, t0, cold = self.plan, time.perf_counter(), self._planned or nbytes not in self._seen
-        self._seen.add(nbytes)
+        plan, t0, cold = self.plan, time.perf_counter(), self._planned  # ranks left the planner apart
         self._planned = False
         self.sync.reset()
         learn = self.mode == "adaptive" and self.world > 1 and nbytes >= self.learn_bytes

@@ -29,6 +29,8 @@ import zstandard
 SQUEEZE_BELOW_BPS = 50e6  # links slower than this (bytes/s, 400 Mbit/s) carry squeezed messages: a fraction of the codec's speed
 LEVEL = 1  # zstd's fastest level that still finds the exponent planes' redundancy (1.19x vs 1.10x at -1)
 HASH_LOG, MIN_MATCH = 12, 7  # a cache-sized match table, long matches only: the exponent plane of 4M float32 in ~16 ms, not ~20-30
+_PARAMS = zstandard.ZstdCompressionParameters.from_level(LEVEL, hash_log=HASH_LOG, min_match=MIN_MATCH,
+                                                         write_checksum=True)
 _HEADER = 8  # the length of the rest of the message
 _PLANE = 4  # one plane's frame length
 MAX_PLANES = 16  # bytes per element of the widest dtype squeezed (complex128)
@@ -50,8 +52,7 @@ def squeeze(t: torch.Tensor) -> torch.Tensor:
     if k > MAX_PLANES:
         raise ValueError(f"squeeze takes elements of at most {MAX_PLANES} bytes, got {t.dtype} ({k} bytes)")
     planes = np.ascontiguousarray(t.reshape(-1).view(torch.uint8).numpy().reshape(-1, k).T)
-    codec = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters.from_level(
-        LEVEL, hash_log=HASH_LOG, min_match=MIN_MATCH, write_checksum=True))
+    codec = zstandard.ZstdCompressor(compression_params=_PARAMS)  # a compressor per call: threads may share none
     frames = [codec.compress(plane) for plane in planes]
     msg = bytearray((k * _PLANE + sum(map(len, frames))).to_bytes(_HEADER, "little"))
     for f in frames:
