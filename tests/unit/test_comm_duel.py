@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from tests.unit.planning import uniform
 from unbroken.comm import adaptive
-from unbroken.comm.adaptive import AdaptiveAllreduce
+from unbroken.comm.adaptive import AdaptiveAllreduce, Ran
 from unbroken.comm.duel import DUEL_EVERY, DUEL_MARGIN, Duel
 from unbroken.comm.patterns import Pattern
 from unbroken.comm.planner import paced
@@ -69,7 +69,7 @@ def _fresh(events: list) -> AdaptiveAllreduce:
 
 def _ran(ad: AdaptiveAllreduce, seconds: float) -> None:
     """As if the plan decided just ran in `seconds` (slowest rank) and its exchange came back, no flows."""
-    ad._ran = (ad.plan, SIZE)
+    ad._ran = Ran(ad.plan, SIZE)
     ad._replan(torch.zeros(ad.world, ad.world, adaptive.PHASES, 4, dtype=torch.float64), seconds, SIZE)
 
 

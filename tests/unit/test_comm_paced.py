@@ -7,7 +7,7 @@ import torch
 
 from tests.unit.commgroups import groups, on_ranks
 from unbroken.comm import adaptive
-from unbroken.comm.adaptive import AdaptiveAllreduce
+from unbroken.comm.adaptive import AdaptiveAllreduce, Ran
 from unbroken.comm.duel import Duel
 from unbroken.comm.flows import FlowConfig
 from unbroken.comm.patterns import Pattern
@@ -27,7 +27,7 @@ def _uniform(ad: AdaptiveAllreduce) -> None:
 
 def _after_paced(ad: AdaptiveAllreduce, seconds: float) -> None:
     """As if a paced ring of SIZE just ran in `seconds` (slowest rank) and its exchange came back."""
-    ad._ran = (ad.plan, SIZE)
+    ad._ran = Ran(ad.plan, SIZE)
     slots = torch.zeros(ad.world, ad.world, adaptive.PHASES, 4, dtype=torch.float64)
     ad._replan(slots, seconds, SIZE)
 
@@ -73,7 +73,7 @@ def test_a_paced_ring_slower_than_its_best_makes_the_next_one_measure(ad):
 def test_a_paced_ring_slower_than_an_earlier_plan_of_its_size_makes_the_next_one_measure(ad):
     """The first paced ring of a size ran while another job's stream shared a link: the plan before
     it (here a probe's unpaced ring) was faster, and that is the yardstick, not the paced ring itself."""
-    ad._ran = (Pattern.static_ring(4, pieces_for(SIZE)), SIZE)
+    ad._ran = Ran(Pattern.static_ring(4, pieces_for(SIZE)), SIZE)
     ad._replan(torch.zeros(4, 4, adaptive.PHASES, 4, dtype=torch.float64), 1.0, SIZE)
     assert ad.plan.window == PACED_WINDOW
     _after_paced(ad, 1.5)
@@ -83,7 +83,7 @@ def test_a_paced_ring_slower_than_an_earlier_plan_of_its_size_makes_the_next_one
 def _probe_ran(ad: AdaptiveAllreduce, cap: dict[int, float], seconds: float = 1.0) -> None:
     """As if the probe (the even ring, unpaced) just ran in `seconds` with each rank's links at `cap`
     bytes/s, every link shared by its three row flows."""
-    ad._ran = (ad.plan, SIZE)
+    ad._ran = Ran(ad.plan, SIZE)
     slots = torch.zeros(ad.world, ad.world, adaptive.PHASES, 4, dtype=torch.float64)
     for i in range(ad.world):
         for j in range(ad.world):
@@ -181,7 +181,7 @@ def _read_slow(ad: AdaptiveAllreduce, ranks: tuple[int, ...]) -> None:
 
 def _ran(ad: AdaptiveAllreduce, plan: Pattern, seconds: float) -> None:
     """As if `plan` of SIZE just ran in `seconds` and its exchange came back (no flows in it)."""
-    ad._ran = (plan, SIZE)
+    ad._ran = Ran(plan, SIZE)
     ad._replan(torch.zeros(ad.world, ad.world, adaptive.PHASES, 4, dtype=torch.float64), seconds, SIZE)
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tests.unit.commgroups import groups, on_ranks
 from tests.unit.planning import FAST, uniform
 from unbroken.comm import adaptive
-from unbroken.comm.adaptive import AdaptiveAllreduce
+from unbroken.comm.adaptive import AdaptiveAllreduce, Ran
 from unbroken.comm.duel import Duel
 from unbroken.comm.patterns import Pattern, reference
 from unbroken.comm.planner import paced
@@ -66,7 +66,7 @@ def _planning(events: list, *, exchange_won: bool) -> AdaptiveAllreduce:
 def _small_ran(ad: AdaptiveAllreduce, seconds: float) -> None:
     """As if the small plan decided just ran in `seconds` and its time came back in the flow exchange."""
     assert ad._small_due
-    ad._ran = (ad.plan, SMALL)
+    ad._ran = Ran(ad.plan, SMALL)
     ad._replan(torch.zeros(ad.world, ad.world, adaptive.PHASES, 4, dtype=torch.float64), seconds, SMALL)
 
 
@@ -126,7 +126,7 @@ def _slow_rank_one(ad: AdaptiveAllreduce) -> None:
 
 def _depth_ran(ad: AdaptiveAllreduce, nbytes: int, seconds: float) -> None:
     """As if the plan decided ran in `seconds` and its exchange came back (no flows)."""
-    ad._ran, ad._ran_depth = (ad.plan, nbytes), ad._depth_arm
+    ad._ran = Ran(ad.plan, nbytes, ad._depth_arm)
     ad._replan(torch.zeros(ad.world, ad.world, adaptive.PHASES, 4, dtype=torch.float64), seconds, nbytes)
 
 

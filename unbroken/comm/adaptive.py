@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -70,6 +70,17 @@ VETO_FOR = 32  # learned collectives during which a rejected picture of the link
 REJECT_SLOWER = 1.05  # a plan around flagged links this much slower than the even ring it replaced is rejected
 CHOICES_KEPT = 256  # planner choices remembered per picture of the links (`_choose`)
 Emit = Callable[..., object]  # EventLog.emit
+
+
+class Ran(NamedTuple):
+    """The collective whose flow exchange is in flight, as `_replan` reads it when the exchange is in."""
+
+    plan: Pattern
+    nbytes: int
+    depth: str | None = None  # the depth duel's arm it ran at (None: not duelled)
+    # it ran cold: the planner ran for it (its size's first, or a new picture of the links), so ranks
+    # left the planner apart and the first to start waited for the last inside the timed collective
+    cold: bool = False
 
 
 class AdaptiveAllreduce:
@@ -102,7 +113,7 @@ class AdaptiveAllreduce:
         self._contended: set[flows.Link] = set()  # the links the current plan saw as shared (hysteresis)
         self._squeeze: set[int] = set()  # the ranks whose transfers are compressed around their slow links
         self._estimates: dict | None = None  # the link estimates the current plan was chosen from
-        self._ran: tuple[Pattern, int] | None = None  # the plan and size of the collective that exchange is of
+        self._ran: Ran | None = None  # the collective whose flow exchange is in flight
         self._measured = False  # some collective's flows were read
         self._best: dict[int, float] = {}  # per size: the fastest learned collective so far (slowest rank's s)
         self._paced_runs = 0
@@ -119,9 +130,7 @@ class AdaptiveAllreduce:
         self.depth = Duel(arms=DEPTHS)  # a plan around slow links: the planner's pieces or half (`_depth`)
         self._depth_of: dict[int, Pattern] = {}  # per size: the plan the depth duel is of
         self._depth_arm: str | None = None  # the depth the plan decided runs at (None: not duelled)
-        self._ran_depth: str | None = None  # ... and the one of the collective whose exchange is in flight
         self._planned = False  # the planner ran for the plan decided (`_choose`; a new size's always does)
-        self._ran_cold = False  # the collective whose exchange is in flight ran cold (`_replan`)
 
     def __call__(self, t: torch.Tensor, what: str = "all-reduce") -> None:
         nbytes = t.numel() * t.element_size()
@@ -155,7 +164,7 @@ class AdaptiveAllreduce:
                              "sync_s": sync_s, "plan_s": plan_s, "estimates": self._estimates,
                              "probe": self._probe or ("duel" if self._trial else None)})
         if learn or self._small_due:  # a small size's exchange carries its seconds only (untimed transfers)
-            self._ran, self._ran_depth, self._ran_cold = (plan, nbytes), self._depth_arm, cold
+            self._ran = Ran(plan, nbytes, self._depth_arm, cold)
             try:
                 self.sync.start(seconds)
             except RuntimeError as e:
@@ -238,14 +247,10 @@ class AdaptiveAllreduce:
         into a slowdown), counts its readings twice: the time already says something changed, and
         the median of three then moves at once (with one reading it took a second probe, four
         collectives after a link got slow instead of two)."""
-        ran, ran_bytes = self._ran
-        depth, self._ran_depth = self._ran_depth, None
-        # a collective run cold (its size's first, or one the planner ran for: ranks leave the planner
-        # apart and the first to start waits for the last inside the timed collective) is no duel's
-        # evidence: in stop 52's 4-rank record the first 1 MB split ran 43 ms after 8 ms of planning, then
-        # 22-26 ms, and such first times picked the ring over the split at 1 MB and half the depth at 4 MB
-        # in stop 53's runs
-        cold, self._ran_cold = self._ran_cold, False
+        ran, ran_bytes, depth, cold = self._ran
+        # a collective run cold is no duel's evidence: in stop 52's 4-rank record the first 1 MB split ran
+        # 43 ms after 8 ms of planning, then 22-26 ms, and such first times picked the ring over the split
+        # at 1 MB and half the depth at 4 MB in stop 53's runs
         if depth is not None and not cold:
             self._depth_ran(depth, ran_bytes, slowest_s)
         if ran_bytes < self.learn_bytes:  # a small size's duel (`_small_arm`, `_depth`): its time, no flows
