@@ -303,8 +303,10 @@ def _exchange(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str
         wire.decode(recvs[i])
         flat[a:z] = reduce_rows([got[r][a - lo:z - lo] for r in range(tp.world)])
         results += wire.send_all(flat[a:z], peers, tag(seq, PHASE_RESULTS, me, i))
-    tp.wait(sends + results, f"{what} (all-gather)")
-    wire.decode(results)
+    for x in results:  # a squeezed result is decoded as it lands, while the later ones are on the wire
+        tp.wait([x], f"{what} (all-gather)")
+        wire.decode([x])
+    tp.wait(sends, f"{what} (rows sent)")
 
 
 class _Wire:
