@@ -5,7 +5,8 @@
     python -m unbroken.bench.collectives_job source --host ADDR --port P --bytes B --seconds T
 
 A rank times every method on every payload, interleaved round by round (gloo, static,
-adaptive, gloo, ...), each on its own gloo group, a barrier before each; a collective's time
+adaptive, gloo, ...), each on its own gloo group, a barrier before each, after `--warmup-each`
+untimed collectives of every method at that size (its first: an adaptive one plans for a new size); a collective's time
 is the slowest rank's, its CPU the sum over the ranks of their processes' user + system time
 (every thread: gloo's, our waiter threads). Rank 0 writes one JSON line per collective to --out
 (the adaptive ones carry the events it said since the one before: plan changes, congestion flags). Background
@@ -112,6 +113,9 @@ def rank_main(args) -> None:
             one(m, warm, "warmup", rnd)
     for nbytes in payloads:
         x = torch.randn(max(1, nbytes // 4), generator=g)
+        for k in range(args.warmup_each):  # untimed at this size, as nccl-tests warm up each size: not its first
+            for m in runners:
+                one(m, x, "warmup", args.warmup + k)
         for rnd in range(args.rounds):
             for m in runners:
                 one(m, x, "measure", rnd)
@@ -176,6 +180,7 @@ def main(argv=None) -> None:
     r.add_argument("--rounds", type=int, default=3)
     r.add_argument("--warmup", type=int, default=3)
     r.add_argument("--warmup-bytes", type=int, default=16 << 20)
+    r.add_argument("--warmup-each", type=int, default=1)
     r.add_argument("--methods", default=",".join(METHODS))
     r.add_argument("--timeout", type=float, default=120.0)
     for name in ("sink", "source"):
