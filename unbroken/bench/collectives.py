@@ -10,9 +10,10 @@ Each rank runs in its own network namespace (plan/netns.py: veth + bridge, `tc t
     changing    rank 1's link switches between fast and slow every `period` s (`tc` on a timer), one
                 payload, many rounds: a time series of algbw and of the adaptive plan
 
-Methods are interleaved round by round in one run, each payload's timed rounds after WARMUP_EACH
-untimed collectives of every method at that size (records before stop 55 timed its first). algbw = payload bytes / the slowest rank's
-time. Figures (medians over rounds, then over scenarios and payloads >= 1 MB):
+Methods are interleaved round by round in one run, after WARMUP untimed 16 MB collectives of each
+(3 before stop 55), each payload's timed rounds after WARMUP_EACH untimed collectives of every
+method at that size (records before stop 55 timed its first).
+algbw = payload bytes / the slowest rank's time. Figures (medians over rounds, then over scenarios and payloads >= 1 MB):
 speedup_vs_static_congested and speedup_vs_gloo_congested over one_slow, two_slow and
 background; slowdown_vs_gloo_uncongested over none (adaptive / gloo - 1); cpu_vs_gloo_uncongested,
 the same for the CPU the ranks spent (adaptive / gloo; each cell's `median_cpu_s`); replan_collectives:
@@ -46,6 +47,7 @@ from unbroken.comm.patterns import Pattern
 from unbroken.plan.netns import Netns, Wiring
 
 SCENARIOS = ("none", "one_slow", "two_slow", "background", "changing")
+WARMUP = 8  # untimed 16 MB collectives of every method before any payload: the adaptive one flags, plans and judges
 WARMUP_EACH = 1  # untimed collectives of every method at each payload before its timed rounds
 CONGESTED = ("one_slow", "two_slow", "background")
 METHODS = ("gloo", "static", "adaptive")
@@ -117,7 +119,8 @@ def run_scenario(scenario: str, *, world: int, payloads: list[int], rounds: int,
     """One scenario's records (rank 0's JSON lines) and, for `changing`, the rate changes."""
     out = tmp / f"{scenario}.jsonl"
     args = ["rank", "--world", str(world), "--port", str(port), "--out", str(out),
-            "--payloads", ",".join(map(str, payloads)), "--rounds", str(rounds), "--warmup-each", str(WARMUP_EACH)]
+            "--payloads", ",".join(map(str, payloads)), "--rounds", str(rounds),
+            "--warmup", str(WARMUP), "--warmup-each", str(WARMUP_EACH)]
     with Netns(Wiring(name=scenario, rates_mbit=rates(scenario, world, fast, slow))) as net:
         args += ["--host", net.address(0)]
         extra, toggler = [], None
@@ -259,7 +262,7 @@ def result(runs: dict, *, world: int, fast: float, slow: float, rounds: int, per
     bound = add_model(rows, world=world, fast=fast, slow=slow)
     unc_ci = figure_ci(rows, ("none",), "adaptive", "gloo")
     cpu = _ratios(rows, ("none",), "adaptive", "gloo", key="median_cpu_s")
-    res = {"world_size": world, "fast_mbit": fast, "slow_mbit": slow, "rounds": rounds, "warmup_each": WARMUP_EACH,
+    res = {"world_size": world, "fast_mbit": fast, "slow_mbit": slow, "rounds": rounds, "warmup": WARMUP, "warmup_each": WARMUP_EACH,
            "methods": list(METHODS),
            "scenarios": list(runs), "rows": rows,
            "speedup_vs_static_congested": statistics.median(vs_static) if vs_static else None,

@@ -6,8 +6,8 @@
 
 A rank times every method on every payload, interleaved round by round (gloo, static,
 adaptive, gloo, ...), each on its own gloo group, a barrier before each, after `--warmup-each`
-untimed collectives of every method at that size (its first: an adaptive one plans for a new size); a collective's time
-is the slowest rank's, its CPU the sum over the ranks of their processes' user + system time
+untimed collectives of every method at that size (its first: an adaptive one plans for a new
+size); a collective's time is the slowest rank's, its CPU the sum over the ranks of their processes' user + system time
 (every thread: gloo's, our waiter threads). Rank 0 writes one JSON line per collective to --out
 (the adaptive ones carry the events it said since the one before: plan changes, congestion flags). Background
 traffic is one TCP stream between two namespaces, bounded in bytes and in seconds.
