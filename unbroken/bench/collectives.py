@@ -13,7 +13,8 @@ Each rank runs in its own network namespace (plan/netns.py: veth + bridge, `tc t
 Methods are interleaved round by round in one run, after WARMUP untimed 16 MB collectives of each
 (3 before stop 55), each payload's timed rounds after WARMUP_EACH untimed collectives of every
 method at that size (records before stop 55 timed its first).
-algbw = payload bytes / the slowest rank's time. Figures (medians over rounds, then over scenarios and payloads >= 1 MB):
+algbw = payload bytes / the slowest rank's time. Figures (medians over rounds, then over scenarios
+and payloads >= 1 MB):
 speedup_vs_static_congested and speedup_vs_gloo_congested over one_slow, two_slow and
 background; slowdown_vs_gloo_uncongested over none (adaptive / gloo - 1); cpu_vs_gloo_uncongested,
 the same for the CPU the ranks spent (adaptive / gloo; each cell's `median_cpu_s`); replan_collectives:
@@ -262,8 +263,8 @@ def result(runs: dict, *, world: int, fast: float, slow: float, rounds: int, per
     bound = add_model(rows, world=world, fast=fast, slow=slow)
     unc_ci = figure_ci(rows, ("none",), "adaptive", "gloo")
     cpu = _ratios(rows, ("none",), "adaptive", "gloo", key="median_cpu_s")
-    res = {"world_size": world, "fast_mbit": fast, "slow_mbit": slow, "rounds": rounds, "warmup": WARMUP, "warmup_each": WARMUP_EACH,
-           "methods": list(METHODS),
+    res = {"world_size": world, "fast_mbit": fast, "slow_mbit": slow, "rounds": rounds, "warmup": WARMUP,
+           "warmup_each": WARMUP_EACH, "methods": list(METHODS),
            "scenarios": list(runs), "rows": rows,
            "speedup_vs_static_congested": statistics.median(vs_static) if vs_static else None,
            "speedup_vs_gloo_congested": statistics.median(vs_gloo) if vs_gloo else None,

@@ -7,10 +7,11 @@
 A rank times every method on every payload, interleaved round by round (gloo, static,
 adaptive, gloo, ...), each on its own gloo group, a barrier before each, after `--warmup-each`
 untimed collectives of every method at that size (its first: an adaptive one plans for a new
-size); a collective's time is the slowest rank's, its CPU the sum over the ranks of their processes' user + system time
-(every thread: gloo's, our waiter threads). Rank 0 writes one JSON line per collective to --out
-(the adaptive ones carry the events it said since the one before: plan changes, congestion flags). Background
-traffic is one TCP stream between two namespaces, bounded in bytes and in seconds.
+size); a collective's time is the slowest rank's, its CPU the sum over the ranks of their
+processes' user + system time (every thread: gloo's, our waiter threads). Rank 0 writes one JSON
+line per collective to --out (the adaptive ones carry the events it said since the one before:
+plan changes, congestion flags). Background traffic is one TCP stream between two namespaces,
+bounded in bytes and in seconds.
 """
 from __future__ import annotations
 
@@ -175,12 +176,10 @@ def main(argv=None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("rank")
     for name, typ in (("--rank", int), ("--world", int), ("--host", str), ("--port", int), ("--out", str),
-                      ("--payloads", str)):
+                      ("--payloads", str), ("--warmup", int), ("--warmup-each", int)):  # warm-ups: collectives.py's
         r.add_argument(name, type=typ, required=True)
     r.add_argument("--rounds", type=int, default=3)
-    r.add_argument("--warmup", type=int, default=3)
     r.add_argument("--warmup-bytes", type=int, default=16 << 20)
-    r.add_argument("--warmup-each", type=int, default=1)
     r.add_argument("--methods", default=",".join(METHODS))
     r.add_argument("--timeout", type=float, default=120.0)
     for name in ("sink", "source"):
