@@ -71,7 +71,7 @@ def build(verbose: bool = False) -> str | None:
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(NAME, [str(SOURCE)], build_directory=str(d), extra_cflags=["-O2"], verbose=verbose)
+        cpp_extension.load(NAME, [str(SOURCE)], build_directory=str(d), extra_cflags=["-O3"], verbose=verbose)
     except (RuntimeError, OSError, ImportError) as e:  # no compiler / ninja, a compile error
         return f"the compiled ring walk did not build ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})"
     return None if _so().exists() else f"the compiled ring walk did not appear in {d}"

@@ -61,6 +61,45 @@ struct Walk {
     }
   }
 
+  // flat[a:z] = ((0 + x_0) + x_1) + ... + x_{N-1}, x_r = rank r's rows (mine: flat itself), element
+  // by element: one pass over the rows for the types summed here (the same adds in the same order as
+  // torch's zeros + add_ per rank, so the same bits), torch's ops for the others (half types round
+  // at every add inside torch's kernel).
+  void reduce(int64_t a, int64_t z) {
+    switch (flat.scalar_type()) {
+      case at::kFloat: return reduce_as<float>(a, z);
+      case at::kDouble: return reduce_as<double>(a, z);
+      case at::kLong: return reduce_as<int64_t>(a, z);
+      case at::kInt: return reduce_as<int32_t>(a, z);
+      default: break;
+    }
+    at::Tensor acc = at::zeros({z - a}, flat.options());
+    for (size_t r = 0; r < rows.size(); ++r) acc.add_(row(static_cast<int64_t>(r), a, z));
+    flat.narrow(0, a, z - a).copy_(acc);
+  }
+
+  at::Tensor row(int64_t r, int64_t a, int64_t z) const {
+    return r == me ? flat.narrow(0, a, z - a) : rows[r].narrow(0, a - lo, z - a);
+  }
+
+  // Blocks small enough for the sums to stay in L1: each row is read once, the piece written once
+  // (flat[a:z] is also my row: a block is read whole before it is written).
+  template <typename T>
+  void reduce_as(int64_t a, int64_t z) {
+    constexpr int64_t kBlock = 2048;
+    std::vector<const T*> src;
+    for (size_t r = 0; r < rows.size(); ++r) src.push_back(row(static_cast<int64_t>(r), a, z).template data_ptr<T>());
+    T* out = flat.template data_ptr<T>() + a;
+    T acc[kBlock];
+    for (int64_t base = 0; base < z - a; base += kBlock) {
+      const int64_t m = std::min(kBlock, z - a - base);
+      std::fill(acc, acc + m, T(0));
+      for (const T* x : src)
+        for (int64_t j = 0; j < m; ++j) acc[j] += x[base + j];
+      std::copy(acc, acc + m, out + base);
+    }
+  }
+
   void wait_recv(int64_t i, const char* what) {
     if (recv_waited[i]) return;
     wait(recv_works[i], false, what, recv_peer[i], i);
@@ -99,10 +138,7 @@ void walk_ring(const c10::intrusive_ptr<Group>& pg, at::Tensor flat, std::vector
     int64_t kind = s[0], a = s[2], z = s[3];
     if (kind == 0) {  // my piece: every rank's rows are in; reduce in rank order into a zero buffer
       for (int64_t k = s[5]; k < s[6]; ++k) w.wait_recv(waits[k], "reduce-scatter piece");
-      at::Tensor acc = at::zeros({z - a}, flat.options());
-      for (size_t r = 0; r < w.rows.size(); ++r)
-        acc.add_(static_cast<int64_t>(r) == me ? flat.narrow(0, a, z - a) : w.rows[r].narrow(0, a - lo, z - a));
-      flat.narrow(0, a, z - a).copy_(acc);
+      w.reduce(a, z);
     } else if (kind == 1) {
       for (int64_t k = s[5]; k < s[6]; ++k) w.wait_recv(waits[k], "all-gather piece");
     }
