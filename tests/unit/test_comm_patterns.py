@@ -267,3 +267,28 @@ def test_a_damaged_squeezed_message_fails_the_collective_and_retires_the_group(m
         assert "damaged message from rank 1" in why
         with pytest.raises(CollectiveError, match="already failed"):
             tp.begin()
+
+
+@settings(max_examples=10, deadline=None)
+@given(world=st.integers(2, 6), sizes=st.lists(st.integers(1, 400), min_size=2, max_size=5),
+       dtypes=st.lists(st.sampled_from(DTYPES), min_size=5, max_size=5), seed=st.integers(0, 2**31),
+       data=st.data())
+def test_collectives_in_a_row_on_one_transport_give_the_reference_bits(world, sizes, dtypes, seed, data):
+    """The receive buffers (Transport.scratch) are reused from one collective to the next, at sizes and
+    dtypes that grow and shrink: every result still has the reference's bits."""
+    runs = [(_inputs(world, n, dtypes[k], seed + k), data.draw(patterns(world))) for k, n in enumerate(sizes)]
+    want = [_run(world, xs, None) for xs, _ in runs]
+    seq0 = next(_seq) * 100
+
+    def body(tp, r):
+        out = []
+        for k, (xs, p) in enumerate(runs):
+            t = xs[r].clone()
+            allreduce(tp, t, p, seq0 + k, timed=bool(k % 2))
+            out.append(t)
+        return out
+
+    got = on_ranks(world, body)
+    for k in range(len(runs)):
+        for r in range(world):
+            assert torch.equal(got[r][k].view(torch.uint8), want[k][r].view(torch.uint8)), (runs[k][1], k, r)

@@ -4,8 +4,9 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
-from unbroken.comm.transport import Transfer
+from unbroken.comm.transport import Transfer, Transport
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -52,3 +53,16 @@ def test_a_negative_timeout_is_a_poll_not_an_error():
     assert not x.wait_done(-1.0)
     x.finish()
     assert x.wait_done(-1.0)
+
+
+def test_scratch_keeps_one_buffer_per_slot_growing_to_the_largest_size():
+    tp = Transport(None, rank=0, world=2, timeout_s=1.0)
+    a = tp.scratch(1, 100, torch.float32)
+    assert a.shape == (100,) and a.dtype == torch.float32
+    assert tp.scratch(1, 50, torch.float32).data_ptr() == a.data_ptr()  # smaller: the same memory
+    assert tp.scratch(1, 200, torch.bfloat16).data_ptr() == a.data_ptr()  # 400 bytes, as many as before
+    b = tp.scratch(2, 100, torch.float32)
+    assert b.data_ptr() != a.data_ptr()  # another slot: other memory
+    c = tp.scratch(1, 101, torch.float32)
+    assert c.shape == (101,) and c.data_ptr() != a.data_ptr()  # larger: grown
+    assert tp.scratch(1, 10, torch.int64).data_ptr() == c.data_ptr()

@@ -187,7 +187,7 @@ def _ring(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str) ->
     to post and wait for; a caller that waits inside gloo runs it compiled when built (native_ring.py)."""
     me, bits = tp.rank, (seq % 1024) << 20
     lo, hi, recvs, pre, steps, waits, window = ring_plan(p, flat.numel(), me)
-    rows = [flat.new_empty(0) if r == me else flat.new_empty(hi - lo) for r in range(tp.world)]
+    rows = [flat.new_empty(0) if r == me else tp.scratch(r, hi - lo, flat.dtype) for r in range(tp.world)]
     if tp.caller_waits and (walk := native_ring.module()) is not None:
         tp.wait_native(lambda left: walk.walk_ring(tp.pg, flat, rows, lo, me, bits, recvs, pre, steps, waits, window,
                                                    left), what)
@@ -283,8 +283,7 @@ def _exchange(tp: Transport, flat: torch.Tensor, p: Pattern, seq: int, what: str
     me, b, peers = tp.rank, bounds(flat.numel(), p.split), [h for h in holders if h != tp.rank]
     lo, hi = b[me]
     my_pieces = pieces_of(lo, hi, p.pieces)
-    got = {r: rows_of[r][lo:hi] if r in rows_of else torch.empty(hi - lo, dtype=flat.dtype)
-           for r in range(tp.world)}
+    got = {r: rows_of[r][lo:hi] if r in rows_of else tp.scratch(r, hi - lo, flat.dtype) for r in range(tp.world)}
     wire = _Wire(tp, p.squeeze, flat.element_size())
     recvs = [[wire.recv(got[src][a - lo:z - lo], h, tag(seq, PHASE_ROWS, src, i)) for h in peers for src in holders[h]]
              for i, (a, z) in enumerate(my_pieces)]
