@@ -225,6 +225,26 @@ def test_a_plan_around_flagged_links_that_loses_to_the_even_ring_is_rejected(eve
     assert ad.plan.kind == "pipelined"
 
 
+def test_a_paced_ring_slower_when_a_rejection_runs_out_makes_the_next_one_measure(events):
+    """The rejection of a plan around a shared link runs out at the very collective after which a link
+    got slow: the picture of the shared link is older than the slowdown, so the next collective is the
+    probe (unpaced even ring, readings counted twice), not the plan around that picture (stop 56: on 8
+    ranks such a plan ran, and the slow link stayed unflagged for the whole congestion)."""
+    ad = _planning(events)
+    _shared_probe(ad, 1.0)
+    _uneven_ran(ad, 1.2)
+    _uneven_ran(ad, 1.15)  # rejected: paced rings for VETO_FOR learned collectives
+    while ad._learned < ad._vetoed_until - 1:
+        _read_shared(ad)
+        _ran(ad, ad.plan, 1.0)
+    if not ad.plan.window:  # a routine probe was due: one more paced ring before the last
+        _ran(ad, ad.plan, 1.0)
+    assert ad.plan.window == PACED_WINDOW and ad._learned == ad._vetoed_until - 1
+    _ran(ad, ad.plan, 1.5)  # the last vetoed collective, and a link got slow during it
+    assert ad.plan == Pattern.static_ring(4, pieces_for(SIZE)) and ad._probe == "slower"
+    assert ad._depth_arm is None and not ad._trial
+
+
 def test_a_plan_around_flagged_links_runs_after_the_paced_ring_of_its_size(events):
     """The first probe, unpaced and cold, is no yardstick: the plan waits for the paced ring it must beat."""
     ad = _planning(events)

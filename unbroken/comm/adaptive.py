@@ -351,10 +351,19 @@ class AdaptiveAllreduce:
     def _probe_if(self, why: str | None, nbytes: int) -> None:
         """When there is a reason (`why`: "first", "every", "slower") and the plan is a paced ring, run
         that ring unpaced (no event: the same chunks, every row at once), so that this collective, if
-        it is learned from, measures every link."""
-        if why and self.plan is not None and self.plan.window and nbytes >= self.learn_bytes:
-            self.plan = dataclasses.replace(self.plan, window=0, pieces=planner.pieces_for(nbytes))
-            self._probe = why
+        it is learned from, measures every link. After a paced ring ran slower the probe runs whatever
+        was decided: the picture the decision came from is older than the slowdown (stop 56: on 8
+        ranks a veto ran out at the collective after a link got slow, the plan went around a link
+        shared before the change, its readings were folded in once, not twice, and the slow link went
+        unflagged for the whole 20 s of the congestion)."""
+        if not why or self.plan is None or nbytes < self.learn_bytes or not (self.plan.window or why == "slower"):
+            return
+        pieces = planner.pieces_for(nbytes)
+        if self.plan.window:
+            self.plan = dataclasses.replace(self.plan, window=0, pieces=pieces)
+        else:  # what was decided does not run: no duel's trial, no depth's
+            self.plan, self._trial, self._depth_arm = Pattern.static_ring(self.world, pieces), False, None
+        self._probe = why
 
     def decide(self, nbytes: int) -> None:
         """The plan for the next collective of `nbytes`: the one made around the flagged links
