@@ -351,12 +351,15 @@ class AdaptiveAllreduce:
     def _probe_if(self, why: str | None, nbytes: int) -> None:
         """When there is a reason (`why`: "first", "every", "slower") and the plan is a paced ring, run
         that ring unpaced (no event: the same chunks, every row at once), so that this collective, if
-        it is learned from, measures every link. After a paced ring ran slower the probe runs whatever
-        was decided: the picture the decision came from is older than the slowdown (stop 56: on 8
-        ranks a veto ran out at the collective after a link got slow, the plan went around a link
-        shared before the change, its readings were folded in once, not twice, and the slow link went
-        unflagged for the whole 20 s of the congestion)."""
-        if not why or self.plan is None or nbytes < self.learn_bytes or not (self.plan.window or why == "slower"):
+        it is learned from, measures every link. After a paced ring ran slower with no link flagged slow,
+        the probe runs whatever was decided: the picture the decision came from is older than the
+        slowdown (stop 56: on 8 ranks a veto ran out at the collective after a link got slow, the plan
+        went around a link shared before the change, its readings were folded in once, not twice, and
+        the slow link went unflagged for the whole 20 s of the congestion). With slow links flagged,
+        the plan around them runs (a paced ring beside them, run as the yardstick of a plan, is slower
+        by nature: probing after each such ring cost the two-slow 1 and 4 MB sizes their plan)."""
+        forced = why == "slower" and not self._slow
+        if not why or self.plan is None or nbytes < self.learn_bytes or not (self.plan.window or forced):
             return
         pieces = planner.pieces_for(nbytes)
         if self.plan.window:
