@@ -100,3 +100,13 @@ def test_the_launcher_builds_the_walk_when_our_ring_is_named(monkeypatch, tmp_pa
         cfg = cfg.replace(overlap=str(f))
     command._build_ring_walk(*checked_overlap(cfg))
     assert built == ([True] if builds else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_the_compiled_walk_wraps_integer_sums_as_torch_does(walk, dtype):
+    """Sums past the type's range wrap (two's complement) exactly as torch's add_ wraps them."""
+    top = torch.iinfo(dtype).max
+    xs = [torch.full((500,), top - r, dtype=dtype) for r in range(4)]
+    xs[2][::3] = torch.iinfo(dtype).min + 7
+    want = _bits(_run(4, xs, None))
+    assert _bits(_run(4, xs, Pattern.static_ring(4, 3), timed=False)) == want

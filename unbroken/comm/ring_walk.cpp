@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -67,10 +68,10 @@ struct Walk {
   // at every add inside torch's kernel).
   void reduce(int64_t a, int64_t z) {
     switch (flat.scalar_type()) {
-      case at::kFloat: return reduce_as<float>(a, z);
-      case at::kDouble: return reduce_as<double>(a, z);
-      case at::kLong: return reduce_as<int64_t>(a, z);
-      case at::kInt: return reduce_as<int32_t>(a, z);
+      case at::kFloat: return reduce_as<float, float>(a, z);
+      case at::kDouble: return reduce_as<double, double>(a, z);
+      case at::kLong: return reduce_as<int64_t, uint64_t>(a, z);  // unsigned: wrapping is defined, the
+      case at::kInt: return reduce_as<int32_t, uint32_t>(a, z);   // bits are two's complement's
       default: break;
     }
     at::Tensor acc = at::zeros({z - a}, flat.options());
@@ -83,18 +84,21 @@ struct Walk {
   }
 
   // Blocks small enough for the sums to stay in L1: each row is read once, the piece written once
-  // (flat[a:z] is also my row: a block is read whole before it is written).
-  template <typename T>
+  // (flat[a:z] is also my row: a block is read whole before it is written). T is the tensor's type,
+  // A the one added in (T itself, or for integers its unsigned twin, same size and bits).
+  template <typename T, typename A>
   void reduce_as(int64_t a, int64_t z) {
+    static_assert(sizeof(T) == sizeof(A), "the sums are the tensor's bits");
     constexpr int64_t kBlock = 2048;
-    std::vector<const T*> src;
-    for (size_t r = 0; r < rows.size(); ++r) src.push_back(row(static_cast<int64_t>(r), a, z).template data_ptr<T>());
-    T* out = flat.template data_ptr<T>() + a;
-    T acc[kBlock];
+    std::vector<const A*> src;
+    for (size_t r = 0; r < rows.size(); ++r)
+      src.push_back(reinterpret_cast<const A*>(row(static_cast<int64_t>(r), a, z).template data_ptr<T>()));
+    A* out = reinterpret_cast<A*>(flat.template data_ptr<T>() + a);
+    A acc[kBlock];
     for (int64_t base = 0; base < z - a; base += kBlock) {
       const int64_t m = std::min(kBlock, z - a - base);
-      std::fill(acc, acc + m, T(0));
-      for (const T* x : src)
+      std::fill(acc, acc + m, A(0));
+      for (const A* x : src)
         for (int64_t j = 0; j < m; ++j) acc[j] += x[base + j];
       std::copy(acc, acc + m, out + base);
     }
