@@ -90,10 +90,12 @@ struct Walk {
   void reduce_as(int64_t a, int64_t z) {
     static_assert(sizeof(T) == sizeof(A), "the sums are the tensor's bits");
     constexpr int64_t kBlock = 2048;
+    T* mine = flat.template data_ptr<T>() + a;  // pointers, not narrowed tensors: no allocation per row
     std::vector<const A*> src;
     for (size_t r = 0; r < rows.size(); ++r)
-      src.push_back(reinterpret_cast<const A*>(row(static_cast<int64_t>(r), a, z).template data_ptr<T>()));
-    A* out = reinterpret_cast<A*>(flat.template data_ptr<T>() + a);
+      src.push_back(reinterpret_cast<const A*>(static_cast<int64_t>(r) == me ? mine
+                                                                               : rows[r].template data_ptr<T>() + (a - lo)));
+    A* out = reinterpret_cast<A*>(mine);
     A acc[kBlock];
     for (int64_t base = 0; base < z - a; base += kBlock) {
       const int64_t m = std::min(kBlock, z - a - base);
