@@ -141,7 +141,9 @@ def test_bench_seed_reaches_every_search_config(tmp_path, monkeypatch):
     from unbroken.bench import predict as bp
 
     seen = []
-    monkeypatch.setattr(bp, "_run_one", lambda table, target, grid, console: seen.append(grid) or {})
+    balanced = []
+    monkeypatch.setattr(bp, "_run_one", lambda table, target, grid, console, balance:
+                        seen.append(grid) or balanced.append(balance) or {})
     monkeypatch.setattr(bp, "_figure", lambda results, path: None)
     app = typer.Typer()
     app.command()(bp.predict)
@@ -149,3 +151,7 @@ def test_bench_seed_reaches_every_search_config(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     assert seen and all(c.seed == 7 and c.n_estimators >= 1 for grid in seen for c in grid)
     assert len(seen[0]) == len(bp.SEARCH_GRID)
+    assert balanced and all(balanced)  # GPU-balanced weights unless --no-balance
+    res = CliRunner().invoke(app, ["--only", "ml-energy", "--trees", "10", "--no-balance", "--out-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert balanced[-1] is False

@@ -153,3 +153,22 @@ def test_held_out_records_the_inner_folds(v2):
     t = v2.with_target("itl")
     preds = evaluate.predict_held_out(t, "itl", "logo", grid=(FAST,))
     assert preds["inner_folds"] == [3, 3]  # one training GPU per outer split: row folds, as before
+
+
+@given(st.lists(st.sampled_from("abcde"), min_size=1, max_size=80))
+def test_balanced_weights_give_every_gpu_the_same_total_weight(labels):
+    labels = np.array(labels)
+    w = models.balanced_weights(labels)
+    totals = [w[labels == u].sum() for u in set(labels.tolist())]
+    assert w.mean() == pytest.approx(1.0) and max(totals) == pytest.approx(min(totals))
+
+
+def test_balanced_fit_lets_a_sparsely_measured_gpu_move_the_trees():
+    # GPU "a": 95 rows at target 1, GPU "b": 5 rows at target 3, one feature that cannot tell them
+    # apart: unweighted the trees predict about the rows' mean (1.1), balanced the GPUs' mean (2)
+    X, y = np.zeros((100, 1)), np.r_[np.full(95, 1.0), np.full(5, 3.0)]
+    gpus = np.array(["a"] * 95 + ["b"] * 5)
+    cfg = models.XgbConfig(n_estimators=50, max_depth=1, learning_rate=0.5, subsample=1.0, colsample_bytree=1.0)
+    plain = models.fit(X, y, "power", grid=(cfg,), k=2).predict(X[:1])[0][0]
+    balanced = models.fit(X, y, "power", grid=(cfg,), k=2, balance=gpus).predict(X[:1])[0][0]
+    assert plain == pytest.approx(1.1, abs=0.02) and balanced == pytest.approx(2.0, abs=0.02)

@@ -73,7 +73,8 @@ def test_nested_search_under_logo_never_sees_the_held_out_gpu(v2, monkeypatch):
     bw = features.FEATURES.index("memory_bandwidth_gb_s")
     seen = []
     real = models.fit_xgb
-    monkeypatch.setattr(models, "fit_xgb", lambda X, z, cfg: seen.append(set(X[:, bw].tolist())) or real(X, z, cfg))
+    monkeypatch.setattr(models, "fit_xgb",
+                        lambda X, z, cfg, w=None: seen.append(set(X[:, bw].tolist())) or real(X, z, cfg, w))
     grid = tuple(models.XgbConfig(n_estimators=5, max_depth=2, target_form=f) for f in models.FORMS)
     preds = evaluate.predict_held_out(v2, "itl", "logo", grid=grid)
     # 2 GPUs: every fit (inner folds, the search, the refit) sees exactly the one training GPU
@@ -106,7 +107,7 @@ def test_power_bound_given_measured_itl_holds_out_the_group(monkeypatch):
     t = build(measurements.load("ml-energy"), *_specs()).with_target("power")
     seen = []
     real = diagnostics.fit_xgb
-    monkeypatch.setattr(diagnostics, "fit_xgb", lambda X, z, cfg: seen.append(len(z)) or real(X, z, cfg))
+    monkeypatch.setattr(diagnostics, "fit_xgb", lambda X, z, cfg, w=None: seen.append(len(z)) or real(X, z, cfg, w))
     out = diagnostics.power_given_measured_itl(t, "logo", QUICK)
     assert sorted(seen) == sorted(int((t.gpu != g).sum()) for g in set(t.gpu.tolist()))
     assert set(out["mdape_per_gpu"]) == set(t.gpu.tolist()) and 0 < out["mdape"] < 100

@@ -46,11 +46,11 @@ def _table(sources: tuple[str, ...], frameworks: tuple[str, ...] | None = None) 
     return build(rows, tables.load_gpus(), tables.load_models())
 
 
-def _run_one(table: Table, target: str, grid, console: Console) -> dict:
+def _run_one(table: Table, target: str, grid, console: Console, balance: bool = True) -> dict:
     out = {}
     for kind in evaluate.SPLITS:
         t0 = time.monotonic()
-        preds = evaluate.predict_held_out(table, target, kind, grid=grid, coverage=COVERAGE)
+        preds = evaluate.predict_held_out(table, target, kind, grid=grid, coverage=COVERAGE, balance=balance)
         res = evaluate.score(table, target, preds)
         chosen = Counter(preds["configs"]).most_common(1)[0][0]
         res["config"] = asdict(chosen)  # the one the outer splits chose most often
@@ -134,7 +134,9 @@ def predict(out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where p
             trees: int = typer.Option(DEFAULT.n_estimators, "--trees", help="XGBoost trees (fewer: a faster, rougher run)"),
             only: str = typer.Option("", "--only", help="comma-separated evaluation names to run (default: all)"),
             seed: int = typer.Option(DEFAULT.seed, "--seed", help="XGBoost's row/column sampling seed (the spread "
-                                     "over seeds is the noise floor of a held-out figure)")) -> None:
+                                     "over seeds is the noise floor of a held-out figure)"),
+            balance: bool = typer.Option(True, "--balance/--no-balance", help="every training GPU weighs the "
+                                         "same in the fits, however many rows it has (--no-balance: every row)")) -> None:
     """Held-out MdAPE, r, τ and interval coverage of the power and ITL predictors vs their baselines."""
     console = Console()
     base_cfg = replace(DEFAULT, n_estimators=trees, seed=seed)
@@ -154,7 +156,7 @@ def predict(out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where p
                       f"{len(set(table.model.tolist()))} models")
         for target in targets:
             t = table.with_target(target)
-            per_split = _run_one(t, target, grid, console)
+            per_split = _run_one(t, target, grid, console, balance)
             configs[f"{name}/{target}"] = {kind: r["config"] for kind, r in per_split.items()}
             for kind, r in per_split.items():
                 results.setdefault(name, {}).setdefault(kind, {})[target] = r
@@ -162,7 +164,8 @@ def predict(out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where p
     _print(results, g, console)
     out_dir = Path(out_dir)
     path = write_result("predict", {"results": results, "goals": g, "chosen_configs": configs,
-                                    "search_grid": [asdict(c) for c in grid], "interval_nominal_coverage": COVERAGE},
+                                    "search_grid": [asdict(c) for c in grid], "interval_nominal_coverage": COVERAGE,
+                                    "balanced_gpu_weights": balance},
                         out_dir)
     _figure(results, out_dir / "predict.png")
     console.print(f"wrote {path} and {out_dir / 'predict.png'}")

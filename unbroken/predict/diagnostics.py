@@ -13,7 +13,7 @@ import numpy as np
 from unbroken.predict.dataset import Table
 from unbroken.predict.evaluate import splits
 from unbroken.predict.features import FEATURES, FRAMEWORKS, ROOFLINE
-from unbroken.predict.models import XgbConfig, fit_xgb, mdape
+from unbroken.predict.models import XgbConfig, balanced_weights, fit_xgb, mdape
 
 
 def gpu_offsets(table: Table, true: np.ndarray, pred: np.ndarray) -> dict:
@@ -57,7 +57,7 @@ def power_given_measured_itl(table: Table, kind: str, cfg: XgbConfig) -> dict:
     X, y = np.hstack([table.X, extra]), table.target("power")
     pred = np.full(len(y), np.nan)
     for tr, te in splits(table, kind):
-        pred[te] = np.maximum(fit_xgb(X[tr], y[tr], cfg).predict(X[te]), 1e-4)
+        pred[te] = np.maximum(fit_xgb(X[tr], y[tr], cfg, balanced_weights(table.gpu[tr])).predict(X[te]), 1e-4)
     watts, true = pred * table.tdp_w, table.power_w
     labels = table.gpu if kind == "logo" else table.model
     return {"mdape": round(mdape(watts, true), 3),

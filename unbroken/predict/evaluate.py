@@ -101,11 +101,12 @@ def inner_k(kind: str, train_groups: np.ndarray | None, default: int = INNER_FOL
 
 
 def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbConfig, ...] = (DEFAULT,),
-                     coverage: float = 0.9, k: int | None = None) -> dict[str, np.ndarray]:
+                     coverage: float = 0.9, k: int | None = None, balance: bool = True) -> dict[str, np.ndarray]:
     """Out-of-split predictions for every row, in physical units (W per GPU or s): xgboost point,
     interval, baseline; plus the config each split chose (from `grid`, by inner folds of that
     split's training rows only; `k` of them, or `inner_k`'s choice when None) and whether every
-    split's interval was calibrated on group folds."""
+    split's interval was calibrated on group folds. `balance`: every training GPU weighs the same
+    in the fits (`models.balanced_weights`), however many rows it has."""
     n = len(table)
     out = {name: np.full(n, np.nan) for name in ("xgboost", "low", "high", "baseline")}
     chosen, grouped, ks = [], [], []
@@ -116,7 +117,7 @@ def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbCon
         g_tr = None if inner_groups is None else inner_groups[tr]
         ks.append(k if k is not None else inner_k(kind, g_tr))
         p = fit(table.X[tr], y[tr], target, groups=g_tr, grid=grid, coverage=coverage, k=ks[-1],
-                categories=table.category()[tr])
+                categories=table.category()[tr], balance=table.gpu[tr] if balance else None)
         point, lo, hi = p.predict(table.X[te], table.category()[te])
         out["xgboost"][te], out["low"][te], out["high"][te] = point * scale[te], lo * scale[te], hi * scale[te]
         base = tdp_power if target == "power" else roofline_itl

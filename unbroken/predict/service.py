@@ -55,9 +55,9 @@ def train(table: Table, *, coverage: float = 0.9, config: XgbConfig = DEFAULT, k
     pw, it = table.with_target("power"), table.with_target("itl")
     forms = tuple(replace(config, target_form=f) for f in forms_for("itl"))
     return Trained(power=fit(pw.X, pw.target("power"), "power", groups=pw.gpu, grid=(config,), coverage=coverage, k=k,
-                             categories=pw.category()),
+                             categories=pw.category(), balance=pw.gpu),
                    itl=fit(it.X, it.target("itl"), "itl", groups=it.gpu, grid=forms, coverage=coverage, k=k,
-                           categories=it.category()),
+                           categories=it.category(), balance=it.gpu),
                    n_power_rows=len(pw), n_itl_rows=len(it))
 
 
@@ -65,8 +65,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "unbroken"
 
 
+# how train() fits, beyond its arguments: a cache made under another recipe is not reused
+RECIPE = "gpu-balanced-weights"
+
+
 def _key(table: Table, coverage: float, config: XgbConfig, k: int) -> str:
-    h = hashlib.sha256()
+    h = hashlib.sha256(RECIPE.encode())
     for a in (table.X, table.power_w, table.tdp_w, table.itl_s):
         h.update(np.ascontiguousarray(a).tobytes())
     h.update(json.dumps([coverage, asdict(config), k, table.gpu.tolist()]).encode())
