@@ -107,10 +107,20 @@ def test_power_bound_given_measured_itl_holds_out_the_group(monkeypatch):
     t = build(measurements.load("ml-energy"), *_specs()).with_target("power")
     seen = []
     real = diagnostics.fit_xgb
-    monkeypatch.setattr(diagnostics, "fit_xgb", lambda X, z, cfg, w=None: seen.append(len(z)) or real(X, z, cfg, w))
+    weighted = []
+
+    def spy(X, z, cfg, w=None):
+        seen.append(len(z))
+        weighted.append(w is not None)
+        return real(X, z, cfg, w)
+
+    monkeypatch.setattr(diagnostics, "fit_xgb", spy)
     out = diagnostics.power_given_measured_itl(t, "logo", QUICK)
     assert sorted(seen) == sorted(int((t.gpu != g).sum()) for g in set(t.gpu.tolist()))
     assert set(out["mdape_per_gpu"]) == set(t.gpu.tolist()) and 0 < out["mdape"] < 100
+    assert weighted and all(weighted)  # the predictors' GPU-balanced weights, unless told otherwise
+    diagnostics.power_given_measured_itl(t, "lolo", QUICK, balance=False)
+    assert not any(weighted[len(set(t.gpu.tolist())):])
 
 
 def test_power_fits_a_ratio_config_in_the_direct_form():

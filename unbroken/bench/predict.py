@@ -58,7 +58,7 @@ def _run_one(table: Table, target: str, grid, console: Console, balance: bool = 
         res["interval_group_calibrated"] = preds["grouped"]
         res["inner_folds"] = preds["inner_folds"]  # per outer split: LOGO holds one training GPU out per fold
         if kind != "cv":
-            res["diagnostics"] = _diagnostics(table, target, kind, preds["xgboost"], chosen)
+            res["diagnostics"] = _diagnostics(table, target, kind, preds["xgboost"], chosen, balance)
         res["seconds"] = round(time.monotonic() - t0, 1)
         out[kind] = res
         console.print(f"  {target:5s} {kind:4s} MdAPE xgboost {res['mdape']['xgboost']:7.2f}%  baseline "
@@ -66,7 +66,7 @@ def _run_one(table: Table, target: str, grid, console: Console, balance: bool = 
     return out
 
 
-def _diagnostics(table: Table, target: str, kind: str, pred, cfg) -> dict:
+def _diagnostics(table: Table, target: str, kind: str, pred, cfg, balance: bool = True) -> dict:
     """LOGO: per-GPU offsets and (ITL) roofline efficiency; power, LOGO and LOLO: the bound given measured ITL."""
     d = {}
     if kind == "logo":
@@ -74,7 +74,8 @@ def _diagnostics(table: Table, target: str, kind: str, pred, cfg) -> dict:
         if target == "itl":
             d["roofline_efficiency"] = diagnostics.roofline_efficiency(table)
     if target == "power":
-        d["power_given_measured_itl"] = diagnostics.power_given_measured_itl(table, kind, replace(cfg, target_form="direct"))
+        d["power_given_measured_itl"] = diagnostics.power_given_measured_itl(table, kind, replace(cfg, target_form="direct"),
+                                                                             balance)
     return d
 
 

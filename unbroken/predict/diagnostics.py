@@ -49,15 +49,17 @@ def roofline_efficiency(table: Table) -> dict:
     return out
 
 
-def power_given_measured_itl(table: Table, kind: str, cfg: XgbConfig) -> dict:
+def power_given_measured_itl(table: Table, kind: str, cfg: XgbConfig, balance: bool = True) -> dict:
     """Held-out (`kind`: logo or lolo) power MdAPE when the model is also handed each row's
     *measured* ITL and the achieved fraction of the roofline (information no prediction for an
-    unseen GPU or model has): an optimistic bound on any power model built on an ITL prediction."""
+    unseen GPU or model has): an optimistic bound on any power model built on an ITL prediction.
+    `balance`: the GPU-balanced weights the predictors themselves use (`models.balanced_weights`)."""
     extra = np.column_stack([np.log(table.itl_s), table.X[:, ROOFLINE] - np.log(table.itl_s)])
     X, y = np.hstack([table.X, extra]), table.target("power")
     pred = np.full(len(y), np.nan)
     for tr, te in splits(table, kind):
-        pred[te] = np.maximum(fit_xgb(X[tr], y[tr], cfg, balanced_weights(table.gpu[tr])).predict(X[te]), 1e-4)
+        w = balanced_weights(table.gpu[tr]) if balance else None
+        pred[te] = np.maximum(fit_xgb(X[tr], y[tr], cfg, w).predict(X[te]), 1e-4)
     watts, true = pred * table.tdp_w, table.power_w
     labels = table.gpu if kind == "logo" else table.model
     return {"mdape": round(mdape(watts, true), 3),

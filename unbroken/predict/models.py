@@ -82,7 +82,9 @@ def balanced_weights(labels: np.ndarray) -> np.ndarray:
     """Row weights that give every label (GPU) the same total weight, mean 1. Unweighted, a GPU
     measured 1,105 times (the MI300X) outweighs one measured 41 times (the SN40L) 27-fold, and the
     trees learn the efficiency of the most-measured software stacks; balanced, each training GPU
-    counts as one example of an accelerator, which is what an unseen one is (docs/predict.md)."""
+    counts as one example of an accelerator, which is what an unseen one is (docs/predict.md).
+    XGBoost's min_child_weight counts these weights: a leaf may then hold fewer rows of a
+    sparsely measured GPU, and needs more of a heavily measured one."""
     _, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
     w = 1.0 / counts[inverse.ravel()]
     return w / w.mean()
