@@ -62,6 +62,9 @@ def test_bench_rejects_an_unknown_evaluation(tmp_path):
     app.command()(bench)
     res = CliRunner().invoke(app, ["--only", "mlperf", "--out-dir", str(tmp_path)])
     _one_line_exit_2(res, "mlperf", "llm-inference-bench")
+    for bad in ("0", "5,x", "-1"):
+        res = CliRunner().invoke(app, ["--shots", bad, "--out-dir", str(tmp_path)])
+        _one_line_exit_2(res, "--shots", "1,5,20")
 
 
 def test_profile_writes_the_measurement_schema(tmp_path, monkeypatch):
@@ -145,6 +148,9 @@ def test_bench_seed_reaches_every_search_config(tmp_path, monkeypatch):
     monkeypatch.setattr(bp, "_run_one", lambda table, target, grid, console, balance:
                         seen.append(grid) or balanced.append(balance) or {})
     monkeypatch.setattr(bp, "_figure", lambda results, path: None)
+    shots = []
+    monkeypatch.setattr(bp, "_few_shot", lambda table, target, grid, counts, balance, console:
+                        shots.append(counts) or {})
     app = typer.Typer()
     app.command()(bp.predict)
     res = CliRunner().invoke(app, ["--only", "ml-energy", "--seed", "7", "--trees", "10", "--out-dir", str(tmp_path)])
@@ -152,6 +158,9 @@ def test_bench_seed_reaches_every_search_config(tmp_path, monkeypatch):
     assert seen and all(c.seed == 7 and c.n_estimators >= 1 for grid in seen for c in grid)
     assert len(seen[0]) == len(bp.SEARCH_GRID)
     assert balanced and all(balanced)  # GPU-balanced weights unless --no-balance
-    res = CliRunner().invoke(app, ["--only", "ml-energy", "--trees", "10", "--no-balance", "--out-dir", str(tmp_path)])
+    assert shots and all(c == bp.SHOTS for c in shots)
+    res = CliRunner().invoke(app, ["--only", "ml-energy", "--trees", "10", "--no-balance", "--shots", "",
+                                   "--out-dir", str(tmp_path)])
     assert res.exit_code == 0, res.output
-    assert balanced[-1] is False
+    assert balanced[-1] is False and len(shots) == 2  # '' runs no few-shot split (2 targets before)
+    assert json.loads((tmp_path / "predict.json").read_text())["few_shot_logo"] == {}

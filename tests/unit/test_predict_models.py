@@ -172,3 +172,25 @@ def test_balanced_fit_lets_a_sparsely_measured_gpu_move_the_trees():
     plain = models.fit(X, y, "power", grid=(cfg,), k=2).predict(X[:1])[0][0]
     balanced = models.fit(X, y, "power", grid=(cfg,), k=2, balance=gpus).predict(X[:1])[0][0]
     assert plain == pytest.approx(1.1, abs=0.02) and balanced == pytest.approx(2.0, abs=0.02)
+
+
+@given(st.integers(0, 20), st.integers(0, 3))
+def test_shots_move_rows_of_the_held_out_gpu_into_training(shots, seed):
+    t = build(measurements.load("ml-energy"), *(tables.load_gpus(), tables.load_models()))
+    for tr, te in evaluate.splits(t, "logo", shots=shots, seed=seed):
+        held = set(t.gpu[te].tolist())
+        assert len(held) == 1 and not set(tr.tolist()) & set(te.tolist())
+        assert int((t.gpu[tr] == next(iter(held))).sum()) == shots and len(tr) + len(te) == len(t)
+
+
+def test_too_many_shots_is_a_clear_error(v2):
+    with pytest.raises(evaluate.SplitError, match="use fewer shots"):
+        evaluate.splits(v2, "logo", shots=len(v2))
+
+
+def test_few_shot_scores_only_the_rows_it_predicted(v2):
+    t = v2.with_target("itl")
+    preds = evaluate.predict_held_out(t, "itl", "logo", grid=(FAST,), shots=5)
+    assert int(np.isnan(preds["xgboost"]).sum()) == 10  # 5 shots of each of the 2 GPUs
+    res = evaluate.score(t, "itl", preds)
+    assert 0.5 < res["coverage"] <= 1 and math.isfinite(res["interval_median_width_pct"])

@@ -66,6 +66,44 @@ def _run_one(table: Table, target: str, grid, console: Console, balance: bool = 
     return out
 
 
+SHOTS = (1, 5, 20)  # measured rows of the held-out GPU handed to its training split (few-shot LOGO)
+
+
+def _few_shot(table: Table, target: str, grid, shots: tuple[int, ...], balance: bool, console: Console) -> dict:
+    """LOGO with `n` random rows of each held-out GPU in its training split, for each n in `shots`:
+    how many measurements of new hardware (`unbroken predict profile`) bring its other rows in."""
+    out = {}
+    for n in shots:
+        t0 = time.monotonic()
+        try:
+            preds = evaluate.predict_held_out(table, target, "logo", grid=grid, coverage=COVERAGE, balance=balance,
+                                              shots=n)
+        except evaluate.SplitError as e:  # a GPU with <= n rows: say so in the record, go on
+            out[str(n)] = {"skipped": str(e)}
+            continue
+        res = evaluate.score(table, target, preds)
+        out[str(n)] = {"mdape": res["mdape"], "baseline_over_xgboost": res["baseline_over_xgboost"],
+                       "coverage": res["coverage"], "interval_median_width_pct": res["interval_median_width_pct"],
+                       "mdape_per_gpu": res["mdape_per_gpu"]["xgboost"],
+                       "target_forms": dict(Counter(c.target_form for c in preds["configs"])),
+                       "seconds": round(time.monotonic() - t0, 1)}
+        console.print(f"  {target:5s} logo with {n:2d} shot(s) MdAPE xgboost {res['mdape']['xgboost']:7.2f}%  "
+                      f"baseline {res['mdape']['baseline']:7.2f}%  ({out[str(n)]['seconds']} s)")
+    return out
+
+
+def _shot_counts(text: str) -> tuple[int, ...]:
+    """--shots: positive whole numbers separated by commas; '' for none."""
+    try:
+        counts = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        counts = (-1,)
+    if any(n < 1 for n in counts):
+        from unbroken.cli_error import fail
+        fail(f"--shots {text!r}: give positive whole numbers separated by commas, e.g. --shots 1,5,20")
+    return counts
+
+
 def _diagnostics(table: Table, target: str, kind: str, pred, cfg, balance: bool = True) -> dict:
     """LOGO: per-GPU offsets and (ITL) roofline efficiency; power, LOGO and LOLO: the bound given measured ITL."""
     d = {}
@@ -137,7 +175,10 @@ def predict(out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where p
             seed: int = typer.Option(DEFAULT.seed, "--seed", help="XGBoost's row/column sampling seed (the spread "
                                      "over seeds is the noise floor of a held-out figure)"),
             balance: bool = typer.Option(True, "--balance/--no-balance", help="every training GPU weighs the "
-                                         "same in the fits, however many rows it has (--no-balance: every row)")) -> None:
+                                         "same in the fits, however many rows it has (--no-balance: every row)"),
+            shots: str = typer.Option(",".join(map(str, SHOTS)), "--shots", help="comma-separated numbers of "
+                                      "measured rows of the held-out GPU to add to its LOGO training split "
+                                      "(few-shot LOGO; '' skips it)")) -> None:
     """Held-out MdAPE, r, τ and interval coverage of the power and ITL predictors vs their baselines."""
     console = Console()
     base_cfg = replace(DEFAULT, n_estimators=trees, seed=seed)
@@ -148,7 +189,8 @@ def predict(out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where p
     if unknown:
         from unbroken.cli_error import fail
         fail(f"--only {','.join(sorted(unknown))}: not an evaluation; choose from {', '.join(e[0] for e in EVALS)}")
-    results, configs = {}, {}
+    shot_counts = _shot_counts(shots)
+    results, configs, few_shot = {}, {}, {}
     for name, sources, targets, frameworks in EVALS:
         if wanted and name not in wanted:
             continue
@@ -161,12 +203,14 @@ def predict(out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where p
             configs[f"{name}/{target}"] = {kind: r["config"] for kind, r in per_split.items()}
             for kind, r in per_split.items():
                 results.setdefault(name, {}).setdefault(kind, {})[target] = r
+            if shot_counts:
+                few_shot.setdefault(name, {})[target] = _few_shot(t, target, grid, shot_counts, balance, console)
     g = goals(results)
     _print(results, g, console)
     out_dir = Path(out_dir)
     path = write_result("predict", {"results": results, "goals": g, "chosen_configs": configs,
                                     "search_grid": [asdict(c) for c in grid], "interval_nominal_coverage": COVERAGE,
-                                    "balanced_gpu_weights": balance},
+                                    "balanced_gpu_weights": balance, "few_shot_logo": few_shot},
                         out_dir)
     _figure(results, out_dir / "predict.png")
     console.print(f"wrote {path} and {out_dir / 'predict.png'}")

@@ -22,7 +22,11 @@ class SplitError(ValueError):
     """A split cannot be made on this data (e.g. leave-one-GPU-out with a single GPU)."""
 
 
-def splits(table: Table, kind: str, *, k: int = 5, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+def splits(table: Table, kind: str, *, k: int = 5, seed: int = 0, shots: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(train, test) row indices per fold. Under LOGO and LOLO, `shots` > 0 moves that many rows of the
+    held-out GPU or model, drawn at random (`seed`), into its training split: the few measurements a user
+    makes of new hardware (`unbroken predict profile`) before asking for the rest; the test rows are the
+    held-out group's other rows."""
     from sklearn.model_selection import KFold
 
     if kind == "cv":
@@ -35,7 +39,18 @@ def splits(table: Table, kind: str, *, k: int = 5, seed: int = 0) -> list[tuple[
     if len(uniq) < 2:
         raise SplitError(f"{kind.upper()} needs at least 2 {what}s; this data has only {uniq or 'none'}, so "
                          f"every training split would be empty. Add measurements of another {what}")
-    return [(np.flatnonzero(labels != u), np.flatnonzero(labels == u)) for u in uniq]
+    if shots < 0:
+        raise SplitError(f"shots must be >= 0, got {shots}")
+    rng = np.random.default_rng(seed)
+    out = []
+    for u in uniq:
+        held = np.flatnonzero(labels == u)
+        if shots and shots >= len(held):
+            raise SplitError(f"{shots} shots of {what} {u!r} leave none of its {len(held)} rows to test; "
+                             f"use fewer shots")
+        moved = np.sort(rng.choice(held, size=shots, replace=False)) if shots else held[:0]
+        out.append((np.sort(np.r_[np.flatnonzero(labels != u), moved]), np.setdiff1d(held, moved)))
+    return out
 
 
 def pearson(a: np.ndarray, b: np.ndarray) -> float:
@@ -101,19 +116,21 @@ def inner_k(kind: str, train_groups: np.ndarray | None, default: int = INNER_FOL
 
 
 def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbConfig, ...] = (DEFAULT,),
-                     coverage: float = 0.9, k: int | None = None, balance: bool = True) -> dict[str, np.ndarray]:
+                     coverage: float = 0.9, k: int | None = None, balance: bool = True,
+                     shots: int = 0) -> dict[str, np.ndarray]:
     """Out-of-split predictions for every row, in physical units (W per GPU or s): xgboost point,
     interval, baseline; plus the config each split chose (from `grid`, by inner folds of that
     split's training rows only; `k` of them, or `inner_k`'s choice when None) and whether every
     split's interval was calibrated on group folds. `balance`: every training GPU weighs the same
-    in the fits (`models.balanced_weights`), however many rows it has."""
+    in the fits (`models.balanced_weights`), however many rows it has. `shots`: see `splits`; the
+    rows moved into training keep NaN predictions and are left out of every score."""
     n = len(table)
     out = {name: np.full(n, np.nan) for name in ("xgboost", "low", "high", "baseline")}
     chosen, grouped, ks = [], [], []
     inner_groups = {"cv": None, "logo": table.gpu, "lolo": table.model}[kind]
     scale = table.tdp_w if target == "power" else np.ones(n)
     y = table.target(target)
-    for tr, te in splits(table, kind):
+    for tr, te in splits(table, kind, shots=shots):
         g_tr = None if inner_groups is None else inner_groups[tr]
         ks.append(k if k is not None else inner_k(kind, g_tr))
         p = fit(table.X[tr], y[tr], target, groups=g_tr, grid=grid, coverage=coverage, k=ks[-1],
@@ -142,9 +159,11 @@ def score(table: Table, target: str, preds: dict) -> dict:
         res["pearson_r"][name] = round(pearson(pred, true), 4)
         res["kendall_tau_gpu"][name] = round(kendall(table, true, pred, "gpu"), 4)
         res["kendall_tau_model"][name] = round(kendall(table, true, pred, "model"), 4)
-    inside = (true >= preds["low"]) & (true <= preds["high"])
+    scored = np.isfinite(preds["xgboost"])  # rows a split predicted (not a few-shot split's training rows)
+    inside = (true[scored] >= preds["low"][scored]) & (true[scored] <= preds["high"][scored])
     res["coverage"] = round(float(inside.mean()), 4)
-    res["interval_median_width_pct"] = round(float(np.median((preds["high"] - preds["low"]) / preds["xgboost"])) * 100, 2)
+    width = (preds["high"][scored] - preds["low"][scored]) / preds["xgboost"][scored]
+    res["interval_median_width_pct"] = round(float(np.median(width)) * 100, 2)
     res["mdape_per_gpu"] = {"xgboost": per_group_mdape(table.gpu, preds["xgboost"], true),
                             "baseline": per_group_mdape(table.gpu, preds["baseline"], true)}
     res["mdape_per_model"] = {"xgboost": per_group_mdape(table.model, preds["xgboost"], true),
