@@ -194,3 +194,16 @@ def test_few_shot_scores_only_the_rows_it_predicted(v2):
     assert int(np.isnan(preds["xgboost"]).sum()) == 10  # 5 shots of each of the 2 GPUs
     res = evaluate.score(t, "itl", preds)
     assert 0.5 < res["coverage"] <= 1 and math.isfinite(res["interval_median_width_pct"])
+    # the by-hand baseline: each held-out GPU's roofline factor from its own 5 rows, only on the rows predicted
+    assert (np.isfinite(preds["baseline_from_shots"]) == np.isfinite(preds["xgboost"])).all()
+    with pytest.raises(evaluate.SplitError, match="not to cv"):
+        evaluate.splits(t, "cv", shots=1)
+
+
+def test_the_baseline_from_shots_is_the_held_out_gpus_own_factor(v2):
+    t = v2.with_target("itl")
+    preds = evaluate.predict_held_out(t, "itl", "logo", grid=(FAST,), shots=3)
+    for tr, te in evaluate.splits(t, "logo", shots=3):
+        own = tr[t.gpu[tr] == t.gpu[te][0]]
+        expected = baselines.roofline_itl(t.subset(own), t.subset(te))
+        np.testing.assert_allclose(preds["baseline_from_shots"][te], expected)

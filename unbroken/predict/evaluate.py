@@ -29,6 +29,8 @@ def splits(table: Table, kind: str, *, k: int = 5, seed: int = 0, shots: int = 0
     held-out group's other rows."""
     from sklearn.model_selection import KFold
 
+    if kind == "cv" and shots:
+        raise SplitError("shots apply to held-out groups (logo, lolo), not to cv's random folds")
     if kind == "cv":
         return list(KFold(n_splits=k, shuffle=True, random_state=seed).split(np.arange(len(table))))
     if kind not in ("logo", "lolo"):
@@ -123,9 +125,11 @@ def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbCon
     split's training rows only; `k` of them, or `inner_k`'s choice when None) and whether every
     split's interval was calibrated on group folds. `balance`: every training GPU weighs the same
     in the fits (`models.balanced_weights`), however many rows it has. `shots`: see `splits`; the
-    rows moved into training keep NaN predictions and are left out of every score."""
+    rows moved into training keep NaN predictions and are left out of every score, and
+    `baseline_from_shots` is the baseline calibrated on those rows alone (what a user can do by hand
+    with a few measurements: the roofline, or TDP, times the held-out group's own measured factor)."""
     n = len(table)
-    out = {name: np.full(n, np.nan) for name in ("xgboost", "low", "high", "baseline")}
+    out = {name: np.full(n, np.nan) for name in ("xgboost", "low", "high", "baseline", "baseline_from_shots")}
     chosen, grouped, ks = [], [], []
     inner_groups = {"cv": None, "logo": table.gpu, "lolo": table.model}[kind]
     scale = table.tdp_w if target == "power" else np.ones(n)
@@ -139,6 +143,9 @@ def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbCon
         out["xgboost"][te], out["low"][te], out["high"][te] = point * scale[te], lo * scale[te], hi * scale[te]
         base = tdp_power if target == "power" else roofline_itl
         out["baseline"][te] = base(table.subset(tr), table.subset(te))
+        if shots:
+            held = tr[np.isin(inner_groups[tr], inner_groups[te])]
+            out["baseline_from_shots"][te] = base(table.subset(held), table.subset(te))
         chosen.append(p.config)
         grouped.append(p.grouped)
     out["configs"] = chosen
