@@ -207,3 +207,20 @@ def test_the_baseline_from_shots_is_the_held_out_gpus_own_factor(v2):
         own = tr[t.gpu[tr] == t.gpu[te][0]]
         expected = baselines.roofline_itl(t.subset(own), t.subset(te))
         np.testing.assert_allclose(preds["baseline_from_shots"][te], expected)
+
+
+@given(st.lists(st.sampled_from("abcd"), min_size=4, max_size=60), st.integers(0, 6), st.integers(2, 4))
+def test_few_shot_inner_folds_keep_shots_of_each_held_out_group(labels, shots, k):
+    groups = np.array(labels)
+    for tr, te in models.inner_folds(len(groups), groups, k, shots=shots):
+        assert not set(tr.tolist()) & set(te.tolist()) and len(tr) + len(te) == len(groups)
+        if len(set(groups.tolist())) < 2:
+            continue  # row folds: shots do not apply
+        for g in set(groups[te].tolist()):
+            n = int((groups == g).sum())
+            assert int((groups[tr] == g).sum()) == min(shots, n - 1) and (groups[te] == g).any()
+
+
+def test_conformal_halfwidth_ignores_rows_no_fold_predicted():
+    pred = np.array([1.0, 2.0, np.nan, np.nan])
+    assert models.conformal_halfwidth(pred, np.ones(4), 0.5) == pytest.approx(math.log(2.0))

@@ -138,7 +138,7 @@ def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbCon
         g_tr = None if inner_groups is None else inner_groups[tr]
         ks.append(k if k is not None else inner_k(kind, g_tr))
         p = fit(table.X[tr], y[tr], target, groups=g_tr, grid=grid, coverage=coverage, k=ks[-1],
-                categories=table.category()[tr], balance=table.gpu[tr] if balance else None)
+                categories=table.category()[tr], balance=table.gpu[tr] if balance else None, shots=shots)
         point, lo, hi = p.predict(table.X[te], table.category()[te])
         out["xgboost"][te], out["low"][te], out["high"][te] = point * scale[te], lo * scale[te], hi * scale[te]
         base = tdp_power if target == "power" else roofline_itl

@@ -101,21 +101,35 @@ def fit_xgb(X: np.ndarray, z: np.ndarray, cfg: XgbConfig, weights: np.ndarray | 
     return model
 
 
-def inner_folds(n: int, groups: np.ndarray | None, k: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+def inner_folds(n: int, groups: np.ndarray | None, k: int, seed: int = 0,
+                shots: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     """Group folds when there are >= 2 groups, else shuffled row folds (the interval then only
-    knows in-distribution error, which docs/predict.md says where it matters)."""
+    knows in-distribution error, which docs/predict.md says where it matters). `shots` > 0 (group
+    folds only): that many random rows of each held-out group, at most all but one, go to the fold's
+    training side, as the outer few-shot split does (`evaluate.splits`), so that the search and the
+    interval are scored on the task they will face."""
     from sklearn.model_selection import GroupKFold, KFold
 
     idx = np.arange(n)
-    if groups is not None and len(set(groups.tolist())) >= 2:
-        k = min(k, len(set(groups.tolist())))
-        return list(GroupKFold(n_splits=k).split(idx, groups=groups))
-    return list(KFold(n_splits=min(k, n), shuffle=True, random_state=seed).split(idx))
+    if groups is None or len(set(groups.tolist())) < 2:
+        return list(KFold(n_splits=min(k, n), shuffle=True, random_state=seed).split(idx))
+    k = min(k, len(set(groups.tolist())))
+    folds = list(GroupKFold(n_splits=k).split(idx, groups=groups))
+    if not shots:
+        return folds
+    rng, out = np.random.default_rng(seed), []
+    for tr, te in folds:
+        moved = [rng.choice(rows, size=min(shots, len(rows) - 1), replace=False)
+                 for rows in (te[groups[te] == g] for g in sorted(set(groups[te].tolist())))]
+        moved = np.concatenate(moved)
+        out.append((np.sort(np.r_[tr, moved]), np.setdiff1d(te, moved)))
+    return out
 
 
 def conformal_halfwidth(pred: np.ndarray, true: np.ndarray, coverage: float) -> float:
     """Split-conformal quantile of |log(pred/true)|: ceil((n+1)·coverage)-th smallest residual."""
-    r = np.sort(np.abs(np.log(np.maximum(pred, FLOOR) / true)))
+    r = np.abs(np.log(np.maximum(pred, FLOOR) / true))
+    r = np.sort(r[np.isfinite(r)])  # rows a fold did not predict (a few-shot fold's shots) are no residual
     if len(r) == 0:
         return math.inf
     rank = math.ceil((len(r) + 1) * coverage)
@@ -183,19 +197,20 @@ def mdape(pred: np.ndarray, true: np.ndarray) -> float:
 
 def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None = None,
         grid: tuple[XgbConfig, ...] = (DEFAULT,), coverage: float = 0.9, k: int = 5,
-        categories: np.ndarray | None = None, balance: np.ndarray | None = None) -> Predictor:
+        categories: np.ndarray | None = None, balance: np.ndarray | None = None, shots: int = 0) -> Predictor:
     """Choose a config from `grid` by inner-fold MdAPE, calibrate the interval on the same
     out-of-fold predictions, refit the chosen config on all rows. A config whose target form does
     not apply to `target` is tried in the direct form (duplicates once). `balance`: labels (the
     GPU of each row) whose groups get equal weight in every fit (`balanced_weights`); the scores
-    and the interval stay unweighted, as the held-out metric is."""
+    and the interval stay unweighted, as the held-out metric is. `shots`: few-shot inner folds
+    (`inner_folds`)."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     grid = tuple(dict.fromkeys(c if c.target_form in forms_for(target) else replace(c, target_form="direct")
                                for c in grid))
     if len(y) < 2:
         raise ValueError(f"cannot train the {target} model on {len(y)} row(s): the training split is empty")
-    folds = inner_folds(len(y), groups, k)
+    folds = inner_folds(len(y), groups, k, shots=shots)
     best = None
     for cfg in grid:
         oof = oof_predictions(X, y, target, folds, cfg, balance)
