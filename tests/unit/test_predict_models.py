@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 
 from unbroken.predict import baselines, evaluate, measurements, models, service, tables
 from unbroken.predict.dataset import build
-from unbroken.predict.features import OperatingPoint
+from unbroken.predict.features import SCENARIOS, OperatingPoint
 
 FAST = models.XgbConfig(n_estimators=20, max_depth=3, learning_rate=0.3)
 
@@ -115,6 +115,7 @@ def test_cached_training_round_trips(v2, tmp_path):
     for x, y in ((a.power, b.power), (a.itl, b.itl)):
         np.testing.assert_allclose(x.predict(small.X)[0], y.predict(small.X)[0], rtol=1e-6)
         assert x.halfwidth == y.halfwidth and x.by_category == y.by_category
+        assert x.measured == y.measured and x.measured["gpus"]
 
 
 def test_per_group_pearson():
@@ -224,3 +225,26 @@ def test_few_shot_inner_folds_keep_shots_of_each_held_out_group(labels, shots, k
 def test_conformal_halfwidth_ignores_rows_no_fold_predicted():
     pred = np.array([1.0, 2.0, np.nan, np.nan])
     assert models.conformal_halfwidth(pred, np.ones(4), 0.5) == pytest.approx(math.log(2.0))
+
+
+def test_a_gpu_measured_in_training_gets_the_few_shot_interval(specs, v2):
+    gpus, mods = specs
+    t = v2.with_target("itl")
+    p = models.fit(t.X, t.itl_s, "itl", groups=t.gpu, grid=(FAST,), k=2, categories=t.category(), balance=t.gpu)
+    m = models.measured_widths(p, t.X, t.itl_s, t.gpu, 2, t.category(), t.gpu)
+    assert m.measured["gpus"] == sorted(set(t.gpu.tolist())) and p.measured is None
+    assert m.knows("NVIDIA H100 SXM5 80GB") and not m.knows("NVIDIA H200 SXM") and not p.knows("NVIDIA H100 SXM5 80GB")
+    x, cat = t.X[:3], t.category()[:3]
+    _, lo, hi = m.predict(x, cat, measured=True)
+    expected = m.widths(cat, measured=True)
+    np.testing.assert_allclose(np.log(hi / lo) / 2, expected)
+    assert not np.allclose(expected, m.widths(cat))  # a width of its own, not the unseen GPU's
+    trained = service.Trained(power=m, itl=m, n_power_rows=0, n_itl_rows=len(t))
+    e = service.estimate(trained, gpus.get("H100 SXM"), mods.get("meta-llama/Meta-Llama-3.1-8B"), OperatingPoint())
+    assert math.log(e.itl_s[2] / e.itl_s[1]) / 2 == pytest.approx(float(np.atleast_1d(
+        m.widths(np.array([features_scenario("server")]), measured=True))[0]))
+
+
+def features_scenario(name: str) -> float:
+    """The scenario's code as the feature matrix holds it."""
+    return float(SCENARIOS.index(name))

@@ -2,7 +2,10 @@
 
 The power model trains on every measurement with power (both ML.ENERGY sets and the user's
 own), the ITL model on every measurement; both calibrate their intervals on folds grouped by
-GPU, so the width reflects the error on a GPU the model has not seen.
+GPU, so the width reflects the error on a GPU the model has not seen. A GPU with >= MEASURED_ROWS
+training rows (a public one, or the user's own via --measurements) gets a second width, calibrated
+on folds that keep that many rows of each held-out GPU (models.measured_widths): the error of a
+GPU the model has seen a few times, not of one it never saw.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from unbroken.fsutil import atomic_write_json
 from unbroken.predict import measurements
 from unbroken.predict.dataset import Table, build
 from unbroken.predict.features import FEATURES, OperatingPoint, matrix, point_of
-from unbroken.predict.models import DEFAULT, Predictor, XgbConfig, fit, forms_for
+from unbroken.predict.models import DEFAULT, Predictor, XgbConfig, fit, forms_for, measured_widths
 from unbroken.predict.tables import GpuSpec, GpuTable, ModelSpec, ModelTable
 
 
@@ -54,11 +57,12 @@ def train(table: Table, *, coverage: float = 0.9, config: XgbConfig = DEFAULT, k
     """Both predictors; the ITL target form (direct or roofline ratio) is chosen by GPU-grouped folds."""
     pw, it = table.with_target("power"), table.with_target("itl")
     forms = tuple(replace(config, target_form=f) for f in forms_for("itl"))
-    return Trained(power=fit(pw.X, pw.target("power"), "power", groups=pw.gpu, grid=(config,), coverage=coverage, k=k,
-                             categories=pw.category(), balance=pw.gpu),
-                   itl=fit(it.X, it.target("itl"), "itl", groups=it.gpu, grid=forms, coverage=coverage, k=k,
-                           categories=it.category(), balance=it.gpu),
-                   n_power_rows=len(pw), n_itl_rows=len(it))
+    fitted = []
+    for t, target, grid in ((pw, "power", (config,)), (it, "itl", forms)):
+        p = fit(t.X, t.target(target), target, groups=t.gpu, grid=grid, coverage=coverage, k=k,
+                categories=t.category(), balance=t.gpu)
+        fitted.append(measured_widths(p, t.X, t.target(target), t.gpu, k, t.category(), t.gpu))
+    return Trained(power=fitted[0], itl=fitted[1], n_power_rows=len(pw), n_itl_rows=len(it))
 
 
 def cache_dir() -> Path:
@@ -66,7 +70,7 @@ def cache_dir() -> Path:
 
 
 # how train() fits, beyond its arguments: a cache made under another recipe is not reused
-RECIPE = "gpu-balanced-weights"
+RECIPE = "gpu-balanced-weights, measured-gpu widths"
 
 
 def _key(table: Table, coverage: float, config: XgbConfig, k: int) -> str:
@@ -84,7 +88,7 @@ def _save(p: Predictor, folder: Path) -> None:
     os.replace(tmp, folder / f"{p.target}.ubj")
     atomic_write_json(folder / f"{p.target}.json", {"config": asdict(p.config), "halfwidth": p.halfwidth,
                                                    "coverage": p.coverage, "by_category": p.by_category,
-                                                   "grouped": p.grouped})
+                                                   "grouped": p.grouped, "measured": p.measured})
 
 
 def _load(target: str, folder: Path) -> Predictor | None:
@@ -101,7 +105,15 @@ def _load(target: str, folder: Path) -> Predictor | None:
         return None  # a damaged cache is retrained, not trusted
     return Predictor(target=target, model=model, config=XgbConfig(**meta["config"]), halfwidth=meta["halfwidth"],
                      coverage=meta["coverage"], by_category={float(c): q for c, q in meta["by_category"].items()},
-                     grouped=bool(meta.get("grouped", False)))
+                     grouped=bool(meta.get("grouped", False)), measured=_measured_from_json(meta.get("measured")))
+
+
+def _measured_from_json(m: dict | None) -> dict | None:
+    """The measured-GPU widths as saved (JSON keys are strings; categories are floats)."""
+    if not m:
+        return None
+    return {"halfwidth": m["halfwidth"], "by_category": {float(c): q for c, q in m["by_category"].items()},
+            "gpus": list(m["gpus"])}
 
 
 def train_cached(table: Table, *, coverage: float = 0.9, config: XgbConfig = DEFAULT, k: int = 5,
@@ -122,8 +134,9 @@ def estimate(trained: Trained, gpu: GpuSpec, model: ModelSpec, op: OperatingPoin
              usd_per_gpu_hour: float | None = None) -> Estimate:
     X = matrix([(gpu, model, op)])
     cat = X[:, FEATURES.index("scenario")]
-    p, p_lo, p_hi = (float(v[0]) * gpu.thermal_design_power_w for v in trained.power.predict(X, cat))
-    t, t_lo, t_hi = (float(v[0]) for v in trained.itl.predict(X, cat))
+    power = trained.power.predict(X, cat, trained.power.knows(gpu.name))
+    p, p_lo, p_hi = (float(v[0]) * gpu.thermal_design_power_w for v in power)
+    t, t_lo, t_hi = (float(v[0]) for v in trained.itl.predict(X, cat, trained.itl.knows(gpu.name)))
     tok = (op.batch / t, op.batch / t_hi, op.batch / t_lo)
     per_j = (tok[0] / (p * op.n_gpus), tok[1] / (p_hi * op.n_gpus), tok[2] / (p_lo * op.n_gpus))
     cost = None
