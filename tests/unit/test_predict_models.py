@@ -248,3 +248,12 @@ def test_a_gpu_measured_in_training_gets_the_few_shot_interval(specs, v2):
 def features_scenario(name: str) -> float:
     """The scenario's code as the feature matrix holds it."""
     return float(SCENARIOS.index(name))
+
+
+def test_an_estimate_says_whether_its_gpu_was_measured(specs, v2):
+    gpus, mods = specs
+    trained = service.train(v2, config=FAST, k=3)
+    model, op = mods.get("meta-llama/Meta-Llama-3.1-8B"), OperatingPoint(batch=8)
+    seen, unseen = (service.estimate(trained, gpus.get(g), model, op) for g in ("H100 SXM", "H200 SXM"))
+    assert seen.gpu_measured and not unseen.gpu_measured
+    assert service.as_dict(seen)["gpu_measured"] is True

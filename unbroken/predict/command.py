@@ -55,13 +55,16 @@ def _fmt(v: tuple[float, float, float], digits: int = 3) -> str:
 
 
 def _table(estimates: list, title: str, with_cost: bool) -> RichTable:
-    t = RichTable(title=title)
-    cols = ["GPU", "GPUs", "power/GPU W", "ITL ms", "tokens/s", "tokens/J"] + (["$/Mtok"] if with_cost else [])
+    t = RichTable(title=title, caption="measured: the training data has >= 5 ITL rows of that GPU, and its "
+                                       "intervals are calibrated for that; no: never measured, a rough guess")
+    cols = ["GPU", "measured", "GPUs", "power/GPU W", "ITL ms", "tokens/s", "tokens/J"] + \
+        (["$/Mtok"] if with_cost else [])
     for c in cols:
         t.add_column(c)
     for e in estimates:
         itl_ms = tuple(x * 1e3 for x in e.itl_s)
-        row = [e.gpu, str(e.n_gpus), _fmt(e.power_w), _fmt(itl_ms), _fmt(e.tokens_s), _fmt(e.tokens_per_j)]
+        row = [e.gpu, "yes" if e.gpu_measured else "no", str(e.n_gpus), _fmt(e.power_w), _fmt(itl_ms),
+               _fmt(e.tokens_s), _fmt(e.tokens_per_j)]
         if with_cost:
             row.append(_fmt(e.usd_per_mtok))
         t.add_row(*row)
@@ -132,7 +135,7 @@ def predict(ctx: typer.Context,
     except (SpecError, ValueError) as err:
         fail(str(err))
     if as_json:
-        print(json.dumps(service.as_dict(e), indent=2))
+        print(json.dumps({**service.as_dict(e), **git_commit()}, indent=2))
         return
     console.print(_table([e], f"{spec.name} on {gspec.name}, batch {batch:g} (90% intervals)", usd is not None))
     if spec.name != model:

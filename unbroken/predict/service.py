@@ -38,6 +38,8 @@ class Estimate:
     tokens_s: tuple[float, float, float]      # the replica's decode throughput
     tokens_per_j: tuple[float, float, float]
     usd_per_mtok: tuple[float, float, float] | None = None
+    # the GPU had >= MEASURED_ROWS ITL rows in training: its intervals are the measured-GPU ones
+    gpu_measured: bool = False
 
 
 @dataclass
@@ -136,7 +138,8 @@ def estimate(trained: Trained, gpu: GpuSpec, model: ModelSpec, op: OperatingPoin
     cat = X[:, FEATURES.index("scenario")]
     power = trained.power.predict(X, cat, trained.power.knows(gpu.name))
     p, p_lo, p_hi = (float(v[0]) * gpu.thermal_design_power_w for v in power)
-    t, t_lo, t_hi = (float(v[0]) for v in trained.itl.predict(X, cat, trained.itl.knows(gpu.name)))
+    measured = trained.itl.knows(gpu.name)
+    t, t_lo, t_hi = (float(v[0]) for v in trained.itl.predict(X, cat, measured))
     tok = (op.batch / t, op.batch / t_hi, op.batch / t_lo)
     per_j = (tok[0] / (p * op.n_gpus), tok[1] / (p_hi * op.n_gpus), tok[2] / (p_lo * op.n_gpus))
     cost = None
@@ -144,7 +147,8 @@ def estimate(trained: Trained, gpu: GpuSpec, model: ModelSpec, op: OperatingPoin
         usd_s = usd_per_gpu_hour * op.n_gpus / 3600.0
         cost = (usd_s / tok[0] * 1e6, usd_s / tok[2] * 1e6, usd_s / tok[1] * 1e6)
     return Estimate(gpu=gpu.name, model=model.name, n_gpus=op.n_gpus, batch=op.batch, power_w=(p, p_lo, p_hi),
-                    itl_s=(t, t_lo, t_hi), tokens_s=tok, tokens_per_j=per_j, usd_per_mtok=cost)
+                    itl_s=(t, t_lo, t_hi), tokens_s=tok, tokens_per_j=per_j, usd_per_mtok=cost,
+                    gpu_measured=measured)
 
 
 def fits_in_memory(gpu: GpuSpec, model: ModelSpec, n_gpus: int) -> bool:
@@ -170,7 +174,7 @@ def rank(trained: Trained, gpus: GpuTable, model: ModelSpec, op: OperatingPoint,
 
 
 def as_dict(e: Estimate) -> dict:
-    d = {"gpu": e.gpu, "model": e.model, "n_gpus": e.n_gpus, "batch": e.batch}
+    d = {"gpu": e.gpu, "model": e.model, "n_gpus": e.n_gpus, "batch": e.batch, "gpu_measured": e.gpu_measured}
     for name in ("power_w", "itl_s", "tokens_s", "tokens_per_j", "usd_per_mtok"):
         v = getattr(e, name)
         if v is not None:
