@@ -22,7 +22,8 @@ class SplitError(ValueError):
     """A split cannot be made on this data (e.g. leave-one-GPU-out with a single GPU)."""
 
 
-def splits(table: Table, kind: str, *, k: int = 5, seed: int = 0, shots: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+def splits(table: Table, kind: str, *, k: int = 5, seed: int = 0,
+           shots: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     """(train, test) row indices per fold. Under LOGO and LOLO, `shots` > 0 moves that many rows of the
     held-out GPU or model, drawn at random (`seed`), into its training split: the few measurements a user
     makes of new hardware (`unbroken predict profile`) before asking for the rest; the test rows are the
