@@ -115,7 +115,7 @@ def test_cached_training_round_trips(v2, tmp_path):
     for x, y in ((a.power, b.power), (a.itl, b.itl)):
         np.testing.assert_allclose(x.predict(small.X)[0], y.predict(small.X)[0], rtol=1e-6)
         assert x.halfwidth == y.halfwidth and x.by_category == y.by_category
-        assert x.measured == y.measured and x.measured["gpus"]
+        assert x.measured == y.measured and x.measured["rows"]
 
 
 def test_per_group_pearson():
@@ -227,22 +227,27 @@ def test_conformal_halfwidth_ignores_rows_no_fold_predicted():
     assert models.conformal_halfwidth(pred, np.ones(4), 0.5) == pytest.approx(math.log(2.0))
 
 
-def test_a_gpu_measured_in_training_gets_the_few_shot_interval(specs, v2):
+def test_a_gpu_measured_in_training_gets_the_few_shot_interval_of_its_row_count(specs, v2):
     gpus, mods = specs
     t = v2.with_target("itl")
     p = models.fit(t.X, t.itl_s, "itl", groups=t.gpu, grid=(FAST,), k=2, categories=t.category(), balance=t.gpu)
     m = models.measured_widths(p, t.X, t.itl_s, t.gpu, 2, t.category(), t.gpu)
-    assert m.measured["gpus"] == sorted(set(t.gpu.tolist())) and p.measured is None
-    assert m.knows("NVIDIA H100 SXM5 80GB") and not m.knows("NVIDIA H200 SXM") and not p.knows("NVIDIA H100 SXM5 80GB")
+    h100 = "NVIDIA H100 SXM5 80GB"
+    assert m.rows_of(h100) == int((t.gpu == h100).sum()) and m.rows_of("NVIDIA H200 SXM") == 0
+    assert p.measured is None and p.rows_of(h100) == 0 and sorted(m.measured["levels"]) == list(models.SHOT_LEVELS)
     x, cat = t.X[:3], t.category()[:3]
-    _, lo, hi = m.predict(x, cat, measured=True)
-    expected = m.widths(cat, measured=True)
-    np.testing.assert_allclose(np.log(hi / lo) / 2, expected)
-    assert not np.allclose(expected, m.widths(cat))  # a width of its own, not the unseen GPU's
+    for rows, level in ((0, None), (1, 1), (4, 1), (5, 5), (19, 5), (20, 20), (10_000, 20)):
+        expected = m.widths(cat) if level is None else \
+            np.array([m.measured["levels"][level]["by_category"].get(float(c), m.measured["levels"][level]["halfwidth"])
+                      for c in cat])
+        _, lo, hi = m.predict(x, cat, rows=rows)
+        np.testing.assert_allclose(np.log(hi / lo) / 2, expected)
+    assert not np.allclose(m.widths(cat, rows=20), m.widths(cat))  # a width of its own, not the unseen GPU's
     trained = service.Trained(power=m, itl=m, n_power_rows=0, n_itl_rows=len(t))
     e = service.estimate(trained, gpus.get("H100 SXM"), mods.get("meta-llama/Meta-Llama-3.1-8B"), OperatingPoint())
+    assert e.gpu_rows == m.rows_of(h100)
     assert math.log(e.itl_s[2] / e.itl_s[1]) / 2 == pytest.approx(float(np.atleast_1d(
-        m.widths(np.array([features_scenario("server")]), measured=True))[0]))
+        m.widths(np.array([features_scenario("server")]), rows=e.gpu_rows))[0]))
 
 
 def features_scenario(name: str) -> float:
@@ -255,5 +260,5 @@ def test_an_estimate_says_whether_its_gpu_was_measured(specs, v2):
     trained = service.train(v2, config=FAST, k=3)
     model, op = mods.get("meta-llama/Meta-Llama-3.1-8B"), OperatingPoint(batch=8)
     seen, unseen = (service.estimate(trained, gpus.get(g), model, op) for g in ("H100 SXM", "H200 SXM"))
-    assert seen.gpu_measured and not unseen.gpu_measured
-    assert service.as_dict(seen)["gpu_measured"] is True
+    assert seen.gpu_rows == int((v2.gpu == "NVIDIA H100 SXM5 80GB").sum()) and unseen.gpu_rows == 0
+    assert service.as_dict(seen)["gpu_rows"] == seen.gpu_rows

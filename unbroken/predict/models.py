@@ -151,32 +151,36 @@ class Predictor:
     # True when the calibration folds were grouped (>= 2 groups); False: row folds, so the width
     # knows only in-distribution error and says nothing about an unseen GPU or model
     grouped: bool = False
-    # widths for a GPU measured in training (>= MEASURED_ROWS rows): calibrated on folds that keep
-    # MEASURED_ROWS rows of each held-out GPU (`measured_widths`); None: not calibrated
+    # widths for a GPU measured in training (`measured_widths`): {"levels": {shots: {"halfwidth",
+    # "by_category"}}, "rows": {gpu: training rows}}; None: not calibrated
     measured: dict | None = None
 
-    def knows(self, gpu: str) -> bool:
-        """Whether `gpu` had >= MEASURED_ROWS training rows (and the measured widths exist)."""
-        return bool(self.measured) and gpu in self.measured["gpus"]
+    def rows_of(self, gpu: str) -> int:
+        """How many training rows `gpu` had (0: never measured, or no measured widths)."""
+        return int(self.measured["rows"].get(gpu, 0)) if self.measured else 0
 
-    def widths(self, categories: np.ndarray | None, measured: bool = False) -> np.ndarray | float:
-        pooled, by = (self.halfwidth, self.by_category) if not (measured and self.measured) else \
-            (self.measured["halfwidth"], self.measured["by_category"])
+    def widths(self, categories: np.ndarray | None, rows: int = 0) -> np.ndarray | float:
+        """Half-widths for a GPU with `rows` training rows: those of the largest few-shot level it
+        reaches (SHOT_LEVELS), else an unseen GPU's."""
+        level = max((n for n in (self.measured or {}).get("levels", {}) if n <= rows), default=None)
+        src = self.measured["levels"][level] if level is not None else \
+            {"halfwidth": self.halfwidth, "by_category": self.by_category}
+        pooled, by = src["halfwidth"], src["by_category"]
         if categories is None or not by:
             return pooled
         return np.array([by.get(float(c), pooled) for c in categories])
 
     def predict(self, X: np.ndarray, categories: np.ndarray | None = None,
-                measured: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(point, low, high) in target units: power/TDP or ITL seconds. `measured`: the GPU asked
-        about has >= MEASURED_ROWS rows in the training data (its interval is the few-shot one)."""
+                rows: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(point, low, high) in target units: power/TDP or ITL seconds. `rows`: training rows of
+        the GPU asked about (its interval is the few-shot one of that many rows; 0: unseen)."""
         p = from_target(self.target, self.model.predict(X), X, self.config.target_form)
-        q = self.widths(categories, measured)
+        q = self.widths(categories, rows)
         return p, p * np.exp(-q), p * np.exp(q)
 
 
 MIN_CATEGORY_ROWS = 30  # fewer calibration rows than this: the category uses the pooled width
-MEASURED_ROWS = 5  # a GPU with this many training rows gets the interval of LOGO with this many shots
+SHOT_LEVELS = (1, 5, 20)  # a GPU with n training rows gets the interval of LOGO with the largest level <= n
 
 
 def mondrian_halfwidths(pred: np.ndarray, true: np.ndarray, categories: np.ndarray | None,
@@ -239,12 +243,13 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
 
 def measured_widths(p: Predictor, X: np.ndarray, y: np.ndarray, groups: np.ndarray, k: int,
                     categories: np.ndarray | None = None, balance: np.ndarray | None = None) -> Predictor:
-    """`p` with the interval for a GPU that has MEASURED_ROWS rows in training: the conformal widths of
-    `p`'s config on group folds that keep MEASURED_ROWS rows of each held-out group (few-shot LOGO
-    measured the unseen-GPU width, 756-878% on LLM-Inference-Bench, at 210% for 5 such rows)."""
-    folds = inner_folds(len(y), groups, k, shots=MEASURED_ROWS)
-    oof = oof_predictions(X, y, p.target, folds, p.config, balance)
+    """`p` with intervals for a GPU the training data has rows of: for each n in SHOT_LEVELS, the
+    conformal widths of `p`'s config on group folds that keep n rows of each held-out group (few-shot
+    LOGO on LLM-Inference-Bench: 366% / 210% / 123% wide with 1 / 5 / 20 rows, 808% for none)."""
+    levels = {}
+    for n in SHOT_LEVELS:
+        oof = oof_predictions(X, y, p.target, inner_folds(len(y), groups, k, shots=n), p.config, balance)
+        levels[n] = {"halfwidth": conformal_halfwidth(oof, y, p.coverage),
+                     "by_category": mondrian_halfwidths(oof, y, categories, p.coverage)}
     names, counts = np.unique(groups, return_counts=True)
-    return replace(p, measured={"halfwidth": conformal_halfwidth(oof, y, p.coverage),
-                                "by_category": mondrian_halfwidths(oof, y, categories, p.coverage),
-                                "gpus": sorted(str(g) for g, n in zip(names, counts) if n >= MEASURED_ROWS)})
+    return replace(p, measured={"levels": levels, "rows": {str(g): int(n) for g, n in zip(names, counts)}})

@@ -2,10 +2,10 @@
 
 The power model trains on every measurement with power (both ML.ENERGY sets and the user's
 own), the ITL model on every measurement; both calibrate their intervals on folds grouped by
-GPU, so the width reflects the error on a GPU the model has not seen. A GPU with >= MEASURED_ROWS
-training rows (a public one, or the user's own via --measurements) gets a second width, calibrated
-on folds that keep that many rows of each held-out GPU (models.measured_widths): the error of a
-GPU the model has seen a few times, not of one it never saw.
+GPU, so the width reflects the error on a GPU the model has not seen. A GPU with training rows
+(a public one, or the user's own via --measurements) gets the width calibrated on folds that keep
+as many rows of each held-out GPU (models.measured_widths, at 1, 5 and 20 rows): the error of a
+GPU the model has seen that often, not of one it never saw.
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ class Estimate:
     tokens_s: tuple[float, float, float]      # the replica's decode throughput
     tokens_per_j: tuple[float, float, float]
     usd_per_mtok: tuple[float, float, float] | None = None
-    # the GPU had >= MEASURED_ROWS ITL rows in training: its intervals are the measured-GPU ones
-    gpu_measured: bool = False
+    # ITL rows of the GPU in the training data (0: never measured): its intervals are calibrated for that
+    gpu_rows: int = 0
 
 
 @dataclass
@@ -72,7 +72,7 @@ def cache_dir() -> Path:
 
 
 # how train() fits, beyond its arguments: a cache made under another recipe is not reused
-RECIPE = "gpu-balanced-weights, measured-gpu widths"
+RECIPE = "gpu-balanced-weights, few-shot widths at 1/5/20 rows"
 
 
 def _key(table: Table, coverage: float, config: XgbConfig, k: int) -> str:
@@ -111,11 +111,12 @@ def _load(target: str, folder: Path) -> Predictor | None:
 
 
 def _measured_from_json(m: dict | None) -> dict | None:
-    """The measured-GPU widths as saved (JSON keys are strings; categories are floats)."""
+    """The measured-GPU widths as saved (JSON keys are strings: shot levels are ints, categories floats)."""
     if not m:
         return None
-    return {"halfwidth": m["halfwidth"], "by_category": {float(c): q for c, q in m["by_category"].items()},
-            "gpus": list(m["gpus"])}
+    levels = {int(n): {"halfwidth": v["halfwidth"], "by_category": {float(c): q for c, q in v["by_category"].items()}}
+              for n, v in m["levels"].items()}
+    return {"levels": levels, "rows": {str(g): int(n) for g, n in m["rows"].items()}}
 
 
 def train_cached(table: Table, *, coverage: float = 0.9, config: XgbConfig = DEFAULT, k: int = 5,
@@ -136,10 +137,10 @@ def estimate(trained: Trained, gpu: GpuSpec, model: ModelSpec, op: OperatingPoin
              usd_per_gpu_hour: float | None = None) -> Estimate:
     X = matrix([(gpu, model, op)])
     cat = X[:, FEATURES.index("scenario")]
-    power = trained.power.predict(X, cat, trained.power.knows(gpu.name))
+    power = trained.power.predict(X, cat, trained.power.rows_of(gpu.name))
     p, p_lo, p_hi = (float(v[0]) * gpu.thermal_design_power_w for v in power)
-    measured = trained.itl.knows(gpu.name)
-    t, t_lo, t_hi = (float(v[0]) for v in trained.itl.predict(X, cat, measured))
+    rows = trained.itl.rows_of(gpu.name)
+    t, t_lo, t_hi = (float(v[0]) for v in trained.itl.predict(X, cat, rows))
     tok = (op.batch / t, op.batch / t_hi, op.batch / t_lo)
     per_j = (tok[0] / (p * op.n_gpus), tok[1] / (p_hi * op.n_gpus), tok[2] / (p_lo * op.n_gpus))
     cost = None
@@ -148,7 +149,7 @@ def estimate(trained: Trained, gpu: GpuSpec, model: ModelSpec, op: OperatingPoin
         cost = (usd_s / tok[0] * 1e6, usd_s / tok[2] * 1e6, usd_s / tok[1] * 1e6)
     return Estimate(gpu=gpu.name, model=model.name, n_gpus=op.n_gpus, batch=op.batch, power_w=(p, p_lo, p_hi),
                     itl_s=(t, t_lo, t_hi), tokens_s=tok, tokens_per_j=per_j, usd_per_mtok=cost,
-                    gpu_measured=measured)
+                    gpu_rows=rows)
 
 
 def fits_in_memory(gpu: GpuSpec, model: ModelSpec, n_gpus: int) -> bool:
@@ -174,7 +175,7 @@ def rank(trained: Trained, gpus: GpuTable, model: ModelSpec, op: OperatingPoint,
 
 
 def as_dict(e: Estimate) -> dict:
-    d = {"gpu": e.gpu, "model": e.model, "n_gpus": e.n_gpus, "batch": e.batch, "gpu_measured": e.gpu_measured}
+    d = {"gpu": e.gpu, "model": e.model, "n_gpus": e.n_gpus, "batch": e.batch, "gpu_rows": e.gpu_rows}
     for name in ("power_w", "itl_s", "tokens_s", "tokens_per_j", "usd_per_mtok"):
         v = getattr(e, name)
         if v is not None:
