@@ -1,6 +1,7 @@
 """unbroken predict's learning parts: conformal intervals, splits, metrics, baselines, predictions (few trees)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -262,3 +263,10 @@ def test_an_estimate_says_whether_its_gpu_was_measured(specs, v2):
     seen, unseen = (service.estimate(trained, gpus.get(g), model, op) for g in ("H100 SXM", "H200 SXM"))
     assert seen.gpu_rows == int((v2.gpu == "NVIDIA H100 SXM5 80GB").sum()) and unseen.gpu_rows == 0
     assert service.as_dict(seen)["gpu_rows"] == seen.gpu_rows
+
+
+def test_a_gpu_measured_under_an_alias_is_one_group_with_its_table_name(specs):
+    gpus, mods = specs
+    h100 = [m for m in measurements.load("ml-energy") if m.gpu == "NVIDIA H100 SXM5 80GB"][:4]
+    aliased = h100[:2] + [dataclasses.replace(m, gpu="H100 SXM") for m in h100[2:]]  # as a user may name it
+    assert build(aliased, gpus, mods).gpu.tolist() == ["NVIDIA H100 SXM5 80GB"] * 4

@@ -18,7 +18,7 @@ class Table:
     power_w: np.ndarray      # measured power per GPU (W), NaN where not measured
     itl_s: np.ndarray
     roofline_s: np.ndarray   # max(bandwidth latency, compute latency), NaN where neither is known
-    gpu: np.ndarray          # group labels (spec-table names)
+    gpu: np.ndarray          # group labels: the spec table's name, whatever alias the measurement used
     model: np.ndarray        # group labels (as the data set names them)
 
     def __len__(self) -> int:
@@ -53,4 +53,4 @@ def build(rows: list[Measurement], gpus: GpuTable, models: ModelTable) -> Table:
                  power_w=np.array([m.power_w for m in rows], dtype=float),
                  itl_s=np.array([m.itl_s for m in rows], dtype=float),
                  roofline_s=np.array(roof, dtype=float),
-                 gpu=np.array([m.gpu for m in rows]), model=np.array([m.model for m in rows]))
+                 gpu=np.array([g.name for g, _, _ in triples]), model=np.array([m.model for m in rows]))
