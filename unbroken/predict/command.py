@@ -56,7 +56,8 @@ def _fmt(v: tuple[float, float, float], digits: int = 3) -> str:
 
 def _table(estimates: list, title: str, with_cost: bool) -> RichTable:
     t = RichTable(title=title, caption="measured: ITL rows of that GPU in the training data (its intervals are "
-                                       "calibrated for that many); none: never measured, a rough guess")
+                                       "calibrated for 1, 5 or 20 rows, the most it has); none: never measured, "
+                                       "a rough guess")
     cols = ["GPU", "measured", "GPUs", "power/GPU W", "ITL ms", "tokens/s", "tokens/J"] + \
         (["$/Mtok"] if with_cost else [])
     for c in cols:

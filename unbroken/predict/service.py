@@ -38,7 +38,8 @@ class Estimate:
     tokens_s: tuple[float, float, float]      # the replica's decode throughput
     tokens_per_j: tuple[float, float, float]
     usd_per_mtok: tuple[float, float, float] | None = None
-    # ITL rows of the GPU in the training data (0: never measured): its intervals are calibrated for that
+    # ITL rows of the GPU in the training data (0: never measured); its intervals are calibrated for
+    # 1, 5 or 20 of them (models.SHOT_LEVELS), the most it has
     gpu_rows: int = 0
 
 
