@@ -101,8 +101,8 @@ def _shot_counts(text: str) -> tuple[int, ...]:
     try:
         counts = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        counts = (-1,)
-    if any(n < 1 for n in counts):
+        counts = None
+    if counts is None or any(n < 1 for n in counts):
         from unbroken.cli_error import fail
         fail(f"--shots {text!r}: give positive whole numbers separated by commas, e.g. --shots 1,5,20")
     return counts

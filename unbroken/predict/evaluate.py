@@ -13,7 +13,7 @@ import numpy as np
 
 from unbroken.predict.baselines import roofline_itl, tdp_power
 from unbroken.predict.dataset import Table
-from unbroken.predict.models import DEFAULT, XgbConfig, fit, mdape
+from unbroken.predict.models import DEFAULT, XgbConfig, fit, keep_shots, mdape
 
 SPLITS = ("cv", "logo", "lolo")
 
@@ -51,8 +51,7 @@ def splits(table: Table, kind: str, *, k: int = 5, seed: int = 0,
         if shots and shots >= len(held):
             raise SplitError(f"{shots} shots of {what} {u!r} leave none of its {len(held)} rows to test; "
                              f"use fewer shots")
-        moved = np.sort(rng.choice(held, size=shots, replace=False)) if shots else held[:0]
-        out.append((np.sort(np.r_[np.flatnonzero(labels != u), moved]), np.setdiff1d(held, moved)))
+        out.append(keep_shots(np.flatnonzero(labels != u), held, labels, shots, rng))
     return out
 
 

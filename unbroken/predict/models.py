@@ -117,13 +117,19 @@ def inner_folds(n: int, groups: np.ndarray | None, k: int, seed: int = 0,
     folds = list(GroupKFold(n_splits=k).split(idx, groups=groups))
     if not shots:
         return folds
-    rng, out = np.random.default_rng(seed), []
-    for tr, te in folds:
-        moved = [rng.choice(rows, size=min(shots, len(rows) - 1), replace=False)
-                 for rows in (te[groups[te] == g] for g in sorted(set(groups[te].tolist())))]
-        moved = np.concatenate(moved)
-        out.append((np.sort(np.r_[tr, moved]), np.setdiff1d(te, moved)))
-    return out
+    rng = np.random.default_rng(seed)
+    return [keep_shots(tr, te, groups, shots, rng) for tr, te in folds]
+
+
+def keep_shots(train: np.ndarray, test: np.ndarray, groups: np.ndarray, shots: int,
+               rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(train, test) with `shots` random test rows of each group in `test` (at most all but one)
+    moved to the training side: the few measurements of a held-out GPU or model, both for the outer
+    few-shot split (`evaluate.splits`) and for the inner folds (`inner_folds`)."""
+    moved = [rng.choice(rows, size=min(shots, len(rows) - 1), replace=False)
+             for rows in (test[groups[test] == g] for g in sorted(set(groups[test].tolist())))]
+    moved = np.concatenate(moved) if moved else test[:0]
+    return np.sort(np.r_[train, moved]), np.setdiff1d(test, moved)
 
 
 def conformal_halfwidth(pred: np.ndarray, true: np.ndarray, coverage: float) -> float:

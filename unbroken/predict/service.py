@@ -107,15 +107,20 @@ def _load(target: str, folder: Path) -> Predictor | None:
     except (OSError, ValueError, xgb.core.XGBoostError):
         return None  # a damaged cache is retrained, not trusted
     return Predictor(target=target, model=model, config=XgbConfig(**meta["config"]), halfwidth=meta["halfwidth"],
-                     coverage=meta["coverage"], by_category={float(c): q for c, q in meta["by_category"].items()},
+                     coverage=meta["coverage"], by_category=_categories(meta["by_category"]),
                      grouped=bool(meta.get("grouped", False)), measured=_measured_from_json(meta.get("measured")))
 
 
+def _categories(saved: dict) -> dict:
+    """Per-category widths as saved (JSON keys are strings; categories are floats)."""
+    return {float(c): q for c, q in saved.items()}
+
+
 def _measured_from_json(m: dict | None) -> dict | None:
-    """The measured-GPU widths as saved (JSON keys are strings: shot levels are ints, categories floats)."""
+    """The measured-GPU widths as saved (JSON keys are strings: shot levels are ints)."""
     if not m:
         return None
-    levels = {int(n): {"halfwidth": v["halfwidth"], "by_category": {float(c): q for c, q in v["by_category"].items()}}
+    levels = {int(n): {"halfwidth": v["halfwidth"], "by_category": _categories(v["by_category"])}
               for n, v in m["levels"].items()}
     return {"levels": levels, "rows": {str(g): int(n) for g, n in m["rows"].items()}}
 
