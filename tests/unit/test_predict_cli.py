@@ -145,12 +145,13 @@ def test_bench_seed_reaches_every_search_config(tmp_path, monkeypatch):
 
     seen = []
     balanced = []
-    monkeypatch.setattr(bp, "_run_one", lambda table, target, grid, console, balance:
-                        seen.append(grid) or balanced.append(balance) or {})
+    transfers = []
+    monkeypatch.setattr(bp, "_run_one", lambda table, target, grid, console, balance, transfer:
+                        seen.append(grid) or balanced.append(balance) or transfers.append(transfer) or {})
     monkeypatch.setattr(bp, "_figure", lambda results, path: None)
     shots = []
-    monkeypatch.setattr(bp, "_few_shot", lambda table, target, grid, counts, balance, console:
-                        shots.append(counts) or {})
+    monkeypatch.setattr(bp, "_few_shot", lambda table, target, grid, counts, balance, console, transfer:
+                        shots.append(counts) or transfers.append(transfer) or {})
     app = typer.Typer()
     app.command()(bp.predict)
     res = CliRunner().invoke(app, ["--only", "ml-energy", "--seed", "7", "--trees", "10", "--out-dir", str(tmp_path)])
@@ -159,8 +160,11 @@ def test_bench_seed_reaches_every_search_config(tmp_path, monkeypatch):
     assert len(seen[0]) == len(bp.SEARCH_GRID)
     assert balanced and all(balanced)  # GPU-balanced weights unless --no-balance
     assert shots and all(c == bp.SHOTS for c in shots)
+    assert transfers and all(transfers)  # sibling transfer offered unless --no-siblings
     res = CliRunner().invoke(app, ["--only", "ml-energy", "--trees", "10", "--no-balance", "--shots", "",
-                                   "--out-dir", str(tmp_path)])
+                                   "--no-siblings", "--out-dir", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert balanced[-1] is False and len(shots) == 2  # '' runs no few-shot split (2 targets before)
-    assert json.loads((tmp_path / "predict.json").read_text())["few_shot_logo"] == {}
+    assert transfers[-1] is False
+    record = json.loads((tmp_path / "predict.json").read_text())
+    assert record["few_shot_logo"] == {} and record["sibling_transfer"] is False

@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table as RichTable
@@ -46,17 +47,20 @@ def _table(sources: tuple[str, ...], frameworks: tuple[str, ...] | None = None) 
     return build(rows, tables.load_gpus(), tables.load_models())
 
 
-def _run_one(table: Table, target: str, grid, console: Console, balance: bool = True) -> dict:
+def _run_one(table: Table, target: str, grid, console: Console, balance: bool = True, transfer: bool = True) -> dict:
     out = {}
     for kind in evaluate.SPLITS:
         t0 = time.monotonic()
-        preds = evaluate.predict_held_out(table, target, kind, grid=grid, coverage=COVERAGE, balance=balance)
+        preds = evaluate.predict_held_out(table, target, kind, grid=grid, coverage=COVERAGE, balance=balance,
+                                          transfer=transfer)
         res = evaluate.score(table, target, preds)
         chosen = Counter(preds["configs"]).most_common(1)[0][0]
         res["config"] = asdict(chosen)  # the one the outer splits chose most often
         res["configs_chosen"] = [asdict(c) for c in preds["configs"]]
         res["interval_group_calibrated"] = preds["grouped"]
         res["inner_folds"] = preds["inner_folds"]  # per outer split: LOGO holds one training GPU out per fold
+        if kind == "logo":  # held-out GPU -> {the measured GPU its ITL came from ("" = the trees): rows}
+            res["siblings_used"] = _siblings_used(table.gpu, preds["sibling"])
         if kind != "cv":
             res["diagnostics"] = _diagnostics(table, target, kind, preds["xgboost"], chosen, balance)
         res["seconds"] = round(time.monotonic() - t0, 1)
@@ -66,10 +70,15 @@ def _run_one(table: Table, target: str, grid, console: Console, balance: bool = 
     return out
 
 
+def _siblings_used(gpus: np.ndarray, sibling: np.ndarray) -> dict:
+    return {g: dict(Counter(sibling[gpus == g].tolist())) for g in sorted(set(gpus.tolist()))}
+
+
 SHOTS = (1, 5, 20)  # measured rows of the held-out GPU handed to its training split (few-shot LOGO)
 
 
-def _few_shot(table: Table, target: str, grid, shots: tuple[int, ...], balance: bool, console: Console) -> dict:
+def _few_shot(table: Table, target: str, grid, shots: tuple[int, ...], balance: bool, console: Console,
+              transfer: bool = True) -> dict:
     """LOGO with `n` random rows of each held-out GPU in its training split, for each n in `shots`:
     how many measurements of new hardware (`unbroken predict profile`) bring its other rows in."""
     out = {}
@@ -77,7 +86,7 @@ def _few_shot(table: Table, target: str, grid, shots: tuple[int, ...], balance: 
         t0 = time.monotonic()
         try:
             preds = evaluate.predict_held_out(table, target, "logo", grid=grid, coverage=COVERAGE, balance=balance,
-                                              shots=n)
+                                              shots=n, transfer=transfer)
         except evaluate.SplitError as e:  # a GPU with <= n rows: say so in the record, go on
             out[str(n)] = {"skipped": str(e)}
             continue
@@ -180,6 +189,8 @@ def predict(out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where p
                                      "over seeds is the noise floor of a held-out figure)"),
             balance: bool = typer.Option(True, "--balance/--no-balance", help="every training GPU weighs the "
                                          "same in the fits, however many rows it has (--no-balance: every row)"),
+            transfer: bool = typer.Option(True, "--siblings/--no-siblings", help="offer the search the ITL of an "
+                                          "unseen GPU by transfer from its measured sibling of the same manufacturer"),
             shots: str = typer.Option(",".join(map(str, SHOTS)), "--shots", help="comma-separated numbers of "
                                       "measured rows of the held-out GPU to add to its LOGO training split "
                                       "(few-shot LOGO; '' skips it)")) -> None:
@@ -203,18 +214,20 @@ def predict(out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where p
                       f"{len(set(table.model.tolist()))} models")
         for target in targets:
             t = table.with_target(target)
-            per_split = _run_one(t, target, grid, console, balance)
+            per_split = _run_one(t, target, grid, console, balance, transfer)
             configs[f"{name}/{target}"] = {kind: r["config"] for kind, r in per_split.items()}
             for kind, r in per_split.items():
                 results.setdefault(name, {}).setdefault(kind, {})[target] = r
             if shot_counts:
-                few_shot.setdefault(name, {})[target] = _few_shot(t, target, grid, shot_counts, balance, console)
+                few_shot.setdefault(name, {})[target] = _few_shot(t, target, grid, shot_counts, balance, console,
+                                                                  transfer)
     g = goals(results)
     _print(results, g, console)
     out_dir = Path(out_dir)
     path = write_result("predict", {"results": results, "goals": g, "chosen_configs": configs,
                                     "search_grid": [asdict(c) for c in grid], "interval_nominal_coverage": COVERAGE,
-                                    "balanced_gpu_weights": balance, "few_shot_logo": few_shot},
+                                    "balanced_gpu_weights": balance, "sibling_transfer": transfer,
+                                    "few_shot_logo": few_shot},
                         out_dir)
     _figure(results, out_dir / "predict.png")
     console.print(f"wrote {path} and {out_dir / 'predict.png'}")

@@ -57,14 +57,16 @@ def _fmt(v: tuple[float, float, float], digits: int = 3) -> str:
 def _table(estimates: list, title: str, with_cost: bool) -> RichTable:
     t = RichTable(title=title, caption="measured: ITL rows of that GPU in the training data (its intervals are "
                                        "calibrated for 1, 5 or 20 rows, the most it has); none: never measured, "
-                                       "a rough guess")
+                                       "a rough guess; via X: its ITL is measured GPU X's (same manufacturer) "
+                                       "scaled by their rooflines")
     cols = ["GPU", "measured", "GPUs", "power/GPU W", "ITL ms", "tokens/s", "tokens/J"] + \
         (["$/Mtok"] if with_cost else [])
     for c in cols:
         t.add_column(c)
     for e in estimates:
         itl_ms = tuple(x * 1e3 for x in e.itl_s)
-        row = [e.gpu, str(e.gpu_rows) if e.gpu_rows else "none", str(e.n_gpus), _fmt(e.power_w), _fmt(itl_ms),
+        seen = str(e.gpu_rows) if e.gpu_rows else f"none, via {e.itl_sibling}" if e.itl_sibling else "none"
+        row = [e.gpu, seen, str(e.n_gpus), _fmt(e.power_w), _fmt(itl_ms),
                _fmt(e.tokens_s), _fmt(e.tokens_per_j)]
         if with_cost:
             row.append(_fmt(e.usd_per_mtok))

@@ -20,6 +20,7 @@ class Table:
     roofline_s: np.ndarray   # max(bandwidth latency, compute latency), NaN where neither is known
     gpu: np.ndarray          # group labels: the spec table's name, whatever alias the measurement used
     model: np.ndarray        # group labels (as the data set names them)
+    maker: np.ndarray        # the GPU's manufacturer ("" where the spec row names none)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -27,7 +28,7 @@ class Table:
     def subset(self, idx: np.ndarray) -> "Table":
         return Table(rows=tuple(self.rows[i] for i in idx), X=self.X[idx], tdp_w=self.tdp_w[idx],
                      power_w=self.power_w[idx], itl_s=self.itl_s[idx], roofline_s=self.roofline_s[idx],
-                     gpu=self.gpu[idx], model=self.model[idx])
+                     gpu=self.gpu[idx], model=self.model[idx], maker=self.maker[idx])
 
     def category(self) -> np.ndarray:
         """Mondrian conformal categories: the scenario code (single / offline / server)."""
@@ -53,4 +54,5 @@ def build(rows: list[Measurement], gpus: GpuTable, models: ModelTable) -> Table:
                  power_w=np.array([m.power_w for m in rows], dtype=float),
                  itl_s=np.array([m.itl_s for m in rows], dtype=float),
                  roofline_s=np.array(roof, dtype=float),
-                 gpu=np.array([g.name for g, _, _ in triples]), model=np.array([m.model for m in rows]))
+                 gpu=np.array([g.name for g, _, _ in triples]), model=np.array([m.model for m in rows]),
+                 maker=np.array([g.manufacturer for g, _, _ in triples]))

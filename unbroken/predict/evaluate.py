@@ -14,6 +14,7 @@ import numpy as np
 from unbroken.predict.baselines import roofline_itl, tdp_power
 from unbroken.predict.dataset import Table
 from unbroken.predict.models import DEFAULT, XgbConfig, fit, keep_shots, mdape
+from unbroken.predict.siblings import Hardware
 
 SPLITS = ("cv", "logo", "lolo")
 
@@ -119,7 +120,7 @@ def inner_k(kind: str, train_groups: np.ndarray | None, default: int = INNER_FOL
 
 def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbConfig, ...] = (DEFAULT,),
                      coverage: float = 0.9, k: int | None = None, balance: bool = True,
-                     shots: int = 0) -> dict[str, np.ndarray]:
+                     shots: int = 0, transfer: bool = True) -> dict[str, np.ndarray]:
     """Out-of-split predictions for every row, in physical units (W per GPU or s): xgboost point,
     interval, baseline; plus the config each split chose (from `grid`, by inner folds of that
     split's training rows only; `k` of them, or `inner_k`'s choice when None) and whether every
@@ -127,9 +128,12 @@ def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbCon
     in the fits (`models.balanced_weights`), however many rows it has. `shots`: see `splits`; the
     rows moved into training keep NaN predictions and are left out of every score, and
     `baseline_from_shots` is the baseline calibrated on those rows alone (what a user can do by hand
-    with a few measurements: the roofline, or TDP, times the held-out group's own measured factor)."""
+    with a few measurements: the roofline, or TDP, times the held-out group's own measured factor).
+    `transfer`: the search may predict an unseen GPU's ITL from its measured sibling (`siblings`);
+    `sibling` then names, per row, the GPU its prediction came from ("" for the trees alone)."""
     n = len(table)
     out = {name: np.full(n, np.nan) for name in ("xgboost", "low", "high", "baseline", "baseline_from_shots")}
+    out["sibling"] = np.full(n, "", dtype=object)
     chosen, grouped, ks = [], [], []
     inner_groups = {"cv": None, "logo": table.gpu, "lolo": table.model}[kind]
     scale = table.tdp_w if target == "power" else np.ones(n)
@@ -137,9 +141,12 @@ def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbCon
     for tr, te in splits(table, kind, shots=shots):
         g_tr = None if inner_groups is None else inner_groups[tr]
         ks.append(k if k is not None else inner_k(kind, g_tr))
+        hw = Hardware(table.gpu, table.maker)
         p = fit(table.X[tr], y[tr], target, groups=g_tr, grid=grid, coverage=coverage, k=ks[-1],
-                categories=table.category()[tr], balance=table.gpu[tr] if balance else None, shots=shots)
-        point, lo, hi = p.predict(table.X[te], table.category()[te])
+                categories=table.category()[tr], balance=table.gpu[tr] if balance else None, shots=shots,
+                hardware=hw.take(tr) if transfer else None)
+        point, lo, hi = p.predict(table.X[te], table.category()[te], makers=table.maker[te])
+        out["sibling"][te] = [s or "" for s in p.siblings_of(table.X[te], table.maker[te])]
         out["xgboost"][te], out["low"][te], out["high"][te] = point * scale[te], lo * scale[te], hi * scale[te]
         base = tdp_power if target == "power" else roofline_itl
         out["baseline"][te] = base(table.subset(tr), table.subset(te))

@@ -29,6 +29,12 @@ FEATURES = (
     "log_kv_latency_s", "log_prefill_latency_s", "log_roofline_s",
 ) + tuple(f"framework_is_{f}" for f in FRAMEWORKS)
 ROOFLINE = FEATURES.index("log_roofline_s")
+# the columns that are the GPU's own figures (the rest describe the model and the operating point,
+# or derive from both: the latencies, recomputed by `with_gpu`)
+GPU_COLUMNS = tuple(FEATURES.index(f) for f in (
+    "memory_bandwidth_gb_s", "base_clock_mhz", "boost_clock_mhz", "boost_ratio", "tensor_tflops",
+    "memory_size_gb", "memory_type", "release_year"))
+_BW, _TF = FEATURES.index("memory_bandwidth_gb_s"), FEATURES.index("tensor_tflops")
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,26 @@ def feature_row(gpu: GpuSpec, model: ModelSpec, op: OperatingPoint) -> list[floa
         **framework_one_hot(op.framework),
     }
     return [float(values[f]) for f in FEATURES]
+
+
+def with_gpu(X: np.ndarray, gpu_figures: np.ndarray) -> np.ndarray:
+    """The feature rows `X` as they would read on another GPU whose GPU_COLUMNS values are
+    `gpu_figures`: its figures copied in, the latencies rescaled by the bandwidth and TFLOPS
+    ratios and the roofline recomputed (equal to `matrix` on that GPU; tested). Both GPUs need a
+    bandwidth and a TFLOPS figure: NaN rows otherwise."""
+    out = X.copy()
+    out[:, GPU_COLUMNS] = gpu_figures
+    bw, tf = X[:, _BW] / out[:, _BW], X[:, _TF] / out[:, _TF]  # old / new: a latency scales by it
+    i = FEATURES.index
+    out[:, i("bandwidth_latency_s")] *= bw
+    out[:, i("compute_latency_s")] *= tf
+    out[:, i("log_kv_latency_s")] += np.log(bw)
+    out[:, i("log_prefill_latency_s")] += np.log(tf)
+    kv, prefill = (np.nan_to_num(np.exp(out[:, i(c)])) for c in ("log_kv_latency_s", "log_prefill_latency_s"))
+    read = out[:, i("bandwidth_latency_s")] + kv
+    out[:, ROOFLINE] = np.log(prefill + np.fmax(read, out[:, i("compute_latency_s")]))
+    out[~(np.isfinite(bw) & np.isfinite(tf))] = np.nan
+    return out
 
 
 def matrix(rows: list[tuple[GpuSpec, ModelSpec, OperatingPoint]]) -> np.ndarray:

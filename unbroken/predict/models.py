@@ -18,7 +18,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from unbroken.predict import siblings
 from unbroken.predict.features import ROOFLINE
+from unbroken.predict.siblings import Hardware, Part
 
 TARGETS = ("power", "itl")
 FLOOR = 1e-4  # a tree ensemble may predict <= 0 for power/TDP; logs need a floor
@@ -38,8 +40,13 @@ class XgbConfig:
     n_jobs: int = 1  # more threads spin-wait on a shared, loaded box (measured: 15x slower)
     seed: int = 0
     target_form: str = "direct"  # or "roofline_ratio" (ITL only): see the module docstring
+    # ITL of a GPU with no training rows by transfer from its sibling (`siblings`), scaled by the
+    # roofline ratio to this power; None: the trees alone
+    sibling_alpha: float | None = None
 
     def __post_init__(self) -> None:
+        if self.sibling_alpha is not None and not 0 <= self.sibling_alpha <= 2:
+            raise ValueError(f"sibling_alpha must be None or in [0, 2], got {self.sibling_alpha}")
         if self.target_form not in FORMS:
             raise ValueError(f"target_form must be one of {', '.join(FORMS)}, got {self.target_form!r}")
         if self.n_estimators < 1 or self.max_depth < 1:
@@ -160,6 +167,8 @@ class Predictor:
     # widths for a GPU measured in training (`measured_widths`): {"levels": {shots: {"halfwidth",
     # "by_category"}}, "rows": {gpu: training rows}}; None: not calibrated
     measured: dict | None = None
+    # the GPUs of the training rows, for sibling transfer (config.sibling_alpha not None)
+    parts: tuple[Part, ...] = ()
 
     def rows_of(self, gpu: str) -> int:
         """How many training rows `gpu` had (0: never measured, or no measured widths)."""
@@ -176,13 +185,31 @@ class Predictor:
             return pooled
         return np.array([by.get(float(c), pooled) for c in categories])
 
-    def predict(self, X: np.ndarray, categories: np.ndarray | None = None,
-                rows: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def predict(self, X: np.ndarray, categories: np.ndarray | None = None, rows: int = 0,
+                makers: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(point, low, high) in target units: power/TDP or ITL seconds. `rows`: training rows of
-        the GPU asked about (its interval is the few-shot one of that many rows; 0: unseen)."""
-        p = from_target(self.target, self.model.predict(X), X, self.config.target_form)
+        the GPU asked about (its interval is the few-shot one of that many rows; 0: unseen).
+        `makers`: each row's GPU manufacturer, for sibling transfer (none without)."""
+        p = point(self.model, X, self.target, self.config, makers, self.parts)[0]
         q = self.widths(categories, rows)
         return p, p * np.exp(-q), p * np.exp(q)
+
+    def siblings_of(self, X: np.ndarray, makers: np.ndarray) -> list[str | None]:
+        """The measured GPU each row's prediction was transferred from (None: the trees alone)."""
+        return point(self.model, X, self.target, self.config, makers, self.parts)[1]
+
+
+def point(model, X: np.ndarray, target: str, cfg: XgbConfig, makers: np.ndarray | None,
+          known: tuple[Part, ...], alpha: float | None = None) -> tuple[np.ndarray, list[str | None]]:
+    """`model`'s prediction in target units, by sibling transfer (alpha, else cfg.sibling_alpha)
+    where one applies; and each row's sibling (None: the trees' own prediction)."""
+    alpha = cfg.sibling_alpha if alpha is None else alpha
+    p = from_target(target, model.predict(X), X, cfg.target_form)
+    if alpha is None or makers is None or not known or target != "itl":
+        return p, [None] * len(X)
+    t, used = siblings.transfer(lambda Xs: from_target(target, model.predict(Xs), Xs, cfg.target_form),
+                                X, makers, known, alpha)
+    return np.where(np.isfinite(t), t, p), used
 
 
 MIN_CATEGORY_ROWS = 30  # fewer calibration rows than this: the category uses the pooled width
@@ -202,12 +229,21 @@ def mondrian_halfwidths(pred: np.ndarray, true: np.ndarray, categories: np.ndarr
 
 
 def oof_predictions(X: np.ndarray, y: np.ndarray, target: str, folds, cfg: XgbConfig,
-                    balance: np.ndarray | None = None) -> np.ndarray:
-    out = np.full(len(y), np.nan)
+                    balance: np.ndarray | None = None, hardware: Hardware | None = None,
+                    alphas: tuple[float | None, ...] | None = None) -> dict[float | None, np.ndarray]:
+    """Out-of-fold predictions of `cfg`, target units, for each sibling-transfer alpha in `alphas`
+    (default: cfg's own; None: the trees alone); one fit per fold serves them all. `hardware`: the
+    rows' GPUs and makers (no transfer without)."""
+    alphas = (cfg.sibling_alpha,) if alphas is None else alphas
+    out = {a: np.full(len(y), np.nan) for a in alphas}
     for tr, te in folds:
         w = None if balance is None else balanced_weights(balance[tr])
         model = fit_xgb(X[tr], to_target(target, y[tr], X[tr], cfg.target_form), cfg, w)
-        out[te] = from_target(target, model.predict(X[te]), X[te], cfg.target_form)
+        known = siblings.parts(X[tr], hardware.take(tr)) if hardware is not None else ()
+        makers = None if hardware is None else hardware.maker[te]
+        for a in alphas:
+            out[a][te] = point(model, X[te], target, cfg, makers, known, a)[0] if a is not None else \
+                from_target(target, model.predict(X[te]), X[te], cfg.target_form)
     return out
 
 
@@ -219,13 +255,15 @@ def mdape(pred: np.ndarray, true: np.ndarray) -> float:
 
 def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None = None,
         grid: tuple[XgbConfig, ...] = (DEFAULT,), coverage: float = 0.9, k: int = 5,
-        categories: np.ndarray | None = None, balance: np.ndarray | None = None, shots: int = 0) -> Predictor:
+        categories: np.ndarray | None = None, balance: np.ndarray | None = None, shots: int = 0,
+        hardware: Hardware | None = None) -> Predictor:
     """Choose a config from `grid` by inner-fold MdAPE, calibrate the interval on the same
     out-of-fold predictions, refit the chosen config on all rows. A config whose target form does
     not apply to `target` is tried in the direct form (duplicates once). `balance`: labels (the
     GPU of each row) whose groups get equal weight in every fit (`balanced_weights`); the scores
     and the interval stay unweighted, as the held-out metric is. `shots`: few-shot inner folds
-    (`inner_folds`)."""
+    (`inner_folds`). `hardware` (ITL): each config is also scored with sibling transfer at every
+    alpha in siblings.ALPHAS; the trees alone win ties (under CV and LOLO no row has a sibling)."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     grid = tuple(dict.fromkeys(c if c.target_form in forms_for(target) else replace(c, target_form="direct")
@@ -233,28 +271,32 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
     if len(y) < 2:
         raise ValueError(f"cannot train the {target} model on {len(y)} row(s): the training split is empty")
     folds = inner_folds(len(y), groups, k, shots=shots)
+    alphas = (None,) + (siblings.ALPHAS if target == "itl" and hardware is not None else ())
     best = None
     for cfg in grid:
-        oof = oof_predictions(X, y, target, folds, cfg, balance)
-        score = mdape(oof, y)
-        if best is None or score < best[0]:
-            best = (score, cfg, oof)
+        for alpha, oof in oof_predictions(X, y, target, folds, cfg, balance, hardware, alphas).items():
+            score = mdape(oof, y)
+            if best is None or score < best[0]:
+                best = (score, replace(cfg, sibling_alpha=alpha), oof)
     _, cfg, oof = best
     model = fit_xgb(X, to_target(target, y, X, cfg.target_form), cfg,
                     None if balance is None else balanced_weights(balance))
     grouped = groups is not None and len(set(groups.tolist())) >= 2
     return Predictor(target=target, model=model, config=cfg, halfwidth=conformal_halfwidth(oof, y, coverage),
-                     coverage=coverage, by_category=mondrian_halfwidths(oof, y, categories, coverage), grouped=grouped)
+                     coverage=coverage, by_category=mondrian_halfwidths(oof, y, categories, coverage), grouped=grouped,
+                     parts=siblings.parts(X, hardware) if hardware is not None else ())
 
 
 def measured_widths(p: Predictor, X: np.ndarray, y: np.ndarray, groups: np.ndarray, k: int,
-                    categories: np.ndarray | None = None, balance: np.ndarray | None = None) -> Predictor:
+                    categories: np.ndarray | None = None, balance: np.ndarray | None = None,
+                    hardware: Hardware | None = None) -> Predictor:
     """`p` with intervals for a GPU the training data has rows of: for each n in SHOT_LEVELS, the
     conformal widths of `p`'s config on group folds that keep n rows of each held-out group (few-shot
     LOGO on LLM-Inference-Bench: 366% / 210% / 123% wide with 1 / 5 / 20 rows, 808% for none)."""
     levels = {}
     for n in SHOT_LEVELS:
-        oof = oof_predictions(X, y, p.target, inner_folds(len(y), groups, k, shots=n), p.config, balance)
+        folds = inner_folds(len(y), groups, k, shots=n)
+        oof = oof_predictions(X, y, p.target, folds, p.config, balance, hardware)[p.config.sibling_alpha]
         levels[n] = {"halfwidth": conformal_halfwidth(oof, y, p.coverage),
                      "by_category": mondrian_halfwidths(oof, y, categories, p.coverage)}
     names, counts = np.unique(groups, return_counts=True)

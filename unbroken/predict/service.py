@@ -5,7 +5,8 @@ own), the ITL model on every measurement; both calibrate their intervals on fold
 GPU, so the width reflects the error on a GPU the model has not seen. A GPU with training rows
 (a public one, or the user's own via --measurements) gets the width calibrated on folds that keep
 as many rows of each held-out GPU (models.measured_widths, at 1, 5 and 20 rows): the error of a
-GPU the model has seen that often, not of one it never saw.
+GPU the model has seen that often, not of one it never saw. A GPU never measured takes its ITL from
+its measured sibling of the same manufacturer when GPU-grouped folds chose to (`siblings`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from unbroken.predict import measurements
 from unbroken.predict.dataset import Table, build
 from unbroken.predict.features import FEATURES, OperatingPoint, matrix, point_of
 from unbroken.predict.models import DEFAULT, Predictor, XgbConfig, fit, forms_for, measured_widths
+from unbroken.predict.siblings import Hardware, Part
 from unbroken.predict.tables import GpuSpec, GpuTable, ModelSpec, ModelTable
 
 
@@ -41,6 +43,9 @@ class Estimate:
     # ITL rows of the GPU in the training data (0: never measured); its intervals are calibrated for
     # 1, 5 or 20 of them (models.SHOT_LEVELS), the most it has
     gpu_rows: int = 0
+    # the measured GPU of the same manufacturer whose ITL, scaled by the rooflines, this GPU's is
+    # (siblings.py); None: the trees' own prediction
+    itl_sibling: str | None = None
 
 
 @dataclass
@@ -57,14 +62,16 @@ def training_table(gpus: GpuTable, models: ModelTable, extra: list[measurements.
 
 
 def train(table: Table, *, coverage: float = 0.9, config: XgbConfig = DEFAULT, k: int = 5) -> Trained:
-    """Both predictors; the ITL target form (direct or roofline ratio) is chosen by GPU-grouped folds."""
+    """Both predictors; the ITL target form (direct or roofline ratio) and whether an unmeasured GPU's
+    ITL comes from its sibling are chosen by GPU-grouped folds."""
     pw, it = table.with_target("power"), table.with_target("itl")
     forms = tuple(replace(config, target_form=f) for f in forms_for("itl"))
     fitted = []
     for t, target, grid in ((pw, "power", (config,)), (it, "itl", forms)):
+        hw = Hardware(t.gpu, t.maker)
         p = fit(t.X, t.target(target), target, groups=t.gpu, grid=grid, coverage=coverage, k=k,
-                categories=t.category(), balance=t.gpu)
-        fitted.append(measured_widths(p, t.X, t.target(target), t.gpu, k, t.category(), t.gpu))
+                categories=t.category(), balance=t.gpu, hardware=hw)
+        fitted.append(measured_widths(p, t.X, t.target(target), t.gpu, k, t.category(), t.gpu, hw))
     return Trained(power=fitted[0], itl=fitted[1], n_power_rows=len(pw), n_itl_rows=len(it))
 
 
@@ -73,14 +80,14 @@ def cache_dir() -> Path:
 
 
 # how train() fits, beyond its arguments: a cache made under another recipe is not reused
-RECIPE = "gpu-balanced-weights, few-shot widths at 1/5/20 rows"
+RECIPE = "gpu-balanced-weights, few-shot widths at 1/5/20 rows, sibling transfer"
 
 
 def _key(table: Table, coverage: float, config: XgbConfig, k: int) -> str:
     h = hashlib.sha256(RECIPE.encode())
     for a in (table.X, table.power_w, table.tdp_w, table.itl_s):
         h.update(np.ascontiguousarray(a).tobytes())
-    h.update(json.dumps([coverage, asdict(config), k, table.gpu.tolist()]).encode())
+    h.update(json.dumps([coverage, asdict(config), k, table.gpu.tolist(), table.maker.tolist()]).encode())
     return h.hexdigest()[:16]
 
 
@@ -91,7 +98,8 @@ def _save(p: Predictor, folder: Path) -> None:
     os.replace(tmp, folder / f"{p.target}.ubj")
     atomic_write_json(folder / f"{p.target}.json", {"config": asdict(p.config), "halfwidth": p.halfwidth,
                                                    "coverage": p.coverage, "by_category": p.by_category,
-                                                   "grouped": p.grouped, "measured": p.measured})
+                                                   "grouped": p.grouped, "measured": p.measured,
+                                                   "parts": [_part_to_json(q) for q in p.parts]})
 
 
 def _load(target: str, folder: Path) -> Predictor | None:
@@ -108,7 +116,18 @@ def _load(target: str, folder: Path) -> Predictor | None:
         return None  # a damaged cache is retrained, not trusted
     return Predictor(target=target, model=model, config=XgbConfig(**meta["config"]), halfwidth=meta["halfwidth"],
                      coverage=meta["coverage"], by_category=_categories(meta["by_category"]),
-                     grouped=bool(meta.get("grouped", False)), measured=_measured_from_json(meta.get("measured")))
+                     grouped=bool(meta.get("grouped", False)), measured=_measured_from_json(meta.get("measured")),
+                     parts=tuple(_part_from_json(q) for q in meta.get("parts", ())))
+
+
+def _part_to_json(p: Part) -> dict:
+    return {"name": p.name, "maker": p.maker, "figures": [None if math.isnan(v) else v for v in p.figures],
+            "frameworks": sorted(p.frameworks)}
+
+
+def _part_from_json(d: dict) -> Part:
+    return Part(name=d["name"], maker=d["maker"], figures=tuple(math.nan if v is None else float(v) for v in d["figures"]),
+                frameworks=frozenset(float(f) for f in d["frameworks"]))
 
 
 def _categories(saved: dict) -> dict:
@@ -145,8 +164,8 @@ def estimate(trained: Trained, gpu: GpuSpec, model: ModelSpec, op: OperatingPoin
     cat = X[:, FEATURES.index("scenario")]
     power = trained.power.predict(X, cat, trained.power.rows_of(gpu.name))
     p, p_lo, p_hi = (float(v[0]) * gpu.thermal_design_power_w for v in power)
-    rows = trained.itl.rows_of(gpu.name)
-    t, t_lo, t_hi = (float(v[0]) for v in trained.itl.predict(X, cat, rows))
+    rows, maker = trained.itl.rows_of(gpu.name), np.array([gpu.manufacturer])
+    t, t_lo, t_hi = (float(v[0]) for v in trained.itl.predict(X, cat, rows, maker))
     tok = (op.batch / t, op.batch / t_hi, op.batch / t_lo)
     per_j = (tok[0] / (p * op.n_gpus), tok[1] / (p_hi * op.n_gpus), tok[2] / (p_lo * op.n_gpus))
     cost = None
@@ -155,7 +174,7 @@ def estimate(trained: Trained, gpu: GpuSpec, model: ModelSpec, op: OperatingPoin
         cost = (usd_s / tok[0] * 1e6, usd_s / tok[2] * 1e6, usd_s / tok[1] * 1e6)
     return Estimate(gpu=gpu.name, model=model.name, n_gpus=op.n_gpus, batch=op.batch, power_w=(p, p_lo, p_hi),
                     itl_s=(t, t_lo, t_hi), tokens_s=tok, tokens_per_j=per_j, usd_per_mtok=cost,
-                    gpu_rows=rows)
+                    gpu_rows=rows, itl_sibling=trained.itl.siblings_of(X, maker)[0])
 
 
 def fits_in_memory(gpu: GpuSpec, model: ModelSpec, n_gpus: int) -> bool:
@@ -181,7 +200,8 @@ def rank(trained: Trained, gpus: GpuTable, model: ModelSpec, op: OperatingPoint,
 
 
 def as_dict(e: Estimate) -> dict:
-    d = {"gpu": e.gpu, "model": e.model, "n_gpus": e.n_gpus, "batch": e.batch, "gpu_rows": e.gpu_rows}
+    d = {"gpu": e.gpu, "model": e.model, "n_gpus": e.n_gpus, "batch": e.batch, "gpu_rows": e.gpu_rows,
+         "itl_sibling": e.itl_sibling}
     for name in ("power_w", "itl_s", "tokens_s", "tokens_per_j", "usd_per_mtok"):
         v = getattr(e, name)
         if v is not None:

@@ -54,6 +54,9 @@ class GpuSpec:
     tensor_tflops: float  # dense FP16/BF16 tensor peak
     release_year: float
     source: str = ""
+    # whose part it is ("NVIDIA", "AMD", "Intel", "Intel Habana", ...): its software stack follows
+    # it, so an unmeasured GPU's ITL is transferred from a measured part of the same manufacturer
+    manufacturer: str = ""
 
     def __post_init__(self) -> None:
         check_units(self.name, {k: getattr(self, k) for k in GPU_RANGES}, GPU_RANGES)
@@ -139,7 +142,8 @@ def _gpu_from_row(r: dict[str, str], name: str, source: str) -> GpuSpec:
                    memory_bandwidth_gb_s=_num(r.get("memory_bandwidth_gb_s")),
                    memory_type=(r.get("memory_type") or "").strip(),
                    thermal_design_power_w=_num(r.get("thermal_design_power_w")),
-                   tensor_tflops=_num(r.get("tensor_tflops")), release_year=_num(r.get("release_year")), source=source)
+                   tensor_tflops=_num(r.get("tensor_tflops")), release_year=_num(r.get("release_year")), source=source,
+                   manufacturer=(r.get("manufacturer") or "").strip())
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,156 @@
+"""Sibling transfer: an unmeasured GPU's ITL from its measured part of the same manufacturer."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from unbroken.predict import evaluate, models, service, siblings, tables
+from unbroken.predict.dataset import build
+from unbroken.predict.features import FEATURES, FRAMEWORKS, GPU_COLUMNS, ROOFLINE, SCENARIOS, OperatingPoint, matrix, \
+    with_gpu
+from unbroken.predict.measurements import Measurement
+
+QUICK = models.XgbConfig(n_estimators=30, max_depth=3, learning_rate=0.3)
+
+
+@functools.cache
+def _specs():
+    return tables.load_gpus(), tables.load_models()
+
+
+def _full_gpus() -> list[tables.GpuSpec]:
+    return [g for g in _specs()[0].specs if g.memory_bandwidth_gb_s > 0 and g.tensor_tflops > 0]
+
+
+LENGTH = st.one_of(st.just(math.nan), st.integers(16, 4096).map(float))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_a_row_moved_to_another_gpu_reads_as_built_on_it(data):
+    gpus, mods = _specs()
+    g, h = (data.draw(st.sampled_from(_full_gpus())) for _ in range(2))
+    model = mods.get(data.draw(st.sampled_from(["meta-llama/Meta-Llama-3.1-8B", "mistralai/Mixtral-8x7B-Instruct-v0.1",
+                                                 "meta-llama/Llama-2-70b-hf"])))
+    op = OperatingPoint(n_gpus=data.draw(st.integers(1, 8)), batch=float(data.draw(st.integers(1, 256))),
+                        prompt_tokens=data.draw(LENGTH), output_tokens=data.draw(LENGTH),
+                        scenario=data.draw(st.sampled_from(SCENARIOS)), framework=data.draw(st.sampled_from(FRAMEWORKS)))
+    on_h = matrix([(h, model, op)])
+    moved = with_gpu(matrix([(g, model, op)]), on_h[0, list(GPU_COLUMNS)])
+    np.testing.assert_allclose(moved, on_h, rtol=1e-9, equal_nan=True)
+
+
+def test_a_gpu_without_bandwidth_cannot_be_moved_to():
+    gpus, mods = _specs()
+    sn40l = gpus.get("SN40L")
+    assert math.isnan(sn40l.memory_bandwidth_gb_s)
+    X = matrix([(gpus.get("H100 SXM"), mods.get("meta-llama/Meta-Llama-3.1-8B"), OperatingPoint())])
+    assert np.isnan(with_gpu(X, matrix([(sn40l, mods.get("meta-llama/Meta-Llama-3.1-8B"), OperatingPoint())])[0, list(GPU_COLUMNS)])).all()
+
+
+def _rows(gpu: str, frameworks=("vLLM",)) -> list[tuple]:
+    gpus, mods = _specs()
+    return [(gpus.get(gpu), mods.get("meta-llama/Meta-Llama-3.1-8B"), OperatingPoint(batch=float(b), framework=f))
+            for b in (1, 8, 64) for f in frameworks]
+
+
+def _known(*named: tuple[str, str, tuple[str, ...]]) -> tuple[siblings.Part, ...]:
+    X, gpu, maker = [], [], []
+    for name, mk, fws in named:
+        rows = _rows(name, fws)
+        X.append(matrix(rows))
+        gpu += [rows[0][0].name] * len(rows)
+        maker += [mk] * len(rows)
+    return siblings.parts(np.vstack(X), siblings.Hardware(np.array(gpu), np.array(maker)))
+
+
+def test_the_sibling_is_the_nearest_measured_part_of_the_maker_that_ran_the_framework():
+    known = _known(("A100 SXM4 40GB", "NVIDIA", ("vLLM", "TensorRT-LLM")), ("H100 SXM", "NVIDIA", ("vLLM",)),
+                   ("MI300X", "AMD", ("vLLM",)))
+    h200 = matrix(_rows("H200 SXM"))[0]
+    figures, vllm, trt = h200[list(GPU_COLUMNS)], FRAMEWORKS.index("vLLM"), FRAMEWORKS.index("TensorRT-LLM")
+    assert siblings.sibling(known, "NVIDIA", figures, vllm).name == "NVIDIA H100 SXM5 80GB"  # nearer than the A100
+    assert siblings.sibling(known, "NVIDIA", figures, trt).name == "NVIDIA A100-SXM4-40GB"  # the one that ran TRT
+    assert siblings.sibling(known, "NVIDIA", figures, FRAMEWORKS.index("llama.cpp")) is None  # no part ran it
+    assert siblings.sibling(known, "Intel", figures, vllm) is None  # no measured part of that maker
+    assert siblings.sibling(known, "", figures, vllm) is None
+    h100 = matrix(_rows("H100 SXM"))[0][list(GPU_COLUMNS)]
+    assert siblings.sibling(known, "NVIDIA", h100, vllm) is None  # measured itself: the trees know it
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_transfer_scales_the_siblings_itl_by_the_roofline_ratio(alpha):
+    known = _known(("H100 SXM", "NVIDIA", ("vLLM",)))
+    X = matrix(_rows("H200 SXM") + _rows("MI300X"))
+    makers = np.array(["NVIDIA"] * 3 + ["AMD"] * 3)
+    seen = []
+    out, used = siblings.transfer(lambda Xs: seen.append(Xs) or np.full(len(Xs), 0.01), X, makers, known, alpha)
+    on_h100 = matrix(_rows("H100 SXM"))
+    np.testing.assert_allclose(seen[0], on_h100)  # the trees asked about the H100
+    np.testing.assert_allclose(out[:3], 0.01 * np.exp(alpha * (X[:3, ROOFLINE] - on_h100[:, ROOFLINE])))
+    assert np.isnan(out[3:]).all() and used == ["NVIDIA H100 SXM5 80GB"] * 3 + [None] * 3
+    if alpha == 1.0:  # the H200 reads 4.8 TB/s against 3.35: a bandwidth-bound row is that much faster
+        assert out[0] == pytest.approx(0.01 * 3350 / 4800, rel=0.02)
+
+
+def _stack_world() -> "evaluate.Table":
+    """Four GPUs, two makers whose software runs at 10x and 1x the roofline, their datasheets
+    interleaved so that no spec tells the makers apart: LOGO's trees mix the levels, a sibling does not."""
+    gpus, mods = _specs()
+    parts = [("A100 SXM4 40GB", "slow"), ("MI250", "fast"), ("H100 SXM", "slow"), ("MI300X", "fast")]
+    specs, rows = [], []
+    for name, maker in parts:
+        spec = dataclasses.replace(gpus.get(name), manufacturer=maker)
+        specs.append(spec)
+        for model in ("meta-llama/Meta-Llama-3.1-8B", "meta-llama/Llama-2-13b-hf", "meta-llama/Llama-2-70b-hf"):
+            for b in (1, 4, 16, 64):
+                X = matrix([(spec, mods.get(model), OperatingPoint(batch=float(b)))])
+                itl = math.exp(X[0, ROOFLINE]) * (10.0 if maker == "slow" else 1.0)
+                power = spec.thermal_design_power_w * (0.4 + 0.005 * b)
+                rows.append(Measurement("toy", spec.name, model, 1, float(b), math.nan, math.nan, "server", "vLLM",
+                                        power, itl))
+    table = tables.GpuTable(specs=tuple(specs), aliases={tables.key(s.name): s.name for s in specs}, files=("toy",))
+    return build(rows, table, mods)
+
+
+def test_logo_takes_an_unseen_gpus_level_from_its_sibling():
+    world = _stack_world()
+    assert sorted(set(world.maker.tolist())) == ["fast", "slow"]
+    plain = evaluate.predict_held_out(world, "itl", "logo", grid=(QUICK,), transfer=False)
+    moved = evaluate.predict_held_out(world, "itl", "logo", grid=(QUICK,))
+    err = {name: models.mdape(p["xgboost"], world.itl_s) for name, p in (("plain", plain), ("moved", moved))}
+    assert err["plain"] > 50 and err["moved"] < 10, err
+    assert all(c.sibling_alpha is not None for c in moved["configs"])
+    assert all(c.sibling_alpha is None for c in plain["configs"]) and set(plain["sibling"]) == {""}
+    h100 = world.gpu == "NVIDIA H100 SXM5 80GB"
+    assert set(moved["sibling"][h100]) == {"NVIDIA A100-SXM4-40GB"}  # its maker's only other part
+
+
+def test_cv_never_transfers():
+    world = _stack_world()
+    preds = evaluate.predict_held_out(world, "itl", "cv", grid=(QUICK,))
+    assert all(c.sibling_alpha is None for c in preds["configs"]) and set(preds["sibling"]) == {""}
+
+
+def test_the_service_names_the_sibling_and_its_cache_keeps_it(tmp_path):
+    world = _stack_world()
+    mi300x = world.gpu == "AMD Instinct MI300X"
+    train = world.subset(np.flatnonzero(~mi300x))
+    trained = service.train_cached(train, config=QUICK, k=3, root=tmp_path)
+    again = service.train_cached(train, config=QUICK, k=3, root=tmp_path)  # from the cache
+    gpus, mods = _specs()
+    spec = dataclasses.replace(gpus.get("MI300X"), manufacturer="fast")
+    model, op = mods.get("meta-llama/Llama-2-13b-hf"), OperatingPoint(batch=16.0)
+    a, b = (service.estimate(t, spec, model, op) for t in (trained, again))
+    assert trained.itl.config.sibling_alpha is not None and again.itl.config == trained.itl.config
+    as_saved = [service._part_to_json(p) for p in trained.itl.parts]  # NaN figures: compare as saved (None)
+    assert [service._part_to_json(p) for p in again.itl.parts] == as_saved and len(as_saved) == 3
+    assert a.itl_sibling == b.itl_sibling == "AMD Instinct MI250" and a.itl_s == pytest.approx(b.itl_s)
+    truth = world.itl_s[mi300x & (world.model == "meta-llama/Llama-2-13b-hf") & (world.X[:, FEATURES.index("log2_batch")] == 4)]
+    assert a.itl_s[0] == pytest.approx(truth[0], rel=0.15)
+    assert service.as_dict(a)["itl_sibling"] == "AMD Instinct MI250"
