@@ -98,9 +98,10 @@ def test_transfer_scales_the_siblings_itl_by_the_roofline_ratio(alpha):
         assert out[0] == pytest.approx(0.01 * 3350 / 4800, rel=0.02)
 
 
-def _stack_world() -> "evaluate.Table":
+def _stack_world(odd: float = 1.0) -> "evaluate.Table":
     """Four GPUs, two makers whose software runs at 10x and 1x the roofline, their datasheets
-    interleaved so that no spec tells the makers apart: LOGO's trees mix the levels, a sibling does not."""
+    interleaved so that no spec tells the makers apart: LOGO's trees mix the levels, a sibling does not.
+    The MI300X runs at `odd` times its maker's level."""
     gpus, mods = _specs()
     parts = [("A100 SXM4 40GB", "slow"), ("MI250", "fast"), ("H100 SXM", "slow"), ("MI300X", "fast")]
     specs, rows = [], []
@@ -110,7 +111,7 @@ def _stack_world() -> "evaluate.Table":
         for model in ("meta-llama/Meta-Llama-3.1-8B", "meta-llama/Llama-2-13b-hf", "meta-llama/Llama-2-70b-hf"):
             for b in (1, 4, 16, 64):
                 X = matrix([(spec, mods.get(model), OperatingPoint(batch=float(b)))])
-                itl = math.exp(X[0, ROOFLINE]) * (10.0 if maker == "slow" else 1.0)
+                itl = math.exp(X[0, ROOFLINE]) * (10.0 if maker == "slow" else 1.0) * (odd if name == "MI300X" else 1.0)
                 power = spec.thermal_design_power_w * (0.4 + 0.005 * b)
                 rows.append(Measurement("toy", spec.name, model, 1, float(b), math.nan, math.nan, "server", "vLLM",
                                         power, itl))
@@ -154,3 +155,52 @@ def test_the_service_names_the_sibling_and_its_cache_keeps_it(tmp_path):
     truth = world.itl_s[mi300x & (world.model == "meta-llama/Llama-2-13b-hf") & (world.X[:, FEATURES.index("log2_batch")] == 4)]
     assert a.itl_s[0] == pytest.approx(truth[0], rel=0.15)
     assert service.as_dict(a)["itl_sibling"] == "AMD Instinct MI250"
+
+
+def test_seen_modes_need_a_transfer_alpha():
+    with pytest.raises(ValueError, match="seen_mode"):
+        models.XgbConfig(seen_mode="sibling_level")
+    with pytest.raises(ValueError, match="seen_mode"):
+        models.XgbConfig(sibling_alpha=1.0, seen_mode="guess")
+    assert models.XgbConfig(sibling_alpha=1.0, seen_mode="sibling").seen_mode == "sibling"
+
+
+def test_a_measured_gpu_is_predicted_by_its_mode():
+    world = _stack_world(odd=2.0)  # the MI300X runs at twice its sibling's (the MI250's) level
+    hw = siblings.Hardware(world.gpu, world.maker)
+    cfg = dataclasses.replace(QUICK, sibling_alpha=1.0)
+    model = models.fit_xgb(world.X, np.log(world.itl_s), cfg, models.balanced_weights(world.gpu))
+    known = siblings.parts(world.X, hw)
+    levels = models.own_levels(model, world.X, world.itl_s, "itl", cfg, hw, known, 1.0)
+    assert levels["AMD Instinct MI300X"] == pytest.approx(2.0, rel=0.15)
+    assert levels["AMD Instinct MI250"] == pytest.approx(0.5, rel=0.15)
+    mi300x = world.gpu == "AMD Instinct MI300X"
+    X, makers, truth = world.X[mi300x], world.maker[mi300x], world.itl_s[mi300x]
+    out = {m: models.point(model, X, "itl", cfg, makers, known, levels=levels, seen_mode=m)
+           for m in models.SEEN_MODES}
+    assert out["trees"][1] == [None] * len(X)  # measured: the trees know it
+    assert set(out["sibling"][1]) == set(out["sibling_level"][1]) == {"AMD Instinct MI250"}
+    np.testing.assert_allclose(out["sibling_level"][0], levels["AMD Instinct MI300X"] * out["sibling"][0])
+    assert models.mdape(out["sibling_level"][0], truth) < 15 < models.mdape(out["sibling"][0], truth)
+    alone = models.point(model, X, "itl", cfg, makers, known, levels={}, seen_mode="sibling_level")
+    np.testing.assert_allclose(alone[0], out["trees"][0])  # no level for it: the trees
+
+
+def test_few_shot_logo_reads_an_odd_gpus_level_off_its_shots():
+    world = _stack_world(odd=3.0)
+    grid = (QUICK,)
+    preds = evaluate.predict_held_out(world, "itl", "logo", grid=grid, shots=3)
+    mi300x = world.gpu == "AMD Instinct MI300X"
+    fold = [c for c, held in zip(preds["configs"], sorted(set(world.gpu.tolist()))) if held == "AMD Instinct MI300X"]
+    assert fold[0].seen_mode == "sibling_level"
+    assert models.mdape(preds["xgboost"][mi300x], world.itl_s[mi300x]) < 15
+
+
+def test_the_service_picks_a_seen_mode_per_row_count():
+    world = _stack_world(odd=3.0)
+    trained = service.train(world, config=QUICK, k=3)
+    levels = trained.itl.measured["levels"]
+    assert set(levels) == set(models.SHOT_LEVELS) and all(v["seen_mode"] in models.SEEN_MODES for v in levels.values())
+    for n in models.SHOT_LEVELS:
+        assert trained.itl.seen_mode(n) == levels[n]["seen_mode"]
+    assert trained.itl.seen_mode(0) == trained.itl.config.seen_mode == "trees"  # fitted without shots

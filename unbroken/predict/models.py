@@ -25,6 +25,10 @@ from unbroken.predict.siblings import Hardware, Part
 TARGETS = ("power", "itl")
 FLOOR = 1e-4  # a tree ensemble may predict <= 0 for power/TDP; logs need a floor
 FORMS = ("direct", "roofline_ratio")
+# a GPU with training rows: the trees' own prediction, or the transfer from its nearest other part
+# of the same maker times its own level over those rows (`siblings.own_levels`): with 1-5 rows of a
+# new GPU the trees have little to go on, its level is one number
+SEEN_MODES = ("trees", "sibling", "sibling_level")
 
 
 @dataclass(frozen=True)
@@ -43,10 +47,14 @@ class XgbConfig:
     # ITL of a GPU with no training rows by transfer from its sibling (`siblings`), scaled by the
     # roofline ratio to this power; None: the trees alone
     sibling_alpha: float | None = None
+    seen_mode: str = "trees"  # SEEN_MODES; "sibling_level" needs a sibling_alpha
 
     def __post_init__(self) -> None:
         if self.sibling_alpha is not None and not 0 <= self.sibling_alpha <= 2:
             raise ValueError(f"sibling_alpha must be None or in [0, 2], got {self.sibling_alpha}")
+        if self.seen_mode not in SEEN_MODES or (self.seen_mode != "trees" and self.sibling_alpha is None):
+            raise ValueError(f"seen_mode must be one of {', '.join(SEEN_MODES)} (all but 'trees' with a "
+                             f"sibling_alpha), got {self.seen_mode!r}")
         if self.target_form not in FORMS:
             raise ValueError(f"target_form must be one of {', '.join(FORMS)}, got {self.target_form!r}")
         if self.n_estimators < 1 or self.max_depth < 1:
@@ -167,17 +175,29 @@ class Predictor:
     # widths for a GPU measured in training (`measured_widths`): {"levels": {shots: {"halfwidth",
     # "by_category"}}, "rows": {gpu: training rows}}; None: not calibrated
     measured: dict | None = None
-    # the GPUs of the training rows, for sibling transfer (config.sibling_alpha not None)
+    # the GPUs of the training rows, for sibling transfer (config.sibling_alpha not None), and each
+    # one's own level against its nearest other part (seen_mode "sibling_level")
     parts: tuple[Part, ...] = ()
+    gpu_levels: dict = field(default_factory=dict)
 
     def rows_of(self, gpu: str) -> int:
         """How many training rows `gpu` had (0: never measured, or no measured widths)."""
         return int(self.measured["rows"].get(gpu, 0)) if self.measured else 0
 
+    def _level(self, rows: int) -> int | None:
+        """The largest few-shot level (SHOT_LEVELS) that `rows` training rows reach (None: unseen)."""
+        return max((n for n in (self.measured or {}).get("levels", {}) if n <= rows), default=None)
+
+    def seen_mode(self, rows: int = 0) -> str:
+        """How a GPU with `rows` training rows is predicted: the mode its few-shot level measured
+        better (`measured_widths`), else the config's (the search's choice under few-shot folds)."""
+        level = self._level(rows)
+        return self.config.seen_mode if level is None else self.measured["levels"][level].get("seen_mode", "trees")
+
     def widths(self, categories: np.ndarray | None, rows: int = 0) -> np.ndarray | float:
         """Half-widths for a GPU with `rows` training rows: those of the largest few-shot level it
         reaches (SHOT_LEVELS), else an unseen GPU's."""
-        level = max((n for n in (self.measured or {}).get("levels", {}) if n <= rows), default=None)
+        level = self._level(rows)
         src = self.measured["levels"][level] if level is not None else \
             {"halfwidth": self.halfwidth, "by_category": self.by_category}
         pooled, by = src["halfwidth"], src["by_category"]
@@ -190,25 +210,42 @@ class Predictor:
         """(point, low, high) in target units: power/TDP or ITL seconds. `rows`: training rows of
         the GPU asked about (its interval is the few-shot one of that many rows; 0: unseen).
         `makers`: each row's GPU manufacturer, for sibling transfer (none without)."""
-        p = point(self.model, X, self.target, self.config, makers, self.parts)[0]
+        p = self._point(X, makers, rows)[0]
         q = self.widths(categories, rows)
         return p, p * np.exp(-q), p * np.exp(q)
 
-    def siblings_of(self, X: np.ndarray, makers: np.ndarray) -> list[str | None]:
+    def siblings_of(self, X: np.ndarray, makers: np.ndarray, rows: int = 0) -> list[str | None]:
         """The measured GPU each row's prediction was transferred from (None: the trees alone)."""
-        return point(self.model, X, self.target, self.config, makers, self.parts)[1]
+        return self._point(X, makers, rows)[1]
+
+    def _point(self, X: np.ndarray, makers: np.ndarray | None, rows: int) -> tuple[np.ndarray, list[str | None]]:
+        return point(self.model, X, self.target, self.config, makers, self.parts, levels=self.gpu_levels,
+                     seen_mode=self.seen_mode(rows))
 
 
-def point(model, X: np.ndarray, target: str, cfg: XgbConfig, makers: np.ndarray | None,
-          known: tuple[Part, ...], alpha: float | None = None) -> tuple[np.ndarray, list[str | None]]:
-    """`model`'s prediction in target units, by sibling transfer (alpha, else cfg.sibling_alpha)
-    where one applies; and each row's sibling (None: the trees' own prediction)."""
+def point(model, X: np.ndarray, target: str, cfg: XgbConfig, makers: np.ndarray | None, known: tuple[Part, ...],
+          alpha: float | None = None, levels: dict | None = None,
+          seen_mode: str | None = None) -> tuple[np.ndarray, list[str | None]]:
+    """`model`'s prediction in target units and each row's sibling (None: the trees' own). With a
+    sibling-transfer alpha (else cfg's): a GPU with no training rows by transfer where one applies;
+    in seen_mode "sibling_level" (else cfg's) a measured GPU with a level in `levels` by transfer
+    from its nearest other part times that level."""
     alpha = cfg.sibling_alpha if alpha is None else alpha
+    seen_mode = cfg.seen_mode if seen_mode is None else seen_mode
     p = from_target(target, model.predict(X), X, cfg.target_form)
     if alpha is None or makers is None or not known or target != "itl":
         return p, [None] * len(X)
-    t, used = siblings.transfer(lambda Xs: from_target(target, model.predict(Xs), Xs, cfg.target_form),
-                                X, makers, known, alpha)
+
+    def predict_s(Xs: np.ndarray) -> np.ndarray:
+        return from_target(target, model.predict(Xs), Xs, cfg.target_form)
+
+    measured_ok = seen_mode == "sibling" or (seen_mode == "sibling_level" and bool(levels))
+    t, used = siblings.transfer(predict_s, X, makers, known, alpha, measured_ok=measured_ok)
+    if seen_mode == "sibling_level" and measured_ok:
+        own = siblings.own_names(known, X, makers)
+        scale = np.array([1.0 if g is None else levels.get(g, math.nan) for g in own])
+        used = [u if np.isfinite(c) else None for u, c in zip(used, scale)]
+        t = t * scale  # a measured GPU without a level (no other part of its maker) keeps the trees
     return np.where(np.isfinite(t), t, p), used
 
 
@@ -230,21 +267,35 @@ def mondrian_halfwidths(pred: np.ndarray, true: np.ndarray, categories: np.ndarr
 
 def oof_predictions(X: np.ndarray, y: np.ndarray, target: str, folds, cfg: XgbConfig,
                     balance: np.ndarray | None = None, hardware: Hardware | None = None,
-                    alphas: tuple[float | None, ...] | None = None) -> dict[float | None, np.ndarray]:
-    """Out-of-fold predictions of `cfg`, target units, for each sibling-transfer alpha in `alphas`
-    (default: cfg's own; None: the trees alone); one fit per fold serves them all. `hardware`: the
-    rows' GPUs and makers (no transfer without)."""
+                    alphas: tuple[float | None, ...] | None = None,
+                    modes: tuple[str, ...] | None = None) -> dict[tuple, np.ndarray]:
+    """Out-of-fold predictions of `cfg`, target units, keyed (alpha, seen mode): each sibling-transfer
+    alpha in `alphas` (default: cfg's; None: the trees alone) with each of `modes` (default: cfg's;
+    they differ only for a held-out GPU with rows in training, a few-shot fold's); one fit per fold
+    serves them all. `hardware`: the rows' GPUs and makers (no transfer without)."""
     alphas = (cfg.sibling_alpha,) if alphas is None else alphas
-    out = {a: np.full(len(y), np.nan) for a in alphas}
+    modes = (cfg.seen_mode,) if modes is None else modes
+    keys = [(a, m) for a in alphas for m in (modes if a is not None else ("trees",))]
+    out = {key: np.full(len(y), np.nan) for key in keys}
     for tr, te in folds:
         w = None if balance is None else balanced_weights(balance[tr])
         model = fit_xgb(X[tr], to_target(target, y[tr], X[tr], cfg.target_form), cfg, w)
-        known = siblings.parts(X[tr], hardware.take(tr)) if hardware is not None else ()
+        hw = hardware.take(tr) if hardware is not None else None
+        known = siblings.parts(X[tr], hw) if hw is not None else ()
         makers = None if hardware is None else hardware.maker[te]
-        for a in alphas:
-            out[a][te] = point(model, X[te], target, cfg, makers, known, a)[0] if a is not None else \
+        for a, m in keys:
+            levels = own_levels(model, X[tr], y[tr], target, cfg, hw, known, a, set(hardware.gpu[te].tolist())) \
+                if m == "sibling_level" else None
+            out[(a, m)][te] = point(model, X[te], target, cfg, makers, known, a, levels, m)[0] if a is not None else \
                 from_target(target, model.predict(X[te]), X[te], cfg.target_form)
     return out
+
+
+def own_levels(model, X: np.ndarray, y: np.ndarray, target: str, cfg: XgbConfig, hw: Hardware,
+               known: tuple[Part, ...], alpha: float, only: set[str] | None = None) -> dict[str, float]:
+    """`siblings.own_levels` with `model`'s ITL."""
+    return siblings.own_levels(lambda Xs: from_target(target, model.predict(Xs), Xs, cfg.target_form),
+                               X, y, hw, known, alpha, only)
 
 
 def mdape(pred: np.ndarray, true: np.ndarray) -> float:
@@ -272,32 +323,38 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
         raise ValueError(f"cannot train the {target} model on {len(y)} row(s): the training split is empty")
     folds = inner_folds(len(y), groups, k, shots=shots)
     alphas = (None,) + (siblings.ALPHAS if target == "itl" and hardware is not None else ())
+    modes = SEEN_MODES if shots else ("trees",)  # without shots no held-out GPU is in training
     best = None
     for cfg in grid:
-        for alpha, oof in oof_predictions(X, y, target, folds, cfg, balance, hardware, alphas).items():
+        for (alpha, mode), oof in oof_predictions(X, y, target, folds, cfg, balance, hardware, alphas, modes).items():
             score = mdape(oof, y)
             if best is None or score < best[0]:
-                best = (score, replace(cfg, sibling_alpha=alpha), oof)
+                best = (score, replace(cfg, sibling_alpha=alpha, seen_mode=mode), oof)
     _, cfg, oof = best
     model = fit_xgb(X, to_target(target, y, X, cfg.target_form), cfg,
                     None if balance is None else balanced_weights(balance))
     grouped = groups is not None and len(set(groups.tolist())) >= 2
+    known = siblings.parts(X, hardware) if hardware is not None else ()
+    levels = own_levels(model, X, y, target, cfg, hardware, known, cfg.sibling_alpha) \
+        if known and cfg.sibling_alpha is not None and target == "itl" else {}
     return Predictor(target=target, model=model, config=cfg, halfwidth=conformal_halfwidth(oof, y, coverage),
                      coverage=coverage, by_category=mondrian_halfwidths(oof, y, categories, coverage), grouped=grouped,
-                     parts=siblings.parts(X, hardware) if hardware is not None else ())
+                     parts=known, gpu_levels=levels)
 
 
 def measured_widths(p: Predictor, X: np.ndarray, y: np.ndarray, groups: np.ndarray, k: int,
                     categories: np.ndarray | None = None, balance: np.ndarray | None = None,
                     hardware: Hardware | None = None) -> Predictor:
     """`p` with intervals for a GPU the training data has rows of: for each n in SHOT_LEVELS, the
-    conformal widths of `p`'s config on group folds that keep n rows of each held-out group (few-shot
-    LOGO on LLM-Inference-Bench: 366% / 210% / 123% wide with 1 / 5 / 20 rows, 808% for none)."""
-    levels = {}
+    conformal widths of `p`'s config on group folds that keep n rows of each held-out group, and the
+    seen mode that predicted those folds better (ties: the trees); figures in docs/predict.md."""
+    alpha, levels = p.config.sibling_alpha, {}
+    modes = SEEN_MODES if alpha is not None and p.gpu_levels else ("trees",)
     for n in SHOT_LEVELS:
         folds = inner_folds(len(y), groups, k, shots=n)
-        oof = oof_predictions(X, y, p.target, folds, p.config, balance, hardware)[p.config.sibling_alpha]
+        oofs = oof_predictions(X, y, p.target, folds, p.config, balance, hardware, (alpha,), modes)
+        mode, oof = min(((m, v) for (_, m), v in oofs.items()), key=lambda mv: mdape(mv[1], y))  # ties: trees
         levels[n] = {"halfwidth": conformal_halfwidth(oof, y, p.coverage),
-                     "by_category": mondrian_halfwidths(oof, y, categories, p.coverage)}
+                     "by_category": mondrian_halfwidths(oof, y, categories, p.coverage), "seen_mode": mode}
     names, counts = np.unique(groups, return_counts=True)
     return replace(p, measured={"levels": levels, "rows": {str(g): int(n) for g, n in zip(names, counts)}})

@@ -80,7 +80,7 @@ def cache_dir() -> Path:
 
 
 # how train() fits, beyond its arguments: a cache made under another recipe is not reused
-RECIPE = "gpu-balanced-weights, few-shot widths at 1/5/20 rows, sibling transfer"
+RECIPE = "gpu-balanced-weights, few-shot widths and seen modes at 1/5/20 rows, sibling transfer and levels"
 
 
 def _key(table: Table, coverage: float, config: XgbConfig, k: int) -> str:
@@ -99,7 +99,8 @@ def _save(p: Predictor, folder: Path) -> None:
     atomic_write_json(folder / f"{p.target}.json", {"config": asdict(p.config), "halfwidth": p.halfwidth,
                                                    "coverage": p.coverage, "by_category": p.by_category,
                                                    "grouped": p.grouped, "measured": p.measured,
-                                                   "parts": [_part_to_json(q) for q in p.parts]})
+                                                   "parts": [_part_to_json(q) for q in p.parts],
+                                                   "gpu_levels": p.gpu_levels})
 
 
 def _load(target: str, folder: Path) -> Predictor | None:
@@ -117,7 +118,8 @@ def _load(target: str, folder: Path) -> Predictor | None:
     return Predictor(target=target, model=model, config=XgbConfig(**meta["config"]), halfwidth=meta["halfwidth"],
                      coverage=meta["coverage"], by_category=_categories(meta["by_category"]),
                      grouped=bool(meta.get("grouped", False)), measured=_measured_from_json(meta.get("measured")),
-                     parts=tuple(_part_from_json(q) for q in meta.get("parts", ())))
+                     parts=tuple(_part_from_json(q) for q in meta.get("parts", ())),
+                     gpu_levels={str(g): float(c) for g, c in meta.get("gpu_levels", {}).items()})
 
 
 def _part_to_json(p: Part) -> dict:
@@ -139,8 +141,8 @@ def _measured_from_json(m: dict | None) -> dict | None:
     """The measured-GPU widths as saved (JSON keys are strings: shot levels are ints)."""
     if not m:
         return None
-    levels = {int(n): {"halfwidth": v["halfwidth"], "by_category": _categories(v["by_category"])}
-              for n, v in m["levels"].items()}
+    levels = {int(n): {"halfwidth": v["halfwidth"], "by_category": _categories(v["by_category"]),
+                       "seen_mode": v.get("seen_mode", "trees")} for n, v in m["levels"].items()}
     return {"levels": levels, "rows": {str(g): int(n) for g, n in m["rows"].items()}}
 
 
@@ -174,7 +176,7 @@ def estimate(trained: Trained, gpu: GpuSpec, model: ModelSpec, op: OperatingPoin
         cost = (usd_s / tok[0] * 1e6, usd_s / tok[2] * 1e6, usd_s / tok[1] * 1e6)
     return Estimate(gpu=gpu.name, model=model.name, n_gpus=op.n_gpus, batch=op.batch, power_w=(p, p_lo, p_hi),
                     itl_s=(t, t_lo, t_hi), tokens_s=tok, tokens_per_j=per_j, usd_per_mtok=cost,
-                    gpu_rows=rows, itl_sibling=trained.itl.siblings_of(X, maker)[0])
+                    gpu_rows=rows, itl_sibling=trained.itl.siblings_of(X, maker, rows)[0])
 
 
 def fits_in_memory(gpu: GpuSpec, model: ModelSpec, n_gpus: int) -> bool:

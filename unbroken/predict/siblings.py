@@ -70,29 +70,70 @@ def _transferable(figures: np.ndarray) -> bool:
     return bool(np.all(np.isfinite(figures[_DISTANCE])) and np.all(figures[_DISTANCE] > 0))
 
 
-def sibling(known: tuple[Part, ...], maker: str, figures: np.ndarray, framework: float) -> Part | None:
-    """The part a row of a GPU (`maker`, `figures`) takes its ITL from, or None: the GPU was measured
-    itself, has no maker or figures to compare, or no part of its maker ran `framework`."""
-    if not maker or not _transferable(figures) or any(p.maker == maker and p.same_gpu(figures) for p in known):
+def own_part(known: tuple[Part, ...], maker: str, figures: np.ndarray) -> Part | None:
+    """The measured part that is this GPU (same maker, same figures), if any."""
+    return next((p for p in known if p.maker == maker and p.same_gpu(figures)), None)
+
+
+def sibling(known: tuple[Part, ...], maker: str, figures: np.ndarray, framework: float,
+            measured_ok: bool = False) -> Part | None:
+    """The part a row of a GPU (`maker`, `figures`) takes its ITL from, or None: the GPU has no maker
+    or figures to compare, no other part of its maker ran `framework`, or (unless `measured_ok`:
+    then its nearest *other* part, for a level read off its own rows) the GPU was measured itself."""
+    own = own_part(known, maker, figures)
+    if not maker or not _transferable(figures) or (own is not None and not measured_ok):
         return None
-    same = [p for p in known if p.maker == maker and framework in p.frameworks
+    same = [p for p in known if p.maker == maker and p is not own and framework in p.frameworks
             and _transferable(np.asarray(p.figures))]
     return min(same, key=lambda p: p.distance(figures)) if same else None
 
 
+def _kinds(X: np.ndarray, makers: np.ndarray) -> dict[tuple, list[int]]:
+    """Rows grouped by (maker, GPU figures, framework): the sibling is one per group."""
+    out: dict[tuple, list[int]] = {}
+    for i, row in enumerate(np.nan_to_num(X[:, list(GPU_COLUMNS) + [_FRAMEWORK]], nan=-1.0)):
+        out.setdefault((str(makers[i]), *row.tolist()), []).append(i)
+    return out
+
+
 def transfer(predict_s: Callable[[np.ndarray], np.ndarray], X: np.ndarray, makers: np.ndarray,
-             known: tuple[Part, ...], alpha: float) -> tuple[np.ndarray, list[str | None]]:
+             known: tuple[Part, ...], alpha: float, measured_ok: bool = False) -> tuple[np.ndarray, list[str | None]]:
     """(ITL in seconds by sibling transfer, NaN where none applies; the sibling of each row).
-    `predict_s`: the trees' ITL for feature rows, in seconds."""
+    `predict_s`: the trees' ITL for feature rows, in seconds. `measured_ok`: see `sibling`."""
     out = np.full(len(X), np.nan)
     used: list[str | None] = [None] * len(X)
-    by_part: dict[Part, list[int]] = {}
-    for i in range(len(X)):
-        p = sibling(known, str(makers[i]), X[i][list(GPU_COLUMNS)], X[i, _FRAMEWORK])
-        if p is not None:
-            by_part.setdefault(p, []).append(i)
-            used[i] = p.name
-    for p, rows in by_part.items():
+    for rows in _kinds(X, makers).values():
+        first = X[rows[0]]
+        p = sibling(known, str(makers[rows[0]]), first[list(GPU_COLUMNS)], first[_FRAMEWORK], measured_ok)
+        if p is None:
+            continue
         Xs = with_gpu(X[rows], np.asarray(p.figures))
         out[rows] = predict_s(Xs) * np.exp(alpha * (X[rows, ROOFLINE] - Xs[:, ROOFLINE]))
+        for i in rows:
+            used[i] = p.name
     return out, used
+
+
+def own_names(known: tuple[Part, ...], X: np.ndarray, makers: np.ndarray) -> list[str | None]:
+    """Per row: the measured part that is its GPU (None: a GPU with no training rows)."""
+    out: list[str | None] = [None] * len(X)
+    for rows in _kinds(X, makers).values():
+        own = own_part(known, str(makers[rows[0]]), X[rows[0]][list(GPU_COLUMNS)])
+        for i in rows:
+            out[i] = None if own is None else own.name
+    return out
+
+
+def own_levels(predict_s: Callable[[np.ndarray], np.ndarray], X: np.ndarray, y: np.ndarray, hw: Hardware,
+               known: tuple[Part, ...], alpha: float, only: set[str] | None = None) -> dict[str, float]:
+    """Per measured GPU (those in `only`, default all): the median of its measured ITL ÷ the ITL
+    transferred from its nearest other part, over its rows: the level of its own software against
+    its sibling's, which a few measurements of a new GPU fix (seen_mode "sibling_level")."""
+    out = {}
+    for g in sorted(set(hw.gpu.tolist()) if only is None else only & set(hw.gpu.tolist())):
+        rows = np.flatnonzero(hw.gpu == g)
+        t = transfer(predict_s, X[rows], hw.maker[rows], known, alpha, measured_ok=True)[0]
+        ok = np.isfinite(t) & (t > 0)
+        if ok.any():
+            out[str(g)] = float(np.exp(np.median(np.log(y[rows][ok] / t[ok]))))
+    return out
