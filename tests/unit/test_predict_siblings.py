@@ -172,18 +172,24 @@ def test_a_measured_gpu_is_predicted_by_its_mode():
     model = models.fit_xgb(world.X, np.log(world.itl_s), cfg, models.balanced_weights(world.gpu))
     known = siblings.parts(world.X, hw)
     levels = models.own_levels(model, world.X, world.itl_s, "itl", cfg, hw, known, 1.0)
-    assert levels["AMD Instinct MI300X"] == pytest.approx(2.0, rel=0.15)
-    assert levels["AMD Instinct MI250"] == pytest.approx(0.5, rel=0.15)
+    vllm = float(FRAMEWORKS.index("vLLM"))
+    assert set(levels) == {(g, vllm) for g in set(world.gpu.tolist())}  # per GPU and framework it ran
+    assert levels[("AMD Instinct MI300X", vllm)] == pytest.approx(2.0, rel=0.15)
+    assert levels[("AMD Instinct MI250", vllm)] == pytest.approx(0.5, rel=0.15)
     mi300x = world.gpu == "AMD Instinct MI300X"
     X, makers, truth = world.X[mi300x], world.maker[mi300x], world.itl_s[mi300x]
     out = {m: models.point(model, X, "itl", cfg, makers, known, levels=levels, seen_mode=m)
            for m in models.SEEN_MODES}
     assert out["trees"][1] == [None] * len(X)  # measured: the trees know it
     assert set(out["sibling"][1]) == set(out["sibling_level"][1]) == {"AMD Instinct MI250"}
-    np.testing.assert_allclose(out["sibling_level"][0], levels["AMD Instinct MI300X"] * out["sibling"][0])
+    np.testing.assert_allclose(out["sibling_level"][0], levels[("AMD Instinct MI300X", vllm)] * out["sibling"][0])
     assert models.mdape(out["sibling_level"][0], truth) < 15 < models.mdape(out["sibling"][0], truth)
-    alone = models.point(model, X, "itl", cfg, makers, known, levels={}, seen_mode="sibling_level")
-    np.testing.assert_allclose(alone[0], out["trees"][0])  # no level for it: the trees
+    other = {k: v for k, v in levels.items() if k[0] != "AMD Instinct MI300X"}
+    alone = models.point(model, X, "itl", cfg, makers, known, levels=other, seen_mode="sibling_level")
+    np.testing.assert_allclose(alone[0], out["sibling"][0])  # no level for it: its sibling's
+    llama = {("AMD Instinct MI300X", float(FRAMEWORKS.index("llama.cpp"))): 5.0}
+    other_stack = models.point(model, X, "itl", cfg, makers, known, levels=llama, seen_mode="sibling_level")
+    np.testing.assert_allclose(other_stack[0], out["sibling"][0])  # llama.cpp's level says nothing of vLLM
 
 
 def test_few_shot_logo_reads_an_odd_gpus_level_off_its_shots():

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from unbroken.predict import siblings
-from unbroken.predict.features import ROOFLINE
+from unbroken.predict.features import FEATURES, ROOFLINE
 from unbroken.predict.siblings import Hardware, Part
 
 TARGETS = ("power", "itl")
@@ -176,7 +176,8 @@ class Predictor:
     # "by_category"}}, "rows": {gpu: training rows}}; None: not calibrated
     measured: dict | None = None
     # the GPUs of the training rows, for sibling transfer (config.sibling_alpha not None), and each
-    # one's own level against its nearest other part (seen_mode "sibling_level")
+    # one's own level per framework against its nearest other part (seen_mode "sibling_level"),
+    # keyed (GPU, framework code)
     parts: tuple[Part, ...] = ()
     gpu_levels: dict = field(default_factory=dict)
 
@@ -228,8 +229,9 @@ def point(model, X: np.ndarray, target: str, cfg: XgbConfig, makers: np.ndarray 
           seen_mode: str | None = None) -> tuple[np.ndarray, list[str | None]]:
     """`model`'s prediction in target units and each row's sibling (None: the trees' own). With a
     sibling-transfer alpha (else cfg's): a GPU with no training rows by transfer where one applies;
-    in seen_mode "sibling_level" (else cfg's) a measured GPU with a level in `levels` by transfer
-    from its nearest other part times that level."""
+    a measured GPU, in seen_mode (else cfg's) "sibling", by transfer from its nearest other part,
+    in "sibling_level" that times its level for the row's framework in `levels` (where it has one),
+    in "trees" by the trees."""
     alpha = cfg.sibling_alpha if alpha is None else alpha
     seen_mode = cfg.seen_mode if seen_mode is None else seen_mode
     p = from_target(target, model.predict(X), X, cfg.target_form)
@@ -239,13 +241,11 @@ def point(model, X: np.ndarray, target: str, cfg: XgbConfig, makers: np.ndarray 
     def predict_s(Xs: np.ndarray) -> np.ndarray:
         return from_target(target, model.predict(Xs), Xs, cfg.target_form)
 
-    measured_ok = seen_mode == "sibling" or (seen_mode == "sibling_level" and bool(levels))
-    t, used = siblings.transfer(predict_s, X, makers, known, alpha, measured_ok=measured_ok)
-    if seen_mode == "sibling_level" and measured_ok:
-        own = siblings.own_names(known, X, makers)
-        scale = np.array([1.0 if g is None else levels.get(g, math.nan) for g in own])
-        used = [u if np.isfinite(c) else None for u, c in zip(used, scale)]
-        t = t * scale  # a measured GPU without a level (no other part of its maker) keeps the trees
+    t, used = siblings.transfer(predict_s, X, makers, known, alpha, measured_ok=seen_mode != "trees")
+    if seen_mode == "sibling_level" and levels:  # a framework the GPU has no level for: its sibling's
+        fw = X[:, FEATURES.index("framework")]
+        t = t * np.array([1.0 if g is None else levels.get((g, float(f)), 1.0)
+                          for g, f in zip(siblings.own_names(known, X, makers), fw)])
     return np.where(np.isfinite(t), t, p), used
 
 

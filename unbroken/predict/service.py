@@ -100,7 +100,7 @@ def _save(p: Predictor, folder: Path) -> None:
                                                    "coverage": p.coverage, "by_category": p.by_category,
                                                    "grouped": p.grouped, "measured": p.measured,
                                                    "parts": [_part_to_json(q) for q in p.parts],
-                                                   "gpu_levels": p.gpu_levels})
+                                                   "gpu_levels": [[g, f, c] for (g, f), c in p.gpu_levels.items()]})
 
 
 def _load(target: str, folder: Path) -> Predictor | None:
@@ -119,7 +119,7 @@ def _load(target: str, folder: Path) -> Predictor | None:
                      coverage=meta["coverage"], by_category=_categories(meta["by_category"]),
                      grouped=bool(meta.get("grouped", False)), measured=_measured_from_json(meta.get("measured")),
                      parts=tuple(_part_from_json(q) for q in meta.get("parts", ())),
-                     gpu_levels={str(g): float(c) for g, c in meta.get("gpu_levels", {}).items()})
+                     gpu_levels={(str(g), float(f)): float(c) for g, f, c in meta.get("gpu_levels", ())})
 
 
 def _part_to_json(p: Part) -> dict:

@@ -125,15 +125,19 @@ def own_names(known: tuple[Part, ...], X: np.ndarray, makers: np.ndarray) -> lis
 
 
 def own_levels(predict_s: Callable[[np.ndarray], np.ndarray], X: np.ndarray, y: np.ndarray, hw: Hardware,
-               known: tuple[Part, ...], alpha: float, only: set[str] | None = None) -> dict[str, float]:
-    """Per measured GPU (those in `only`, default all): the median of its measured ITL ÷ the ITL
-    transferred from its nearest other part, over its rows: the level of its own software against
-    its sibling's, which a few measurements of a new GPU fix (seen_mode "sibling_level")."""
+               known: tuple[Part, ...], alpha: float, only: set[str] | None = None) -> dict[tuple[str, float], float]:
+    """Per measured GPU (those in `only`, default all) and serving framework it ran: the median of its
+    measured ITL ÷ the ITL transferred from its nearest other part, over those rows: the level of its
+    own software against its sibling's, which a few measurements of a new GPU fix (seen_mode
+    "sibling_level"). Per framework: one stack's level says little of another's on the same part
+    (the Max 1550 runs llama.cpp 85x above its roofline, vLLM 16x; docs/predict.md)."""
     out = {}
     for g in sorted(set(hw.gpu.tolist()) if only is None else only & set(hw.gpu.tolist())):
         rows = np.flatnonzero(hw.gpu == g)
         t = transfer(predict_s, X[rows], hw.maker[rows], known, alpha, measured_ok=True)[0]
-        ok = np.isfinite(t) & (t > 0)
-        if ok.any():
-            out[str(g)] = float(np.exp(np.median(np.log(y[rows][ok] / t[ok]))))
+        fw = X[rows, _FRAMEWORK]
+        for f in sorted(set(fw[np.isfinite(fw)].tolist())):
+            ok = np.isfinite(t) & (t > 0) & (fw == f)
+            if ok.any():
+                out[(str(g), float(f))] = float(np.exp(np.median(np.log(y[rows][ok] / t[ok]))))
     return out
