@@ -58,14 +58,14 @@ def _table(estimates: list, title: str, with_cost: bool) -> RichTable:
     t = RichTable(title=title, caption="measured: ITL rows of that GPU in the training data (its intervals are "
                                        "calibrated for 1, 5 or 20 rows, the most it has); none: never measured, "
                                        "a rough guess; via X: its ITL is measured GPU X's (same manufacturer) "
-                                       "scaled by their rooflines")
+                                       "scaled by their rooflines, and by its own level where its rows give one")
     cols = ["GPU", "measured", "GPUs", "power/GPU W", "ITL ms", "tokens/s", "tokens/J"] + \
         (["$/Mtok"] if with_cost else [])
     for c in cols:
         t.add_column(c)
     for e in estimates:
         itl_ms = tuple(x * 1e3 for x in e.itl_s)
-        seen = str(e.gpu_rows) if e.gpu_rows else f"none, via {e.itl_sibling}" if e.itl_sibling else "none"
+        seen = (str(e.gpu_rows) if e.gpu_rows else "none") + (f", via {e.itl_sibling}" if e.itl_sibling else "")
         row = [e.gpu, seen, str(e.n_gpus), _fmt(e.power_w), _fmt(itl_ms),
                _fmt(e.tokens_s), _fmt(e.tokens_per_j)]
         if with_cost:
