@@ -25,9 +25,10 @@ from unbroken.predict.siblings import Hardware, Part
 TARGETS = ("power", "itl")
 FLOOR = 1e-4  # a tree ensemble may predict <= 0 for power/TDP; logs need a floor
 FORMS = ("direct", "roofline_ratio")
-# a GPU with training rows: the trees' own prediction, or the transfer from its nearest other part
-# of the same maker times its own level over those rows (`siblings.own_levels`): with 1-5 rows of a
-# new GPU the trees have little to go on, its level is one number
+# how a GPU with training rows is predicted: by the trees, which saw its rows; by the transfer from
+# its nearest other part of the same maker, ignoring them; or by that transfer times its own level
+# per framework over those rows (`siblings.own_levels`): with 1-5 rows of a new GPU the trees have
+# little to go on, while a level is one number per framework
 SEEN_MODES = ("trees", "sibling", "sibling_level")
 
 
@@ -172,8 +173,8 @@ class Predictor:
     # True when the calibration folds were grouped (>= 2 groups); False: row folds, so the width
     # knows only in-distribution error and says nothing about an unseen GPU or model
     grouped: bool = False
-    # widths for a GPU measured in training (`measured_widths`): {"levels": {shots: {"halfwidth",
-    # "by_category"}}, "rows": {gpu: training rows}}; None: not calibrated
+    # widths and seen mode for a GPU measured in training (`measured_widths`): {"levels": {shots:
+    # {"halfwidth", "by_category", "seen_mode"}}, "rows": {gpu: training rows}}; None: not calibrated
     measured: dict | None = None
     # the GPUs of the training rows, for sibling transfer (config.sibling_alpha not None), and each
     # one's own level per framework against its nearest other part (seen_mode "sibling_level"),
@@ -284,15 +285,17 @@ def oof_predictions(X: np.ndarray, y: np.ndarray, target: str, folds, cfg: XgbCo
         known = siblings.parts(X[tr], hw) if hw is not None else ()
         makers = None if hardware is None else hardware.maker[te]
         for a, m in keys:
-            levels = own_levels(model, X[tr], y[tr], target, cfg, hw, known, a, set(hardware.gpu[te].tolist())) \
-                if m == "sibling_level" else None
-            out[(a, m)][te] = point(model, X[te], target, cfg, makers, known, a, levels, m)[0] if a is not None else \
-                from_target(target, model.predict(X[te]), X[te], cfg.target_form)
+            if a is None:
+                out[(a, m)][te] = from_target(target, model.predict(X[te]), X[te], cfg.target_form)
+                continue
+            held = set(hardware.gpu[te].tolist())
+            levels = own_levels(model, X[tr], y[tr], target, cfg, hw, known, a, held) if m == "sibling_level" else None
+            out[(a, m)][te] = point(model, X[te], target, cfg, makers, known, a, levels, m)[0]
     return out
 
 
 def own_levels(model, X: np.ndarray, y: np.ndarray, target: str, cfg: XgbConfig, hw: Hardware,
-               known: tuple[Part, ...], alpha: float, only: set[str] | None = None) -> dict[str, float]:
+               known: tuple[Part, ...], alpha: float, only: set[str] | None = None) -> dict[tuple[str, float], float]:
     """`siblings.own_levels` with `model`'s ITL."""
     return siblings.own_levels(lambda Xs: from_target(target, model.predict(Xs), Xs, cfg.target_form),
                                X, y, hw, known, alpha, only)
@@ -349,7 +352,7 @@ def measured_widths(p: Predictor, X: np.ndarray, y: np.ndarray, groups: np.ndarr
     conformal widths of `p`'s config on group folds that keep n rows of each held-out group, and the
     seen mode that predicted those folds better (ties: the trees); figures in docs/predict.md."""
     alpha, levels = p.config.sibling_alpha, {}
-    modes = SEEN_MODES if alpha is not None and p.gpu_levels else ("trees",)
+    modes = SEEN_MODES if alpha is not None and p.gpu_levels and hardware is not None else ("trees",)
     for n in SHOT_LEVELS:
         folds = inner_folds(len(y), groups, k, shots=n)
         oofs = oof_predictions(X, y, p.target, folds, p.config, balance, hardware, (alpha,), modes)
