@@ -3,15 +3,17 @@ part of the same manufacturer and scaled by their rooflines.
 
 Leaving one accelerator out of LLM-Inference-Bench showed that an unseen part's level is set by
 its vendor's software stack, not by its datasheet (docs/predict.md): trees that place the MI250
-between its spec neighbours, an A100 and a Max 1550, miss it 4-fold, although the MI300X, on the
-same ROCm stack, runs the same workloads at a steady ratio to it. So for a GPU with no training
+among its spec neighbours, an A100 and a Max 1550, miss it 5-fold, although on the configurations
+both ran, its ITL is 1.3x the MI300X's under vLLM and 2.0x under llama.cpp (within 19% and 10%
+of those ratios, median): the same ROCm stack, one level apart. So for a GPU with no training
 rows, the prediction is the trees' ITL *for its sibling* (the measured part of the same
 manufacturer nearest in log bandwidth and log TFLOPS that ran the row's serving framework), times
 (roofline on the GPU ÷ roofline on the sibling) ** alpha: alpha = 1 trusts the datasheet ratio
 fully, 0 copies the sibling; the nested search picks alpha on leave-one-GPU-out folds, or no
 transfer at all. A GPU whose figures equal a measured part's is that part (the trees know it);
 one whose manufacturer has no measured part, or whose framework no sibling ran, keeps the trees'
-own prediction.
+own prediction. A GPU with a few rows may be predicted by its sibling too (models.SEEN_MODES), times
+its own level per framework (`own_levels`).
 """
 from __future__ import annotations
 
