@@ -210,3 +210,19 @@ def test_the_service_picks_a_seen_mode_per_row_count():
     for n in models.SHOT_LEVELS:
         assert trained.itl.seen_mode(n) == levels[n]["seen_mode"]
     assert trained.itl.seen_mode(0) == trained.itl.config.seen_mode == "trees"  # fitted without shots
+
+
+def test_the_record_names_the_siblings_used():
+    from rich.console import Console
+
+    from unbroken.bench import predict as bp
+
+    world, quiet = _stack_world(), Console(quiet=True)
+    logo = bp._run_one(world, "itl", (QUICK,), quiet)["logo"]
+    assert logo["siblings_used"]["NVIDIA H100 SXM5 80GB"] == {"NVIDIA A100-SXM4-40GB": 12}
+    assert all(c["sibling_alpha"] is not None for c in logo["configs_chosen"])
+    few = bp._few_shot(world, "itl", (QUICK,), (2,), True, quiet)["2"]
+    assert len(few["configs_chosen"]) == 4 and {c["seen_mode"] for c in few["configs_chosen"]} <= set(models.SEEN_MODES)
+    assert sum(sum(v.values()) for v in few["siblings_used"].values()) == len(world)
+    plain = bp._run_one(world, "itl", (QUICK,), quiet, transfer=False)["logo"]
+    assert all(v == {"": 12} for v in plain["siblings_used"].values())
