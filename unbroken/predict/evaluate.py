@@ -138,10 +138,10 @@ def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbCon
     inner_groups = {"cv": None, "logo": table.gpu, "lolo": table.model}[kind]
     scale = table.tdp_w if target == "power" else np.ones(n)
     y = table.target(target)
+    hw = Hardware(table.gpu, table.maker)
     for tr, te in splits(table, kind, shots=shots):
         g_tr = None if inner_groups is None else inner_groups[tr]
         ks.append(k if k is not None else inner_k(kind, g_tr))
-        hw = Hardware(table.gpu, table.maker)
         p = fit(table.X[tr], y[tr], target, groups=g_tr, grid=grid, coverage=coverage, k=ks[-1],
                 categories=table.category()[tr], balance=table.gpu[tr] if balance else None, shots=shots,
                 hardware=hw.take(tr) if transfer else None)

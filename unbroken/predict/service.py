@@ -6,7 +6,8 @@ GPU, so the width reflects the error on a GPU the model has not seen. A GPU with
 (a public one, or the user's own via --measurements) gets the width calibrated on folds that keep
 as many rows of each held-out GPU (models.measured_widths, at 1, 5 and 20 rows): the error of a
 GPU the model has seen that often, not of one it never saw. A GPU never measured takes its ITL from
-its measured sibling of the same manufacturer when GPU-grouped folds chose to (`siblings`).
+its measured sibling of the same manufacturer when GPU-grouped folds chose to (`siblings`); a GPU
+with rows is predicted in the seen mode (models.SEEN_MODES) its row-count level measured best.
 """
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ class Estimate:
     # ITL rows of the GPU in the training data (0: never measured); its intervals are calibrated for
     # 1, 5 or 20 of them (models.SHOT_LEVELS), the most it has
     gpu_rows: int = 0
-    # the measured GPU of the same manufacturer whose ITL, scaled by the rooflines, this GPU's is
-    # (siblings.py); None: the trees' own prediction
+    # the measured GPU of the same manufacturer whose ITL, scaled by the rooflines (and, for a GPU
+    # with rows in a sibling seen mode, by its own level), this GPU's is (siblings.py); None: the trees
     itl_sibling: str | None = None
 
 
