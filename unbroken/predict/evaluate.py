@@ -145,8 +145,8 @@ def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbCon
         p = fit(table.X[tr], y[tr], target, groups=g_tr, grid=grid, coverage=coverage, k=ks[-1],
                 categories=table.category()[tr], balance=table.gpu[tr] if balance else None, shots=shots,
                 hardware=hw.take(tr) if transfer else None)
-        point, lo, hi = p.predict(table.X[te], table.category()[te], makers=table.maker[te])
-        out["sibling"][te] = [s or "" for s in p.siblings_of(table.X[te], table.maker[te])]
+        point, lo, hi, via = p.predict_via(table.X[te], table.category()[te], makers=table.maker[te])
+        out["sibling"][te] = [s or "" for s in via]
         out["xgboost"][te], out["low"][te], out["high"][te] = point * scale[te], lo * scale[te], hi * scale[te]
         base = tdp_power if target == "power" else roofline_itl
         out["baseline"][te] = base(table.subset(tr), table.subset(te))

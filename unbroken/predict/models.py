@@ -34,7 +34,8 @@ SEEN_MODES = ("trees", "sibling", "sibling_level")
 
 @dataclass(frozen=True)
 class XgbConfig:
-    """XGBoost hyperparameters (defaults: gradient-boosted trees as WattGPU trains them, hist method)."""
+    """XGBoost hyperparameters (defaults: gradient-boosted trees as WattGPU trains them, hist method),
+    and the two choices the search makes with them: the ITL target form and the sibling transfer."""
 
     n_estimators: int = 200
     max_depth: int = 6
@@ -212,17 +213,16 @@ class Predictor:
         """(point, low, high) in target units: power/TDP or ITL seconds. `rows`: training rows of
         the GPU asked about (its interval is the few-shot one of that many rows; 0: unseen).
         `makers`: each row's GPU manufacturer, for sibling transfer (none without)."""
-        p = self._point(X, makers, rows)[0]
+        return self.predict_via(X, categories, rows, makers)[:3]
+
+    def predict_via(self, X: np.ndarray, categories: np.ndarray | None = None, rows: int = 0,
+                    makers: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str | None]]:
+        """`predict`'s (point, low, high), and the measured GPU each row's prediction was
+        transferred from (None: the trees alone)."""
+        p, via = point(self.model, X, self.target, self.config, makers, self.parts, levels=self.gpu_levels,
+                       seen_mode=self.seen_mode(rows))
         q = self.widths(categories, rows)
-        return p, p * np.exp(-q), p * np.exp(q)
-
-    def siblings_of(self, X: np.ndarray, makers: np.ndarray, rows: int = 0) -> list[str | None]:
-        """The measured GPU each row's prediction was transferred from (None: the trees alone)."""
-        return self._point(X, makers, rows)[1]
-
-    def _point(self, X: np.ndarray, makers: np.ndarray | None, rows: int) -> tuple[np.ndarray, list[str | None]]:
-        return point(self.model, X, self.target, self.config, makers, self.parts, levels=self.gpu_levels,
-                     seen_mode=self.seen_mode(rows))
+        return p, p * np.exp(-q), p * np.exp(q), via
 
 
 def point(model, X: np.ndarray, target: str, cfg: XgbConfig, makers: np.ndarray | None, known: tuple[Part, ...],
@@ -339,7 +339,7 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
     grouped = groups is not None and len(set(groups.tolist())) >= 2
     known = siblings.parts(X, hardware) if hardware is not None else ()
     levels = own_levels(model, X, y, target, cfg, hardware, known, cfg.sibling_alpha) \
-        if known and cfg.sibling_alpha is not None and target == "itl" else {}
+        if known and cfg.seen_mode == "sibling_level" else {}  # measured_widths adds them where it needs them
     return Predictor(target=target, model=model, config=cfg, halfwidth=conformal_halfwidth(oof, y, coverage),
                      coverage=coverage, by_category=mondrian_halfwidths(oof, y, categories, coverage), grouped=grouped,
                      parts=known, gpu_levels=levels)
@@ -351,8 +351,10 @@ def measured_widths(p: Predictor, X: np.ndarray, y: np.ndarray, groups: np.ndarr
     """`p` with intervals for a GPU the training data has rows of: for each n in SHOT_LEVELS, the
     conformal widths of `p`'s config on group folds that keep n rows of each held-out group, and the
     seen mode that predicted those folds better (ties: the trees); figures in docs/predict.md."""
-    alpha, levels = p.config.sibling_alpha, {}
-    modes = SEEN_MODES if alpha is not None and p.gpu_levels and hardware is not None else ("trees",)
+    alpha, levels, gpu_levels = p.config.sibling_alpha, {}, p.gpu_levels
+    if alpha is not None and hardware is not None and p.parts and not gpu_levels:
+        gpu_levels = own_levels(p.model, X, y, p.target, p.config, hardware, p.parts, alpha)
+    modes = SEEN_MODES if alpha is not None and gpu_levels and hardware is not None else ("trees",)
     for n in SHOT_LEVELS:
         folds = inner_folds(len(y), groups, k, shots=n)
         oofs = oof_predictions(X, y, p.target, folds, p.config, balance, hardware, (alpha,), modes)
@@ -360,4 +362,5 @@ def measured_widths(p: Predictor, X: np.ndarray, y: np.ndarray, groups: np.ndarr
         levels[n] = {"halfwidth": conformal_halfwidth(oof, y, p.coverage),
                      "by_category": mondrian_halfwidths(oof, y, categories, p.coverage), "seen_mode": mode}
     names, counts = np.unique(groups, return_counts=True)
-    return replace(p, measured={"levels": levels, "rows": {str(g): int(n) for g, n in zip(names, counts)}})
+    return replace(p, measured={"levels": levels, "rows": {str(g): int(n) for g, n in zip(names, counts)}},
+                   gpu_levels=gpu_levels)

@@ -168,7 +168,8 @@ def estimate(trained: Trained, gpu: GpuSpec, model: ModelSpec, op: OperatingPoin
     power = trained.power.predict(X, cat, trained.power.rows_of(gpu.name))
     p, p_lo, p_hi = (float(v[0]) * gpu.thermal_design_power_w for v in power)
     rows, maker = trained.itl.rows_of(gpu.name), np.array([gpu.manufacturer])
-    t, t_lo, t_hi = (float(v[0]) for v in trained.itl.predict(X, cat, rows, maker))
+    *itl, via = trained.itl.predict_via(X, cat, rows, maker)
+    t, t_lo, t_hi = (float(v[0]) for v in itl)
     tok = (op.batch / t, op.batch / t_hi, op.batch / t_lo)
     per_j = (tok[0] / (p * op.n_gpus), tok[1] / (p_hi * op.n_gpus), tok[2] / (p_lo * op.n_gpus))
     cost = None
@@ -177,7 +178,7 @@ def estimate(trained: Trained, gpu: GpuSpec, model: ModelSpec, op: OperatingPoin
         cost = (usd_s / tok[0] * 1e6, usd_s / tok[2] * 1e6, usd_s / tok[1] * 1e6)
     return Estimate(gpu=gpu.name, model=model.name, n_gpus=op.n_gpus, batch=op.batch, power_w=(p, p_lo, p_hi),
                     itl_s=(t, t_lo, t_hi), tokens_s=tok, tokens_per_j=per_j, usd_per_mtok=cost,
-                    gpu_rows=rows, itl_sibling=trained.itl.siblings_of(X, maker, rows)[0])
+                    gpu_rows=rows, itl_sibling=via[0])
 
 
 def fits_in_memory(gpu: GpuSpec, model: ModelSpec, n_gpus: int) -> bool:
