@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import itertools
 import math
 
 import numpy as np
@@ -89,19 +91,21 @@ def test_transfer_scales_the_siblings_itl_by_the_roofline_ratio(alpha):
     X = matrix(_rows("H200 SXM") + _rows("MI300X"))
     makers = np.array(["NVIDIA"] * 3 + ["AMD"] * 3)
     seen = []
-    out, used = siblings.transfer(lambda Xs: seen.append(Xs) or np.full(len(Xs), 0.01), X, makers, known, alpha)
+    out, used, own = siblings.transfer(lambda Xs: seen.append(Xs) or np.full(len(Xs), 0.01), X, makers, known,
+                                       lambda framework: alpha)
     on_h100 = matrix(_rows("H100 SXM"))
     np.testing.assert_allclose(seen[0], on_h100)  # the trees asked about the H100
     np.testing.assert_allclose(out[:3], 0.01 * np.exp(alpha * (X[:3, ROOFLINE] - on_h100[:, ROOFLINE])))
-    assert np.isnan(out[3:]).all() and used == ["NVIDIA H100 SXM5 80GB"] * 3 + [None] * 3
+    assert np.isnan(out[3:]).all() and used == ["NVIDIA H100 SXM5 80GB"] * 3 + [None] * 3 and own == [None] * 6
     if alpha == 1.0:  # the H200 reads 4.8 TB/s against 3.35: a bandwidth-bound row is that much faster
         assert out[0] == pytest.approx(0.01 * 3350 / 4800, rel=0.02)
 
 
-def _stack_world(odd: float = 1.0) -> "evaluate.Table":
+def _stack_world(odd: float = 1.0, powers: dict[str, float] | None = None) -> "evaluate.Table":
     """Four GPUs, two makers whose software runs at 10x and 1x the roofline, their datasheets
     interleaved so that no spec tells the makers apart: LOGO's trees mix the levels, a sibling does not.
-    The MI300X runs at `odd` times its maker's level."""
+    The MI300X runs at `odd` times its maker's level. `powers`: serving framework -> the power of the
+    roofline its ITL follows (default: vLLM's, 1)."""
     gpus, mods = _specs()
     parts = [("A100 SXM4 40GB", "slow"), ("MI250", "fast"), ("H100 SXM", "slow"), ("MI300X", "fast")]
     specs, rows = [], []
@@ -109,11 +113,12 @@ def _stack_world(odd: float = 1.0) -> "evaluate.Table":
         spec = dataclasses.replace(gpus.get(name), manufacturer=maker)
         specs.append(spec)
         for model in ("meta-llama/Meta-Llama-3.1-8B", "meta-llama/Llama-2-13b-hf", "meta-llama/Llama-2-70b-hf"):
-            for b in (1, 4, 16, 64):
-                X = matrix([(spec, mods.get(model), OperatingPoint(batch=float(b)))])
-                itl = math.exp(X[0, ROOFLINE]) * (10.0 if maker == "slow" else 1.0) * (odd if name == "MI300X" else 1.0)
+            for b, (framework, power_of) in itertools.product((1, 4, 16, 64), (powers or {"vLLM": 1.0}).items()):
+                X = matrix([(spec, mods.get(model), OperatingPoint(batch=float(b), framework=framework))])
+                level = (10.0 if maker == "slow" else 1.0) * (odd if name == "MI300X" else 1.0)
+                itl = level * math.exp(X[0, ROOFLINE] * power_of) * 0.01 ** (1 - power_of)
                 power = spec.thermal_design_power_w * (0.4 + 0.005 * b)
-                rows.append(Measurement("toy", spec.name, model, 1, float(b), math.nan, math.nan, "server", "vLLM",
+                rows.append(Measurement("toy", spec.name, model, 1, float(b), math.nan, math.nan, "server", framework,
                                         power, itl))
     table = tables.GpuTable(specs=tuple(specs), aliases={tables.key(s.name): s.name for s in specs}, files=("toy",))
     return build(rows, table, mods)
@@ -171,7 +176,7 @@ def test_a_measured_gpu_is_predicted_by_its_mode():
     cfg = dataclasses.replace(QUICK, sibling_alpha=1.0)
     model = models.fit_xgb(world.X, np.log(world.itl_s), cfg, models.balanced_weights(world.gpu))
     known = siblings.parts(world.X, hw)
-    levels = models.own_levels(model, world.X, world.itl_s, "itl", cfg, hw, known, 1.0)
+    levels = models.own_levels(model, world.X, world.itl_s, "itl", cfg, hw, known)
     vllm = float(FRAMEWORKS.index("vLLM"))
     assert set(levels) == {(g, vllm) for g in set(world.gpu.tolist())}  # per GPU and framework it ran
     assert levels[("AMD Instinct MI300X", vllm)] == pytest.approx(2.0, rel=0.15)
@@ -226,3 +231,41 @@ def test_the_record_names_the_siblings_used():
     assert sum(sum(v.values()) for v in few["siblings_used"].values()) == len(world)
     plain = bp._run_one(world, "itl", (QUICK,), quiet, transfer=False)["logo"]
     assert all(v == {"": 12} for v in plain["siblings_used"].values())
+
+
+def test_each_framework_may_take_its_own_alpha():
+    # vLLM's ITL follows the roofline, llama.cpp's its square root: one alpha fits neither stack
+    world = _stack_world(powers={"vLLM": 1.0, "llama.cpp": 0.5})
+    one = evaluate.predict_held_out(world, "itl", "logo", grid=(QUICK,), framework_alphas=False)
+    each = evaluate.predict_held_out(world, "itl", "logo", grid=(QUICK,))
+    err = {name: models.mdape(p["xgboost"], world.itl_s) for name, p in (("one", one), ("each", each))}
+    assert err["each"] < 5 < err["one"], err
+    vllm, llama = (float(FRAMEWORKS.index(f)) for f in ("vLLM", "llama.cpp"))
+    assert all(c.alpha_for(vllm) == 1.0 and c.alpha_for(llama) == 0.5 for c in each["configs"]), each["configs"]
+    assert all(not c.framework_alphas for c in one["configs"])
+
+
+def test_per_framework_keeps_one_alpha_when_one_is_best():
+    y = np.ones(6)
+    framework = np.array([0.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    oofs = {(None, "trees"): np.full(6, 2.0), (0.5, "trees"): np.full(6, 1.01), (1.0, "trees"): np.full(6, 1.5)}
+    assert models.per_framework(oofs, y, framework, QUICK, "trees") is None  # 0.5 for both: the plain candidate
+    oofs[(1.0, "trees")] = np.r_[np.full(3, 1.5), np.full(3, 1.0)]
+    oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
+    np.testing.assert_allclose(oof, np.r_[np.full(3, 1.01), np.full(3, 1.0)])
+    assert (cfg.alpha_for(0.0), cfg.alpha_for(1.0), cfg.alpha_for(7.0)) == (0.5, 1.0, 0.5)  # ties: the smaller
+    oofs[(None, "trees")] = np.r_[np.full(3, 1.0), np.full(3, 2.0)]  # the trees best for framework 0
+    oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
+    assert (cfg.alpha_for(0.0), cfg.alpha_for(1.0), cfg.sibling_alpha) == (None, 1.0, 1.0) and cfg.transfers
+
+
+def test_framework_alphas_survive_a_json_round_trip_and_are_checked():
+    cfg = models.XgbConfig(sibling_alpha=0.75, framework_alphas=((3.0, None), (1.0, 1.25)), seen_mode="sibling")
+    again = models.XgbConfig(**json.loads(json.dumps(dataclasses.asdict(cfg))))
+    assert again == cfg and hash(again) == hash(cfg) and again.framework_alphas == ((1.0, 1.25), (3.0, None))
+    assert (cfg.alpha_for(1.0), cfg.alpha_for(3.0), cfg.alpha_for(2.0)) == (1.25, None, 0.75)
+    with pytest.raises(ValueError, match="framework_alphas"):
+        models.XgbConfig(framework_alphas=((1.0, 3.0),))
+    assert models.XgbConfig(framework_alphas=((1.0, 0.5),), seen_mode="sibling").transfers  # an alpha for one is enough
+    with pytest.raises(ValueError, match="seen_mode"):
+        models.XgbConfig(framework_alphas=((1.0, None),), seen_mode="sibling")

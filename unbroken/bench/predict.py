@@ -47,12 +47,13 @@ def _table(sources: tuple[str, ...], frameworks: tuple[str, ...] | None = None) 
     return build(rows, tables.load_gpus(), tables.load_models())
 
 
-def _run_one(table: Table, target: str, grid, console: Console, balance: bool = True, transfer: bool = True) -> dict:
+def _run_one(table: Table, target: str, grid, console: Console, balance: bool = True, transfer: bool = True,
+             framework_alphas: bool = True) -> dict:
     out = {}
     for kind in evaluate.SPLITS:
         t0 = time.monotonic()
         preds = evaluate.predict_held_out(table, target, kind, grid=grid, coverage=COVERAGE, balance=balance,
-                                          transfer=transfer)
+                                          transfer=transfer, framework_alphas=framework_alphas)
         res = evaluate.score(table, target, preds)
         chosen = Counter(preds["configs"]).most_common(1)[0][0]
         res["config"] = asdict(chosen)  # the one the outer splits chose most often
@@ -78,7 +79,7 @@ SHOTS = (1, 5, 20)  # measured rows of the held-out GPU handed to its training s
 
 
 def _few_shot(table: Table, target: str, grid, shots: tuple[int, ...], balance: bool, console: Console,
-              transfer: bool = True) -> dict:
+              transfer: bool = True, framework_alphas: bool = True) -> dict:
     """LOGO with `n` random rows of each held-out GPU in its training split, for each n in `shots`:
     how many measurements of new hardware (`unbroken predict profile`) bring its other rows in."""
     out = {}
@@ -86,7 +87,7 @@ def _few_shot(table: Table, target: str, grid, shots: tuple[int, ...], balance: 
         t0 = time.monotonic()
         try:
             preds = evaluate.predict_held_out(table, target, "logo", grid=grid, coverage=COVERAGE, balance=balance,
-                                              shots=n, transfer=transfer)
+                                              shots=n, transfer=transfer, framework_alphas=framework_alphas)
         except evaluate.SplitError as e:  # a GPU with <= n rows: say so in the record, go on
             out[str(n)] = {"skipped": str(e)}
             continue
@@ -193,6 +194,8 @@ def predict(out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where p
                                          "same in the fits, however many rows it has (--no-balance: every row)"),
             transfer: bool = typer.Option(True, "--siblings/--no-siblings", help="offer the search the ITL of an "
                                           "unseen GPU by transfer from its measured sibling of the same manufacturer"),
+            framework_alphas: bool = typer.Option(True, "--framework-alphas/--one-alpha", help="the search may "
+                                                  "choose the transfer's alpha per serving framework"),
             shots: str = typer.Option(",".join(map(str, SHOTS)), "--shots", help="comma-separated numbers of "
                                       "measured rows of the held-out GPU to add to its LOGO training split "
                                       "(few-shot LOGO; '' skips it)")) -> None:
@@ -216,19 +219,20 @@ def predict(out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where p
                       f"{len(set(table.model.tolist()))} models")
         for target in targets:
             t = table.with_target(target)
-            per_split = _run_one(t, target, grid, console, balance, transfer)
+            per_split = _run_one(t, target, grid, console, balance, transfer, framework_alphas)
             configs[f"{name}/{target}"] = {kind: r["config"] for kind, r in per_split.items()}
             for kind, r in per_split.items():
                 results.setdefault(name, {}).setdefault(kind, {})[target] = r
             if shot_counts:
                 few_shot.setdefault(name, {})[target] = _few_shot(t, target, grid, shot_counts, balance, console,
-                                                                  transfer)
+                                                                  transfer, framework_alphas)
     g = goals(results)
     _print(results, g, console)
     out_dir = Path(out_dir)
     path = write_result("predict", {"results": results, "goals": g, "chosen_configs": configs,
                                     "search_grid": [asdict(c) for c in grid], "interval_nominal_coverage": COVERAGE,
                                     "balanced_gpu_weights": balance, "sibling_transfer": transfer,
+                                    "framework_alphas": transfer and framework_alphas,
                                     "few_shot_logo": few_shot},
                         out_dir)
     _figure(results, out_dir / "predict.png")

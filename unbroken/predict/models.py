@@ -49,12 +49,18 @@ class XgbConfig:
     # ITL of a GPU with no training rows by transfer from its sibling (`siblings`), scaled by the
     # roofline ratio to this power; None: the trees alone
     sibling_alpha: float | None = None
-    seen_mode: str = "trees"  # SEEN_MODES; "sibling_level" needs a sibling_alpha
+    # ((serving framework code, its alpha or None), ...): frameworks whose alpha is not sibling_alpha
+    framework_alphas: tuple[tuple[float, float | None], ...] = ()
+    seen_mode: str = "trees"  # SEEN_MODES; all but "trees" need an alpha
 
     def __post_init__(self) -> None:
-        if self.sibling_alpha is not None and not 0 <= self.sibling_alpha <= 2:
-            raise ValueError(f"sibling_alpha must be None or in [0, 2], got {self.sibling_alpha}")
-        if self.seen_mode not in SEEN_MODES or (self.seen_mode != "trees" and self.sibling_alpha is None):
+        # a JSON round trip (the service's cache) gives lists: keep the config hashable and equal
+        object.__setattr__(self, "framework_alphas", tuple(sorted(
+            (float(f), None if a is None else float(a)) for f, a in self.framework_alphas)))
+        for a in (self.sibling_alpha, *(a for _, a in self.framework_alphas)):
+            if a is not None and not 0 <= a <= 2:
+                raise ValueError(f"sibling_alpha and framework_alphas must be None or in [0, 2], got {a}")
+        if self.seen_mode not in SEEN_MODES or (self.seen_mode != "trees" and not self.transfers):
             raise ValueError(f"seen_mode must be one of {', '.join(SEEN_MODES)} (all but 'trees' with a "
                              f"sibling_alpha), got {self.seen_mode!r}")
         if self.target_form not in FORMS:
@@ -63,6 +69,15 @@ class XgbConfig:
             raise ValueError(f"n_estimators and max_depth must be >= 1, got {self.n_estimators}, {self.max_depth}")
         if not (0 < self.learning_rate <= 1 and 0 < self.subsample <= 1 and 0 < self.colsample_bytree <= 1):
             raise ValueError("learning_rate, subsample and colsample_bytree must be in (0, 1]")
+
+    def alpha_for(self, framework: float) -> float | None:
+        """The sibling-transfer alpha of a serving framework's rows (None: the trees)."""
+        return dict(self.framework_alphas).get(float(framework), self.sibling_alpha)
+
+    @property
+    def transfers(self) -> bool:
+        """Whether any framework's ITL may come from a sibling."""
+        return self.sibling_alpha is not None or any(a is not None for _, a in self.framework_alphas)
 
 
 DEFAULT = XgbConfig()
@@ -219,35 +234,33 @@ class Predictor:
                     makers: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str | None]]:
         """`predict`'s (point, low, high), and the measured GPU each row's prediction was
         transferred from (None: the trees alone)."""
-        p, via = point(self.model, X, self.target, self.config, makers, self.parts, levels=self.gpu_levels,
-                       seen_mode=self.seen_mode(rows))
+        p, via = point(self.model, X, self.target, self.config, makers, self.parts, self.gpu_levels,
+                       self.seen_mode(rows))
         q = self.widths(categories, rows)
         return p, p * np.exp(-q), p * np.exp(q), via
 
 
 def point(model, X: np.ndarray, target: str, cfg: XgbConfig, makers: np.ndarray | None, known: tuple[Part, ...],
-          alpha: float | None = None, levels: dict | None = None,
-          seen_mode: str | None = None) -> tuple[np.ndarray, list[str | None]]:
-    """`model`'s prediction in target units and each row's sibling (None: the trees' own). With a
-    sibling-transfer alpha (else cfg's): a GPU with no training rows by transfer where one applies;
-    a measured GPU, in seen_mode (else cfg's) "sibling", by transfer from its nearest other part,
-    in "sibling_level" that times its level for the row's framework in `levels` (where it has one),
-    in "trees" by the trees."""
-    alpha = cfg.sibling_alpha if alpha is None else alpha
+          levels: dict | None = None, seen_mode: str | None = None) -> tuple[np.ndarray, list[str | None]]:
+    """`model`'s prediction in target units and each row's sibling (None: the trees' own). Where
+    cfg gives the row's framework an alpha (`XgbConfig.alpha_for`): a GPU with no training rows by
+    transfer where one applies; a measured GPU, in seen_mode (else cfg's) "sibling", by transfer
+    from its nearest other part, in "sibling_level" that times its level for the row's framework in
+    `levels` (where it has one), in "trees" by the trees."""
     seen_mode = cfg.seen_mode if seen_mode is None else seen_mode
     p = from_target(target, model.predict(X), X, cfg.target_form)
-    if alpha is None or makers is None or not known or target != "itl":
+    if not cfg.transfers or makers is None or not known or target != "itl":
         return p, [None] * len(X)
 
     def predict_s(Xs: np.ndarray) -> np.ndarray:
         return from_target(target, model.predict(Xs), Xs, cfg.target_form)
 
-    t, used = siblings.transfer(predict_s, X, makers, known, alpha, measured_ok=seen_mode != "trees")
+    t = siblings.transfer(predict_s, X, makers, known, cfg.alpha_for, measured_ok=seen_mode != "trees")
+    itl = t.itl_s
     if seen_mode == "sibling_level" and levels:  # a framework the GPU has no level for: its sibling's
         fw = X[:, FEATURES.index("framework")]
-        t = t * np.array([1.0 if g is None else levels.get((g, float(f)), 1.0)
-                          for g, f in zip(siblings.own_names(known, X, makers), fw)])
-    return np.where(np.isfinite(t), t, p), used
+        itl = itl * np.array([1.0 if g is None else levels.get((g, float(f)), 1.0) for g, f in zip(t.own, fw)])
+    return np.where(np.isfinite(itl), itl, p), t.via
 
 
 MIN_CATEGORY_ROWS = 30  # fewer calibration rows than this: the category uses the pooled width
@@ -271,34 +284,60 @@ def oof_predictions(X: np.ndarray, y: np.ndarray, target: str, folds, cfg: XgbCo
                     alphas: tuple[float | None, ...] | None = None,
                     modes: tuple[str, ...] | None = None) -> dict[tuple, np.ndarray]:
     """Out-of-fold predictions of `cfg`, target units, keyed (alpha, seen mode): each sibling-transfer
-    alpha in `alphas` (default: cfg's; None: the trees alone) with each of `modes` (default: cfg's;
-    they differ only for a held-out GPU with rows in training, a few-shot fold's); one fit per fold
-    serves them all. `hardware`: the rows' GPUs and makers (no transfer without)."""
-    alphas = (cfg.sibling_alpha,) if alphas is None else alphas
-    modes = (cfg.seen_mode,) if modes is None else modes
-    keys = [(a, m) for a in alphas for m in (modes if a is not None else ("trees",))]
-    out = {key: np.full(len(y), np.nan) for key in keys}
+    alpha in `alphas` for every framework (default: cfg's own alphas, keyed by its sibling_alpha;
+    None: the trees alone) with each of `modes` (default: cfg's; they differ only for a held-out
+    GPU with rows in training, a few-shot fold's); one fit per fold serves them all. `hardware`:
+    the rows' GPUs and makers (no transfer without)."""
+    variants = {(cfg.sibling_alpha, m): replace(cfg, seen_mode=m) for m in (modes or (cfg.seen_mode,))
+                if cfg.transfers or m == "trees"} if alphas is None else \
+        {(a, m): replace(cfg, sibling_alpha=a, framework_alphas=(), seen_mode=m)
+         for a in alphas for m in (modes or (cfg.seen_mode,)) if a is not None or m == "trees"}
+    out = {key: np.full(len(y), np.nan) for key in variants}
     for tr, te in folds:
         w = None if balance is None else balanced_weights(balance[tr])
         model = fit_xgb(X[tr], to_target(target, y[tr], X[tr], cfg.target_form), cfg, w)
         hw = hardware.take(tr) if hardware is not None else None
         known = siblings.parts(X[tr], hw) if hw is not None else ()
         makers = None if hardware is None else hardware.maker[te]
-        for a, m in keys:
-            if a is None:
-                out[(a, m)][te] = from_target(target, model.predict(X[te]), X[te], cfg.target_form)
-                continue
-            held = set(hardware.gpu[te].tolist())
-            levels = own_levels(model, X[tr], y[tr], target, cfg, hw, known, a, held) if m == "sibling_level" else None
-            out[(a, m)][te] = point(model, X[te], target, cfg, makers, known, a, levels, m)[0]
+        held = set() if hardware is None else set(hardware.gpu[te].tolist())
+        for key, c in variants.items():
+            levels = own_levels(model, X[tr], y[tr], target, c, hw, known, held) \
+                if c.seen_mode == "sibling_level" and known else None
+            out[key][te] = point(model, X[te], target, c, makers, known, levels)[0]
     return out
 
 
 def own_levels(model, X: np.ndarray, y: np.ndarray, target: str, cfg: XgbConfig, hw: Hardware,
-               known: tuple[Part, ...], alpha: float, only: set[str] | None = None) -> dict[tuple[str, float], float]:
-    """`siblings.own_levels` with `model`'s ITL."""
+               known: tuple[Part, ...], only: set[str] | None = None) -> dict[tuple[str, float], float]:
+    """`siblings.own_levels` with `model`'s ITL and cfg's alphas."""
     return siblings.own_levels(lambda Xs: from_target(target, model.predict(Xs), Xs, cfg.target_form),
-                               X, y, hw, known, alpha, only)
+                               X, y, hw, known, cfg.alpha_for, only)
+
+
+def per_framework(oofs: dict[tuple, np.ndarray], y: np.ndarray, framework: np.ndarray, cfg: XgbConfig,
+                  mode: str) -> tuple[np.ndarray, XgbConfig] | None:
+    """The out-of-fold predictions and config of the best alpha for each serving framework apart
+    (by that framework's rows' MdAPE; ties: no transfer, then the smaller alpha), from `oofs`
+    (`oof_predictions` keyed (alpha, mode), with (None, "trees")), in seen mode `mode`; None when
+    that is one alpha for all (the plain candidate is that) or no transfer at all. The remaining
+    sibling_alpha, for a framework the training rows never ran (no sibling ran it either), is the
+    one chosen for most rows."""
+    def oof(a: float | None) -> np.ndarray:
+        return oofs[(a, "trees" if a is None else mode)]
+
+    alphas = [a for a, m in oofs if a is None or m == mode]
+    combined, choice, rows = oof(None).copy(), {}, {}  # a row without a framework has no sibling
+    for f in sorted(set(framework[np.isfinite(framework)].tolist())):
+        sel = framework == f
+        choice[f] = min(alphas, key=lambda a: (mdape(oof(a)[sel], y[sel]), -1 if a is None else a))
+        combined[sel] = oof(choice[f])[sel]
+        if choice[f] is not None:
+            rows[choice[f]] = rows.get(choice[f], 0) + int(sel.sum())
+    if len(set(choice.values())) < 2 or not rows:
+        return None
+    rest = max(rows, key=rows.get)
+    return combined, replace(cfg, sibling_alpha=rest, seen_mode=mode,
+                             framework_alphas=tuple((f, a) for f, a in choice.items() if a != rest))
 
 
 def mdape(pred: np.ndarray, true: np.ndarray) -> float:
@@ -310,14 +349,16 @@ def mdape(pred: np.ndarray, true: np.ndarray) -> float:
 def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None = None,
         grid: tuple[XgbConfig, ...] = (DEFAULT,), coverage: float = 0.9, k: int = 5,
         categories: np.ndarray | None = None, balance: np.ndarray | None = None, shots: int = 0,
-        hardware: Hardware | None = None) -> Predictor:
+        hardware: Hardware | None = None, framework_alphas: bool = True) -> Predictor:
     """Choose a config from `grid` by inner-fold MdAPE, calibrate the interval on the same
     out-of-fold predictions, refit the chosen config on all rows. A config whose target form does
     not apply to `target` is tried in the direct form (duplicates once). `balance`: labels (the
     GPU of each row) whose groups get equal weight in every fit (`balanced_weights`); the scores
     and the interval stay unweighted, as the held-out metric is. `shots`: few-shot inner folds
     (`inner_folds`). `hardware` (ITL): each config is also scored with sibling transfer at every
-    alpha in siblings.ALPHAS; the trees alone win ties (under CV and LOLO no row has a sibling)."""
+    alpha in siblings.ALPHAS and, with `framework_alphas`, with each framework's best alpha apart
+    (`per_framework`); the simpler candidate wins ties (under CV and LOLO no row has a sibling:
+    the trees alone)."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     grid = tuple(dict.fromkeys(c if c.target_form in forms_for(target) else replace(c, target_form="direct")
@@ -325,20 +366,26 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
     if len(y) < 2:
         raise ValueError(f"cannot train the {target} model on {len(y)} row(s): the training split is empty")
     folds = inner_folds(len(y), groups, k, shots=shots)
-    alphas = (None,) + (siblings.ALPHAS if target == "itl" and hardware is not None else ())
+    transfer = target == "itl" and hardware is not None
+    alphas = (None,) + (siblings.ALPHAS if transfer else ())
     modes = SEEN_MODES if shots else ("trees",)  # without shots no held-out GPU is in training
     best = None
     for cfg in grid:
-        for (alpha, mode), oof in oof_predictions(X, y, target, folds, cfg, balance, hardware, alphas, modes).items():
+        oofs = oof_predictions(X, y, target, folds, cfg, balance, hardware, alphas, modes)
+        candidates = [(v, replace(cfg, sibling_alpha=a, seen_mode=m)) for (a, m), v in oofs.items()]
+        if transfer and framework_alphas:
+            found = (per_framework(oofs, y, X[:, FEATURES.index("framework")], cfg, m) for m in modes)
+            candidates += [c for c in found if c is not None]
+        for oof, c in candidates:
             score = mdape(oof, y)
             if best is None or score < best[0]:
-                best = (score, replace(cfg, sibling_alpha=alpha, seen_mode=mode), oof)
+                best = (score, c, oof)
     _, cfg, oof = best
     model = fit_xgb(X, to_target(target, y, X, cfg.target_form), cfg,
                     None if balance is None else balanced_weights(balance))
     grouped = groups is not None and len(set(groups.tolist())) >= 2
     known = siblings.parts(X, hardware) if hardware is not None else ()
-    levels = own_levels(model, X, y, target, cfg, hardware, known, cfg.sibling_alpha) \
+    levels = own_levels(model, X, y, target, cfg, hardware, known) \
         if known and cfg.seen_mode == "sibling_level" else {}  # measured_widths adds them where it needs them
     return Predictor(target=target, model=model, config=cfg, halfwidth=conformal_halfwidth(oof, y, coverage),
                      coverage=coverage, by_category=mondrian_halfwidths(oof, y, categories, coverage), grouped=grouped,
@@ -351,13 +398,13 @@ def measured_widths(p: Predictor, X: np.ndarray, y: np.ndarray, groups: np.ndarr
     """`p` with intervals for a GPU the training data has rows of: for each n in SHOT_LEVELS, the
     conformal widths of `p`'s config on group folds that keep n rows of each held-out group, and the
     seen mode that predicted those folds better (ties: the trees); figures in docs/predict.md."""
-    alpha, levels, gpu_levels = p.config.sibling_alpha, {}, p.gpu_levels
-    if alpha is not None and hardware is not None and p.parts and not gpu_levels:
-        gpu_levels = own_levels(p.model, X, y, p.target, p.config, hardware, p.parts, alpha)
-    modes = SEEN_MODES if alpha is not None and gpu_levels and hardware is not None else ("trees",)
+    levels, gpu_levels, transfers = {}, p.gpu_levels, p.config.transfers and hardware is not None
+    if transfers and p.parts and not gpu_levels:
+        gpu_levels = own_levels(p.model, X, y, p.target, p.config, hardware, p.parts)
+    modes = SEEN_MODES if transfers and gpu_levels else ("trees",)
     for n in SHOT_LEVELS:
         folds = inner_folds(len(y), groups, k, shots=n)
-        oofs = oof_predictions(X, y, p.target, folds, p.config, balance, hardware, (alpha,), modes)
+        oofs = oof_predictions(X, y, p.target, folds, p.config, balance, hardware, modes=modes)
         mode, oof = min(((m, v) for (_, m), v in oofs.items()), key=lambda mv: mdape(mv[1], y))  # ties: trees
         levels[n] = {"halfwidth": conformal_halfwidth(oof, y, p.coverage),
                      "by_category": mondrian_halfwidths(oof, y, categories, p.coverage), "seen_mode": mode}

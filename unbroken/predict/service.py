@@ -81,7 +81,8 @@ def cache_dir() -> Path:
 
 
 # how train() fits, beyond its arguments: a cache made under another recipe is not reused
-RECIPE = "gpu-balanced-weights, few-shot widths and seen modes at 1/5/20 rows, sibling transfer and levels"
+RECIPE = ("gpu-balanced-weights, few-shot widths and seen modes at 1/5/20 rows, sibling transfer and levels, "
+          "alphas 0.5-1.25 per framework")
 
 
 def _key(table: Table, coverage: float, config: XgbConfig, k: int) -> str:

@@ -10,7 +10,8 @@ rows, the prediction is the trees' ITL *for its sibling* (the measured part of t
 manufacturer nearest in log bandwidth and log TFLOPS that ran the row's serving framework), times
 (roofline on the GPU ÷ roofline on the sibling) ** alpha: alpha = 1 trusts the datasheet ratio
 fully, 0 copies the sibling; the nested search picks alpha on leave-one-GPU-out folds, or no
-transfer at all. A GPU whose figures equal a measured part's is that part (the trees know it);
+transfer at all, for all serving frameworks or for each apart (a stack's efficiency need not follow
+the datasheet as another's does; models.XgbConfig.framework_alphas). A GPU whose figures equal a measured part's is that part (the trees know it);
 one whose manufacturer has no measured part, or whose framework no sibling ran, keeps the trees'
 own prediction. A GPU with a few rows may be predicted by its sibling too (models.SEEN_MODES), times
 its own level per framework (`own_levels`).
@@ -25,7 +26,7 @@ import numpy as np
 
 from unbroken.predict.features import FEATURES, GPU_COLUMNS, ROOFLINE, with_gpu
 
-ALPHAS = (0.5, 0.75, 1.0)  # offered to the nested search next to "no transfer"
+ALPHAS = (0.5, 0.75, 1.0, 1.25)  # offered to the nested search next to "no transfer"
 _FRAMEWORK = FEATURES.index("framework")
 _DISTANCE = [GPU_COLUMNS.index(FEATURES.index(c)) for c in ("memory_bandwidth_gb_s", "tensor_tflops")]
 
@@ -98,36 +99,41 @@ def _kinds(X: np.ndarray, makers: np.ndarray) -> dict[tuple, list[int]]:
     return out
 
 
+class Transferred(NamedTuple):
+    """`transfer`'s answer, per row: the ITL in seconds (NaN where no transfer applies), the part it
+    came from, and the measured part that is the row's GPU itself (None: a GPU with no training rows)."""
+
+    itl_s: np.ndarray
+    via: list[str | None]
+    own: list[str | None]
+
+
 def transfer(predict_s: Callable[[np.ndarray], np.ndarray], X: np.ndarray, makers: np.ndarray,
-             known: tuple[Part, ...], alpha: float, measured_ok: bool = False) -> tuple[np.ndarray, list[str | None]]:
-    """(ITL in seconds by sibling transfer, NaN where none applies; the sibling of each row).
-    `predict_s`: the trees' ITL for feature rows, in seconds. `measured_ok`: see `sibling`."""
-    out = np.full(len(X), np.nan)
-    used: list[str | None] = [None] * len(X)
+             known: tuple[Part, ...], alpha_of: Callable[[float], float | None],
+             measured_ok: bool = False) -> Transferred:
+    """ITL by sibling transfer. `predict_s`: the trees' ITL for feature rows, in seconds. `alpha_of`:
+    the roofline-ratio power for a serving framework's code (None: that framework is not transferred).
+    `measured_ok`: see `sibling`."""
+    out = Transferred(np.full(len(X), np.nan), [None] * len(X), [None] * len(X))
     for rows in _kinds(X, makers).values():
-        first = X[rows[0]]
-        p = sibling(known, str(makers[rows[0]]), first[list(GPU_COLUMNS)], first[_FRAMEWORK], measured_ok)
+        first, maker = X[rows[0]], str(makers[rows[0]])
+        own = own_part(known, maker, first[list(GPU_COLUMNS)])
+        for i in rows:
+            out.own[i] = None if own is None else own.name
+        alpha = alpha_of(float(first[_FRAMEWORK]))
+        p = None if alpha is None else sibling(known, maker, first[list(GPU_COLUMNS)], first[_FRAMEWORK], measured_ok)
         if p is None:
             continue
         Xs = with_gpu(X[rows], np.asarray(p.figures))
-        out[rows] = predict_s(Xs) * np.exp(alpha * (X[rows, ROOFLINE] - Xs[:, ROOFLINE]))
+        out.itl_s[rows] = predict_s(Xs) * np.exp(alpha * (X[rows, ROOFLINE] - Xs[:, ROOFLINE]))
         for i in rows:
-            used[i] = p.name
-    return out, used
-
-
-def own_names(known: tuple[Part, ...], X: np.ndarray, makers: np.ndarray) -> list[str | None]:
-    """Per row: the measured part that is its GPU (None: a GPU with no training rows)."""
-    out: list[str | None] = [None] * len(X)
-    for rows in _kinds(X, makers).values():
-        own = own_part(known, str(makers[rows[0]]), X[rows[0]][list(GPU_COLUMNS)])
-        for i in rows:
-            out[i] = None if own is None else own.name
+            out.via[i] = p.name
     return out
 
 
 def own_levels(predict_s: Callable[[np.ndarray], np.ndarray], X: np.ndarray, y: np.ndarray, hw: Hardware,
-               known: tuple[Part, ...], alpha: float, only: set[str] | None = None) -> dict[tuple[str, float], float]:
+               known: tuple[Part, ...], alpha_of: Callable[[float], float | None],
+               only: set[str] | None = None) -> dict[tuple[str, float], float]:
     """Per measured GPU (those in `only`, default all) and serving framework it ran: the median of its
     measured ITL ÷ the ITL transferred from its nearest other part, over those rows: the level of its
     own software against its sibling's, which a few measurements of a new GPU fix (seen_mode
@@ -136,7 +142,7 @@ def own_levels(predict_s: Callable[[np.ndarray], np.ndarray], X: np.ndarray, y: 
     out = {}
     for g in sorted(set(hw.gpu.tolist()) if only is None else only & set(hw.gpu.tolist())):
         rows = np.flatnonzero(hw.gpu == g)
-        t = transfer(predict_s, X[rows], hw.maker[rows], known, alpha, measured_ok=True)[0]
+        t = transfer(predict_s, X[rows], hw.maker[rows], known, alpha_of, measured_ok=True).itl_s
         fw = X[rows, _FRAMEWORK]
         for f in sorted(set(fw[np.isfinite(fw)].tolist())):
             ok = np.isfinite(t) & (t > 0) & (fw == f)
