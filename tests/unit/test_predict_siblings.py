@@ -226,11 +226,12 @@ def test_the_record_names_the_siblings_used():
     logo = bp._run_one(world, "itl", (QUICK,), quiet)["logo"]
     assert logo["siblings_used"]["NVIDIA H100 SXM5 80GB"] == {"NVIDIA A100-SXM4-40GB": 12}
     assert all(c["sibling_alpha"] is not None for c in logo["configs_chosen"])
+    assert logo["by_source"]["sibling"]["rows"] == len(world) and logo["by_source"]["trees"]["rows"] == 0
     few = bp._few_shot(world, "itl", (QUICK,), (2,), True, quiet)["2"]
     assert len(few["configs_chosen"]) == 4 and {c["seen_mode"] for c in few["configs_chosen"]} <= set(models.SEEN_MODES)
     assert sum(sum(v.values()) for v in few["siblings_used"].values()) == len(world)
     plain = bp._run_one(world, "itl", (QUICK,), quiet, transfer=False)["logo"]
-    assert all(v == {"": 12} for v in plain["siblings_used"].values())
+    assert all(v == {"": 12} for v in plain["siblings_used"].values()) and "by_source" not in plain
 
 
 def test_each_framework_may_take_its_own_alpha():
@@ -248,15 +249,37 @@ def test_each_framework_may_take_its_own_alpha():
 def test_per_framework_keeps_one_alpha_when_one_is_best():
     y = np.ones(6)
     framework = np.array([0.0, 0.0, 0.0, 1.0, 1.0, 1.0])
-    oofs = {(None, "trees"): np.full(6, 2.0), (0.5, "trees"): np.full(6, 1.01), (1.0, "trees"): np.full(6, 1.5)}
+
+    def oof(pred, moved=True):
+        return models.Oof(np.asarray(pred, float), np.full(6, moved))
+
+    oofs = {(None, "trees"): oof(np.full(6, 2.0), False), (0.5, "trees"): oof(np.full(6, 1.01)),
+            (1.0, "trees"): oof(np.full(6, 1.5))}
     assert models.per_framework(oofs, y, framework, QUICK, "trees") is None  # 0.5 for both: the plain candidate
-    oofs[(1.0, "trees")] = np.r_[np.full(3, 1.5), np.full(3, 1.0)]
-    oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
-    np.testing.assert_allclose(oof, np.r_[np.full(3, 1.01), np.full(3, 1.0)])
+    oofs[(1.0, "trees")] = oof(np.r_[np.full(3, 1.5), np.full(3, 1.0)])
+    got, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
+    np.testing.assert_allclose(got.pred, np.r_[np.full(3, 1.01), np.full(3, 1.0)])
     assert (cfg.alpha_for(0.0), cfg.alpha_for(1.0), cfg.alpha_for(7.0)) == (0.5, 1.0, 0.5)  # ties: the smaller
-    oofs[(None, "trees")] = np.r_[np.full(3, 1.0), np.full(3, 2.0)]  # the trees best for framework 0
-    oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
+    oofs[(None, "trees")] = oof(np.r_[np.full(3, 1.0), np.full(3, 2.0)], False)  # the trees best for framework 0
+    got, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
     assert (cfg.alpha_for(0.0), cfg.alpha_for(1.0), cfg.sibling_alpha) == (None, 1.0, 1.0) and cfg.transfers
+    assert got.transferred.tolist() == [False] * 3 + [True] * 3  # the trees' rows are not the transfer's
+
+
+def test_transferred_rows_are_calibrated_apart():
+    rng = np.random.default_rng(0)
+    true = np.exp(rng.normal(size=200))
+    moved = np.arange(200) < 120
+    pred = true * np.where(moved, np.exp(rng.uniform(-0.1, 0.1, 200)), np.exp(rng.uniform(-1.5, 1.5, 200)))
+    scenario = np.where(np.arange(200) % 10 == 0, 2.0, 0.0)  # scenario 2: 12 transferred rows, 8 others
+    by = models.mondrian_halfwidths(pred, true, scenario, 0.9, moved)
+    assert set(by) == {0.0, models.TRANSFERRED, -1.0, -2.0}  # scenario 2 has too few rows of either source
+    assert by[models.TRANSFERRED] < 0.1 < 1.2 < by[0.0]
+    p = models.Predictor(target="itl", model=None, config=QUICK, halfwidth=9.0, coverage=0.9, by_category=by)
+    q = p.widths(np.array([0.0, 0.0, 2.0, 2.0]), transferred=np.array([True, False, True, False]))
+    np.testing.assert_allclose(q, [by[models.TRANSFERRED], by[0.0], by[-2.0], by[-1.0]])
+    assert p.widths(None) == 9.0 and p.widths(np.array([0.0]))[0] == by[0.0]  # no source given: the trees'
+    assert models.mondrian_halfwidths(pred, true, None, 0.9) == {}
 
 
 def test_framework_alphas_survive_a_json_round_trip_and_are_checked():

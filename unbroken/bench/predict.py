@@ -101,6 +101,7 @@ def _few_shot(table: Table, target: str, grid, shots: tuple[int, ...], balance: 
                        "target_forms": dict(Counter(c.target_form for c in preds["configs"])),
                        "configs_chosen": [asdict(c) for c in preds["configs"]],  # incl. alpha and seen mode
                        "siblings_used": _siblings_used(table.gpu, preds["sibling"]),
+                       **({"by_source": res["by_source"]} if "by_source" in res else {}),
                        "seconds": round(time.monotonic() - t0, 1)}
         console.print(f"  {target:5s} logo with {n:2d} shot(s) MdAPE xgboost {res['mdape']['xgboost']:7.2f}%  "
                       f"baseline {res['mdape']['baseline']:7.2f}%, from the shots "

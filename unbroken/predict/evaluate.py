@@ -162,6 +162,26 @@ def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbCon
     return out
 
 
+def _interval(preds: dict, true: np.ndarray, rows: np.ndarray) -> dict:
+    """Coverage and median relative width of the interval over `rows` (a mask)."""
+    inside = (true[rows] >= preds["low"][rows]) & (true[rows] <= preds["high"][rows])
+    width = (preds["high"][rows] - preds["low"][rows]) / preds["xgboost"][rows]
+    return {"coverage": round(float(inside.mean()), 4) if rows.any() else math.nan,
+            "interval_median_width_pct": round(float(np.median(width)) * 100, 2) if rows.any() else math.nan}
+
+
+def by_source(preds: dict, true: np.ndarray) -> dict:
+    """MdAPE, coverage and width apart for the rows whose ITL came from a sibling and those the trees
+    predicted: the interval is calibrated apart for each (models.mondrian_halfwidths)."""
+    scored = np.isfinite(preds["xgboost"])
+    out = {}
+    for name, rows in (("sibling", preds["sibling"] != ""), ("trees", preds["sibling"] == "")):
+        rows = scored & rows
+        out[name] = {"rows": int(rows.sum()), "mdape": round(mdape(preds["xgboost"][rows], true[rows]), 3),
+                     **_interval(preds, true, rows)}
+    return out
+
+
 def score(table: Table, target: str, preds: dict) -> dict:
     """The metrics for one (data set, split, target): xgboost next to the baseline."""
     true = table.power_w if target == "power" else table.itl_s
@@ -174,11 +194,9 @@ def score(table: Table, target: str, preds: dict) -> dict:
         res["pearson_r"][name] = round(pearson(pred, true), 4)
         res["kendall_tau_gpu"][name] = round(kendall(table, true, pred, "gpu"), 4)
         res["kendall_tau_model"][name] = round(kendall(table, true, pred, "model"), 4)
-    scored = np.isfinite(preds["xgboost"])  # rows a split predicted (not a few-shot split's training rows)
-    inside = (true[scored] >= preds["low"][scored]) & (true[scored] <= preds["high"][scored])
-    res["coverage"] = round(float(inside.mean()), 4)
-    width = (preds["high"][scored] - preds["low"][scored]) / preds["xgboost"][scored]
-    res["interval_median_width_pct"] = round(float(np.median(width)) * 100, 2)
+    res.update(_interval(preds, true, np.isfinite(preds["xgboost"])))  # rows a split predicted
+    if "sibling" in preds and (preds["sibling"] != "").any():
+        res["by_source"] = by_source(preds, true)
     res["mdape_per_gpu"] = {"xgboost": per_group_mdape(table.gpu, preds["xgboost"], true),
                             "baseline": per_group_mdape(table.gpu, preds["baseline"], true)}
     res["mdape_per_model"] = {"xgboost": per_group_mdape(table.model, preds["xgboost"], true),
