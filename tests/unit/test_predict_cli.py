@@ -131,6 +131,25 @@ def test_check_compares_predictions_with_measurements(tmp_path, monkeypatch):
         assert doc["summary"][r["target"]] == {"n": 1, "mdape": abs(r["error"]) * 100, "coverage": float(r["inside"])}
 
 
+def test_token_lengths_reach_the_operating_point(monkeypatch):
+    from unbroken.predict import models, service
+
+    rows = measurements.load_ml_energy_v2()
+    fast = models.XgbConfig(n_estimators=20, max_depth=3, learning_rate=0.3)
+    monkeypatch.setattr(service, "training_table", lambda g, m, extra: service.build(rows[:150] + list(extra), g, m))
+    monkeypatch.setattr(service, "train_cached", lambda table: service.train(table, config=fast, k=3))
+    seen, estimate = [], service.estimate
+    monkeypatch.setattr(service, "estimate", lambda t, g, m, op, usd=None: seen.append(op) or estimate(t, g, m, op, usd))
+    res = _run("--gpu", "H100 SXM", "--model", "meta-llama/Meta-Llama-3.1-8B", "--prompt-tokens", "512",
+               "--output-tokens", "256", "--json")
+    assert res.exit_code == 0, res.output
+    assert (seen[-1].prompt_tokens, seen[-1].output_tokens) == (512.0, 256.0)
+    res = _run("--gpu", "H100 SXM", "--model", "meta-llama/Meta-Llama-3.1-8B", "--json")
+    assert res.exit_code == 0 and math.isnan(seen[-1].prompt_tokens) and math.isnan(seen[-1].output_tokens)
+    res = _run("--gpu", "H100 SXM", "--model", "meta-llama/Meta-Llama-3.1-8B", "--output-tokens", "0")
+    assert res.exit_code == 2 and "output_tokens must be > 0" in res.output and "Traceback" not in res.output
+
+
 def test_a_malformed_measurement_file_is_one_line(tmp_path):
     f = tmp_path / "bad.jsonl"
     f.write_text('{"gpu": "A100"}\n')

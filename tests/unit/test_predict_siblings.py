@@ -71,14 +71,21 @@ def _known(*named: tuple[str, str, tuple[str, ...]]) -> tuple[siblings.Part, ...
     return siblings.parts(np.vstack(X), siblings.Hardware(np.array(gpu), np.array(maker)))
 
 
-def test_the_sibling_is_the_nearest_measured_part_of_the_maker_that_ran_the_framework():
+def test_the_sibling_is_the_nearest_measured_part_of_the_maker_that_ran_the_setup():
     known = _known(("A100 SXM4 40GB", "NVIDIA", ("vLLM", "TensorRT-LLM")), ("H100 SXM", "NVIDIA", ("vLLM",)),
                    ("MI300X", "AMD", ("vLLM",)))
     h200 = matrix(_rows("H200 SXM"))[0]
-    figures, vllm, trt = h200[list(GPU_COLUMNS)], FRAMEWORKS.index("vLLM"), FRAMEWORKS.index("TensorRT-LLM")
+    server = float(SCENARIOS.index("server"))  # the scenario _rows serve in
+
+    def setup(framework: str, scenario: float = server) -> tuple[float, float]:
+        return float(FRAMEWORKS.index(framework)), scenario
+
+    figures, vllm = h200[list(GPU_COLUMNS)], setup("vLLM")
     assert siblings.sibling(known, "NVIDIA", figures, vllm).name == "NVIDIA H100 SXM5 80GB"  # nearer than the A100
-    assert siblings.sibling(known, "NVIDIA", figures, trt).name == "NVIDIA A100-SXM4-40GB"  # the one that ran TRT
-    assert siblings.sibling(known, "NVIDIA", figures, FRAMEWORKS.index("llama.cpp")) is None  # no part ran it
+    assert siblings.sibling(known, "NVIDIA", figures, setup("TensorRT-LLM")).name == "NVIDIA A100-SXM4-40GB"
+    assert siblings.sibling(known, "NVIDIA", figures, setup("llama.cpp")) is None  # no part ran it
+    offline = float(SCENARIOS.index("offline"))
+    assert siblings.sibling(known, "NVIDIA", figures, setup("vLLM", offline)) is None  # vLLM, but not offline
     assert siblings.sibling(known, "Intel", figures, vllm) is None  # no measured part of that maker
     assert siblings.sibling(known, "", figures, vllm) is None
     h100 = matrix(_rows("H100 SXM"))[0][list(GPU_COLUMNS)]

@@ -95,6 +95,9 @@ def predict(ctx: typer.Context,
             tp: int = typer.Option(1, "--tp", help="GPUs serving one replica (tensor x pipeline parallel)"),
             scenario: str = typer.Option("server", "--scenario", help=f"one of {', '.join(SCENARIOS)}"),
             framework: str = typer.Option("vLLM", "--framework", help="serving framework (vLLM, TensorRT-LLM, ...)"),
+            prompt_tokens: Optional[float] = typer.Option(None, "--prompt-tokens", help="mean prompt length "
+                                                          "(default: unknown; the trees then take their missing-value path)"),
+            output_tokens: Optional[float] = typer.Option(None, "--output-tokens", help="mean output length"),
             rank: bool = typer.Option(False, "--rank", help="rank every GPU in the tables for --model"),
             prices: Optional[Path] = typer.Option(None, "--prices", help="CSV gpu,usd_per_hour: rank by cost"),
             gpu_specs: list[Path] = typer.Option([], "--gpu-specs", help="extra GPU rows (gpu_specs_extra.csv format)"),
@@ -113,7 +116,9 @@ def predict(ctx: typer.Context,
         if not p.is_file():
             fail(f"{p}: no such file; record measurements with `unbroken predict profile`")
     try:
-        op = OperatingPoint(n_gpus=tp, batch=batch, scenario=scenario, framework=framework)
+        op = OperatingPoint(n_gpus=tp, batch=batch, scenario=scenario, framework=framework,
+                            prompt_tokens=math.nan if prompt_tokens is None else prompt_tokens,
+                            output_tokens=math.nan if output_tokens is None else output_tokens)
         gpus, models = load_gpus(tuple(gpu_specs)), load_models(tuple(model_specs))
         spec = models.get(model) if model else None
         gspec = gpus.get(gpu) if gpu else None

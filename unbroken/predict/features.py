@@ -55,6 +55,9 @@ class OperatingPoint:
             raise ValueError(f"batch must be > 0, got {self.batch!r}")
         if self.scenario not in SCENARIOS:
             raise ValueError(f"scenario {self.scenario!r} is not one of {', '.join(SCENARIOS)}")
+        for name in ("prompt_tokens", "output_tokens"):
+            if not (math.isnan(getattr(self, name)) or getattr(self, name) > 0):
+                raise ValueError(f"{name} must be > 0 (or unknown), got {getattr(self, name)!r}")
 
 
 def point_of(m: Measurement) -> OperatingPoint:

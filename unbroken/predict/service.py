@@ -82,7 +82,7 @@ def cache_dir() -> Path:
 
 # how train() fits, beyond its arguments: a cache made under another recipe is not reused
 RECIPE = ("gpu-balanced-weights, few-shot widths and seen modes at 1/5/20 rows, sibling transfer and levels, "
-          "alphas 0.5-1.25 per framework")
+          "alphas 0.5-1.25 per framework, siblings per framework and scenario")
 
 
 def _key(table: Table, coverage: float, config: XgbConfig, k: int) -> str:
@@ -126,12 +126,12 @@ def _load(target: str, folder: Path) -> Predictor | None:
 
 def _part_to_json(p: Part) -> dict:
     return {"name": p.name, "maker": p.maker, "figures": [None if math.isnan(v) else v for v in p.figures],
-            "frameworks": sorted(p.frameworks)}
+            "setups": sorted(p.setups)}
 
 
 def _part_from_json(d: dict) -> Part:
     return Part(name=d["name"], maker=d["maker"], figures=tuple(math.nan if v is None else float(v) for v in d["figures"]),
-                frameworks=frozenset(float(f) for f in d["frameworks"]))
+                setups=frozenset((float(f), float(c)) for f, c in d["setups"]))
 
 
 def _categories(saved: dict) -> dict:

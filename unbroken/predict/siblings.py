@@ -7,13 +7,15 @@ among its spec neighbours, an A100 and a Max 1550, miss it 5-fold, although on t
 both ran, its ITL is 1.3x the MI300X's under vLLM and 2.0x under llama.cpp (within 19% and 10%
 of those ratios, median): the same ROCm stack, one level apart. So for a GPU with no training
 rows, the prediction is the trees' ITL *for its sibling* (the measured part of the same
-manufacturer nearest in log bandwidth and log TFLOPS that ran the row's serving framework), times
+manufacturer nearest in log bandwidth and log TFLOPS that ran the row's serving framework in the
+row's scenario: a sibling's offline vLLM rows say little of a server's, which ML.ENERGY measured
+several-fold slower against the roofline), times
 (roofline on the GPU ÷ roofline on the sibling) ** alpha: alpha = 1 trusts the datasheet ratio
 fully, 0 copies the sibling; the nested search picks alpha on leave-one-GPU-out folds, or no
 transfer at all, for all serving frameworks or for each apart (a stack's efficiency need not follow
 the datasheet as another's does; models.XgbConfig.framework_alphas). A GPU whose figures equal a measured part's is that part (the trees know it);
-one whose manufacturer has no measured part, or whose framework no sibling ran, keeps the trees'
-own prediction. A GPU with a few rows may be predicted by its sibling too (models.SEEN_MODES), times
+one whose manufacturer has no measured part, or whose setup (framework, scenario) no sibling ran,
+keeps the trees' own prediction. A GPU with a few rows may be predicted by its sibling too (models.SEEN_MODES), times
 its own level per framework (`own_levels`).
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ from unbroken.predict.features import FEATURES, GPU_COLUMNS, ROOFLINE, with_gpu
 
 ALPHAS = (0.5, 0.75, 1.0, 1.25)  # offered to the nested search next to "no transfer"
 _FRAMEWORK = FEATURES.index("framework")
+_SCENARIO = FEATURES.index("scenario")
 _DISTANCE = [GPU_COLUMNS.index(FEATURES.index(c)) for c in ("memory_bandwidth_gb_s", "tensor_tflops")]
 
 
@@ -43,12 +46,13 @@ class Hardware(NamedTuple):
 
 @dataclass(frozen=True)
 class Part:
-    """A GPU with training rows: its name, manufacturer, GPU_COLUMNS figures, frameworks it ran."""
+    """A GPU with training rows: its name, manufacturer, GPU_COLUMNS figures, and the setups it ran:
+    (serving framework code, scenario code) pairs."""
 
     name: str
     maker: str
     figures: tuple[float, ...]
-    frameworks: frozenset[float]
+    setups: frozenset[tuple[float, float]]
 
     def distance(self, figures: np.ndarray) -> float:
         a, b = np.log(np.asarray(self.figures)[_DISTANCE]), np.log(figures[_DISTANCE])
@@ -64,8 +68,9 @@ def parts(X: np.ndarray, hw: Hardware) -> tuple[Part, ...]:
     out = []
     for g in sorted(set(hw.gpu.tolist())):
         rows = np.flatnonzero(hw.gpu == g)
+        ran = X[rows][:, [_FRAMEWORK, _SCENARIO]]
         out.append(Part(name=str(g), maker=str(hw.maker[rows[0]]), figures=tuple(X[rows[0]][list(GPU_COLUMNS)].tolist()),
-                        frameworks=frozenset(X[rows, _FRAMEWORK][np.isfinite(X[rows, _FRAMEWORK])].tolist())))
+                        setups=frozenset(map(tuple, ran[np.isfinite(ran).all(axis=1)].tolist()))))
     return tuple(out)
 
 
@@ -78,23 +83,24 @@ def own_part(known: tuple[Part, ...], maker: str, figures: np.ndarray) -> Part |
     return next((p for p in known if p.maker == maker and p.same_gpu(figures)), None)
 
 
-def sibling(known: tuple[Part, ...], maker: str, figures: np.ndarray, framework: float,
+def sibling(known: tuple[Part, ...], maker: str, figures: np.ndarray, setup: tuple[float, float],
             measured_ok: bool = False) -> Part | None:
     """The part a row of a GPU (`maker`, `figures`) takes its ITL from, or None: the GPU has no maker
-    or figures to compare, no other part of its maker ran `framework`, or (unless `measured_ok`:
-    then its nearest *other* part, for a level read off its own rows) the GPU was measured itself."""
+    or figures to compare, no other part of its maker ran `setup` (framework code, scenario code),
+    or (unless `measured_ok`: then its nearest *other* part, for a level read off its own rows) the
+    GPU was measured itself."""
     own = own_part(known, maker, figures)
     if not maker or not _transferable(figures) or (own is not None and not measured_ok):
         return None
-    same = [p for p in known if p.maker == maker and p is not own and framework in p.frameworks
+    same = [p for p in known if p.maker == maker and p is not own and tuple(setup) in p.setups
             and _transferable(np.asarray(p.figures))]
     return min(same, key=lambda p: p.distance(figures)) if same else None
 
 
 def _kinds(X: np.ndarray, makers: np.ndarray) -> dict[tuple, list[int]]:
-    """Rows grouped by (maker, GPU figures, framework): the sibling is one per group."""
+    """Rows grouped by (maker, GPU figures, framework, scenario): the sibling is one per group."""
     out: dict[tuple, list[int]] = {}
-    for i, row in enumerate(np.nan_to_num(X[:, list(GPU_COLUMNS) + [_FRAMEWORK]], nan=-1.0)):
+    for i, row in enumerate(np.nan_to_num(X[:, list(GPU_COLUMNS) + [_FRAMEWORK, _SCENARIO]], nan=-1.0)):
         out.setdefault((str(makers[i]), *row.tolist()), []).append(i)
     return out
 
@@ -121,7 +127,8 @@ def transfer(predict_s: Callable[[np.ndarray], np.ndarray], X: np.ndarray, maker
         for i in rows:
             out.own[i] = None if own is None else own.name
         alpha = alpha_of(float(first[_FRAMEWORK]))
-        p = None if alpha is None else sibling(known, maker, first[list(GPU_COLUMNS)], first[_FRAMEWORK], measured_ok)
+        setup = (float(first[_FRAMEWORK]), float(first[_SCENARIO]))
+        p = None if alpha is None else sibling(known, maker, first[list(GPU_COLUMNS)], setup, measured_ok)
         if p is None:
             continue
         Xs = with_gpu(X[rows], np.asarray(p.figures))
