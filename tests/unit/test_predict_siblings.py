@@ -256,37 +256,15 @@ def test_each_framework_may_take_its_own_alpha():
 def test_per_framework_keeps_one_alpha_when_one_is_best():
     y = np.ones(6)
     framework = np.array([0.0, 0.0, 0.0, 1.0, 1.0, 1.0])
-
-    def oof(pred, moved=True):
-        return models.Oof(np.asarray(pred, float), np.full(6, moved))
-
-    oofs = {(None, "trees"): oof(np.full(6, 2.0), False), (0.5, "trees"): oof(np.full(6, 1.01)),
-            (1.0, "trees"): oof(np.full(6, 1.5))}
+    oofs = {(None, "trees"): np.full(6, 2.0), (0.5, "trees"): np.full(6, 1.01), (1.0, "trees"): np.full(6, 1.5)}
     assert models.per_framework(oofs, y, framework, QUICK, "trees") is None  # 0.5 for both: the plain candidate
-    oofs[(1.0, "trees")] = oof(np.r_[np.full(3, 1.5), np.full(3, 1.0)])
-    got, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
-    np.testing.assert_allclose(got.pred, np.r_[np.full(3, 1.01), np.full(3, 1.0)])
+    oofs[(1.0, "trees")] = np.r_[np.full(3, 1.5), np.full(3, 1.0)]
+    oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
+    np.testing.assert_allclose(oof, np.r_[np.full(3, 1.01), np.full(3, 1.0)])
     assert (cfg.alpha_for(0.0), cfg.alpha_for(1.0), cfg.alpha_for(7.0)) == (0.5, 1.0, 0.5)  # ties: the smaller
-    oofs[(None, "trees")] = oof(np.r_[np.full(3, 1.0), np.full(3, 2.0)], False)  # the trees best for framework 0
-    got, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
+    oofs[(None, "trees")] = np.r_[np.full(3, 1.0), np.full(3, 2.0)]  # the trees best for framework 0
+    oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
     assert (cfg.alpha_for(0.0), cfg.alpha_for(1.0), cfg.sibling_alpha) == (None, 1.0, 1.0) and cfg.transfers
-    assert got.transferred.tolist() == [False] * 3 + [True] * 3  # the trees' rows are not the transfer's
-
-
-def test_transferred_rows_are_calibrated_apart():
-    rng = np.random.default_rng(0)
-    true = np.exp(rng.normal(size=200))
-    moved = np.arange(200) < 120
-    pred = true * np.where(moved, np.exp(rng.uniform(-0.1, 0.1, 200)), np.exp(rng.uniform(-1.5, 1.5, 200)))
-    scenario = np.where(np.arange(200) % 10 == 0, 2.0, 0.0)  # scenario 2: 12 transferred rows, 8 others
-    by = models.mondrian_halfwidths(pred, true, scenario, 0.9, moved)
-    assert set(by) == {0.0, models.TRANSFERRED, -1.0, -2.0}  # scenario 2 has too few rows of either source
-    assert by[models.TRANSFERRED] < 0.1 < 1.2 < by[0.0]
-    p = models.Predictor(target="itl", model=None, config=QUICK, halfwidth=9.0, coverage=0.9, by_category=by)
-    q = p.widths(np.array([0.0, 0.0, 2.0, 2.0]), transferred=np.array([True, False, True, False]))
-    np.testing.assert_allclose(q, [by[models.TRANSFERRED], by[0.0], by[-2.0], by[-1.0]])
-    assert p.widths(None) == 9.0 and p.widths(np.array([0.0]))[0] == by[0.0]  # no source given: the trees'
-    assert models.mondrian_halfwidths(pred, true, None, 0.9) == {}
 
 
 def test_framework_alphas_survive_a_json_round_trip_and_are_checked():
@@ -299,3 +277,13 @@ def test_framework_alphas_survive_a_json_round_trip_and_are_checked():
     assert models.XgbConfig(framework_alphas=((1.0, 0.5),), seen_mode="sibling").transfers  # an alpha for one is enough
     with pytest.raises(ValueError, match="seen_mode"):
         models.XgbConfig(framework_alphas=((1.0, None),), seen_mode="sibling")
+
+
+def test_by_source_scores_the_transferred_and_the_trees_rows_apart():
+    preds = {"xgboost": np.array([1.0, 1.0, 1.0, np.nan]), "low": np.array([0.5, 0.5, 0.5, np.nan]),
+             "high": np.array([2.0, 2.0, 2.0, np.nan]), "sibling": np.array(["A", "", "", ""], dtype=object)}
+    out = evaluate.by_source(preds, np.array([1.5, 3.0, 1.0, 1.0]))  # the last row: a few-shot split's shot
+    assert out["sibling"] == {"rows": 1, "mdape": pytest.approx(33.333), "coverage": 1.0,
+                              "interval_median_width_pct": 150.0}
+    assert out["trees"]["rows"] == 2 and out["trees"]["coverage"] == 0.5
+    assert out["trees"]["mdape"] == pytest.approx(33.333)

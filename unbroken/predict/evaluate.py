@@ -172,7 +172,7 @@ def _interval(preds: dict, true: np.ndarray, rows: np.ndarray) -> dict:
 
 def by_source(preds: dict, true: np.ndarray) -> dict:
     """MdAPE, coverage and width apart for the rows whose ITL came from a sibling and those the trees
-    predicted: the interval is calibrated apart for each (models.mondrian_halfwidths)."""
+    predicted (one interval calibration serves both: docs/predict.md says why)."""
     scored = np.isfinite(preds["xgboost"])
     out = {}
     for name, rows in (("sibling", preds["sibling"] != ""), ("trees", preds["sibling"] == "")):

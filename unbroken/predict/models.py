@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
 
 import numpy as np
 
@@ -213,21 +212,16 @@ class Predictor:
         level = self._level(rows)
         return self.config.seen_mode if level is None else self.measured["levels"][level].get("seen_mode", "trees")
 
-    def widths(self, categories: np.ndarray | None, rows: int = 0,
-               transferred: np.ndarray | None = None) -> np.ndarray | float:
+    def widths(self, categories: np.ndarray | None, rows: int = 0) -> np.ndarray | float:
         """Half-widths for a GPU with `rows` training rows: those of the largest few-shot level it
-        reaches (SHOT_LEVELS), else an unseen GPU's; per row, those of its category and of whether
-        its ITL came from a sibling (`mondrian_halfwidths`)."""
+        reaches (SHOT_LEVELS), else an unseen GPU's."""
         level = self._level(rows)
         src = self.measured["levels"][level] if level is not None else \
             {"halfwidth": self.halfwidth, "by_category": self.by_category}
         pooled, by = src["halfwidth"], src["by_category"]
-        if (categories is None and transferred is None) or not by:
+        if categories is None or not by:
             return pooled
-        n = len(categories) if categories is not None else len(transferred)
-        moved = np.zeros(n, bool) if transferred is None else np.asarray(transferred, bool)
-        return np.array([by.get(c, by.get(g, pooled)) for c, g in zip(mondrian_codes(categories, moved),
-                                                                        _group_codes(moved))])
+        return np.array([by.get(float(c), pooled) for c in categories])
 
     def predict(self, X: np.ndarray, categories: np.ndarray | None = None, rows: int = 0,
                 makers: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -242,7 +236,7 @@ class Predictor:
         transferred from (None: the trees alone)."""
         p, via = point(self.model, X, self.target, self.config, makers, self.parts, self.gpu_levels,
                        self.seen_mode(rows))
-        q = self.widths(categories, rows, np.array([v is not None for v in via], bool))
+        q = self.widths(categories, rows)
         return p, p * np.exp(-q), p * np.exp(q), via
 
 
@@ -273,49 +267,22 @@ MIN_CATEGORY_ROWS = 30  # fewer calibration rows than this: the category uses th
 SHOT_LEVELS = (1, 5, 20)  # a GPU with n training rows gets the interval of LOGO with the largest level <= n
 
 
-# Mondrian codes: a row whose ITL came from a sibling is calibrated apart from one the trees predicted
-# (LOGO on LLM-Inference-Bench: an NVIDIA or AMD part via its sibling misses by 10-37%, a part of a
-# vendor with no other part in the data by 66-924%), by its category + TRANSFERRED; a code with
-# too few rows falls back to its source's pooled width (`_group_codes`), then to the pooled one
-TRANSFERRED = 16.0  # above every category code (scenario codes are 0-2)
-
-
-def mondrian_codes(categories: np.ndarray | None, transferred: np.ndarray) -> np.ndarray:
-    base = np.zeros(len(transferred)) if categories is None else np.asarray(categories, float)
-    return base + TRANSFERRED * transferred
-
-
-def _group_codes(transferred: np.ndarray) -> np.ndarray:
-    return -1.0 - transferred  # -1: the trees' rows pooled, -2: the transferred rows pooled
-
-
 def mondrian_halfwidths(pred: np.ndarray, true: np.ndarray, categories: np.ndarray | None,
-                        coverage: float, transferred: np.ndarray | None = None) -> dict:
-    """Half-widths per Mondrian code (category, and whether the row was transferred) and per
-    source pooled; codes with fewer than MIN_CATEGORY_ROWS calibration rows are left out."""
-    if categories is None and transferred is None:
+                        coverage: float) -> dict:
+    if categories is None:
         return {}
-    moved = np.zeros(len(pred), bool) if transferred is None else np.asarray(transferred, bool)
     out = {}
-    for codes in (mondrian_codes(categories, moved), _group_codes(moved)):
-        for c in set(codes.tolist()):
-            sel = codes == c
-            if sel.sum() >= MIN_CATEGORY_ROWS:
-                out[float(c)] = conformal_halfwidth(pred[sel], true[sel], coverage)
+    for c in set(categories.tolist()):
+        sel = categories == c
+        if sel.sum() >= MIN_CATEGORY_ROWS:
+            out[float(c)] = conformal_halfwidth(pred[sel], true[sel], coverage)
     return out
-
-
-class Oof(NamedTuple):
-    """Out-of-fold predictions (target units) and which rows' came from a sibling."""
-
-    pred: np.ndarray
-    transferred: np.ndarray
 
 
 def oof_predictions(X: np.ndarray, y: np.ndarray, target: str, folds, cfg: XgbConfig,
                     balance: np.ndarray | None = None, hardware: Hardware | None = None,
                     alphas: tuple[float | None, ...] | None = None,
-                    modes: tuple[str, ...] | None = None) -> dict[tuple, Oof]:
+                    modes: tuple[str, ...] | None = None) -> dict[tuple, np.ndarray]:
     """Out-of-fold predictions of `cfg`, target units, keyed (alpha, seen mode): each sibling-transfer
     alpha in `alphas` for every framework (default: cfg's own alphas, keyed by its sibling_alpha;
     None: the trees alone) with each of `modes` (default: cfg's; they differ only for a held-out
@@ -325,7 +292,7 @@ def oof_predictions(X: np.ndarray, y: np.ndarray, target: str, folds, cfg: XgbCo
                 if cfg.transfers or m == "trees"} if alphas is None else \
         {(a, m): replace(cfg, sibling_alpha=a, framework_alphas=(), seen_mode=m)
          for a in alphas for m in (modes or (cfg.seen_mode,)) if a is not None or m == "trees"}
-    out = {key: Oof(np.full(len(y), np.nan), np.zeros(len(y), bool)) for key in variants}
+    out = {key: np.full(len(y), np.nan) for key in variants}
     for tr, te in folds:
         w = None if balance is None else balanced_weights(balance[tr])
         model = fit_xgb(X[tr], to_target(target, y[tr], X[tr], cfg.target_form), cfg, w)
@@ -336,8 +303,7 @@ def oof_predictions(X: np.ndarray, y: np.ndarray, target: str, folds, cfg: XgbCo
         for key, c in variants.items():
             levels = own_levels(model, X[tr], y[tr], target, c, hw, known, held) \
                 if c.seen_mode == "sibling_level" and known else None
-            pred, via = point(model, X[te], target, c, makers, known, levels)
-            out[key].pred[te], out[key].transferred[te] = pred, [v is not None for v in via]
+            out[key][te] = point(model, X[te], target, c, makers, known, levels)[0]
     return out
 
 
@@ -348,24 +314,23 @@ def own_levels(model, X: np.ndarray, y: np.ndarray, target: str, cfg: XgbConfig,
                                X, y, hw, known, cfg.alpha_for, only)
 
 
-def per_framework(oofs: dict[tuple, Oof], y: np.ndarray, framework: np.ndarray, cfg: XgbConfig,
-                  mode: str) -> tuple[Oof, XgbConfig] | None:
+def per_framework(oofs: dict[tuple, np.ndarray], y: np.ndarray, framework: np.ndarray, cfg: XgbConfig,
+                  mode: str) -> tuple[np.ndarray, XgbConfig] | None:
     """The out-of-fold predictions and config of the best alpha for each serving framework apart
     (by that framework's rows' MdAPE; ties: no transfer, then the smaller alpha), from `oofs`
     (`oof_predictions` keyed (alpha, mode), with (None, "trees")), in seen mode `mode`; None when
     that is one alpha for all (the plain candidate is that) or no transfer at all. The remaining
     sibling_alpha, for a framework the training rows never ran (no sibling ran it either), is the
     one chosen for most rows."""
-    def oof(a: float | None) -> Oof:
+    def oof(a: float | None) -> np.ndarray:
         return oofs[(a, "trees" if a is None else mode)]
 
     alphas = [a for a, m in oofs if a is None or m == mode]
-    combined = Oof(*(v.copy() for v in oof(None)))  # a row without a framework has no sibling
-    choice, rows = {}, {}
+    combined, choice, rows = oof(None).copy(), {}, {}  # a row without a framework has no sibling
     for f in sorted(set(framework[np.isfinite(framework)].tolist())):
         sel = framework == f
-        choice[f] = min(alphas, key=lambda a: (mdape(oof(a).pred[sel], y[sel]), -1 if a is None else a))
-        combined.pred[sel], combined.transferred[sel] = oof(choice[f]).pred[sel], oof(choice[f]).transferred[sel]
+        choice[f] = min(alphas, key=lambda a: (mdape(oof(a)[sel], y[sel]), -1 if a is None else a))
+        combined[sel] = oof(choice[f])[sel]
         if choice[f] is not None:
             rows[choice[f]] = rows.get(choice[f], 0) + int(sel.sum())
     if len(set(choice.values())) < 2 or not rows:
@@ -412,7 +377,7 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
             found = (per_framework(oofs, y, X[:, FEATURES.index("framework")], cfg, m) for m in modes)
             candidates += [c for c in found if c is not None]
         for oof, c in candidates:
-            score = mdape(oof.pred, y)
+            score = mdape(oof, y)
             if best is None or score < best[0]:
                 best = (score, c, oof)
     _, cfg, oof = best
@@ -422,10 +387,9 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
     known = siblings.parts(X, hardware) if hardware is not None else ()
     levels = own_levels(model, X, y, target, cfg, hardware, known) \
         if known and cfg.seen_mode == "sibling_level" else {}  # measured_widths adds them where it needs them
-    return Predictor(target=target, model=model, config=cfg, halfwidth=conformal_halfwidth(oof.pred, y, coverage),
-                     coverage=coverage, by_category=mondrian_halfwidths(oof.pred, y, categories, coverage,
-                                                                        oof.transferred if known else None),
-                     grouped=grouped, parts=known, gpu_levels=levels)
+    return Predictor(target=target, model=model, config=cfg, halfwidth=conformal_halfwidth(oof, y, coverage),
+                     coverage=coverage, by_category=mondrian_halfwidths(oof, y, categories, coverage), grouped=grouped,
+                     parts=known, gpu_levels=levels)
 
 
 def measured_widths(p: Predictor, X: np.ndarray, y: np.ndarray, groups: np.ndarray, k: int,
@@ -441,10 +405,9 @@ def measured_widths(p: Predictor, X: np.ndarray, y: np.ndarray, groups: np.ndarr
     for n in SHOT_LEVELS:
         folds = inner_folds(len(y), groups, k, shots=n)
         oofs = oof_predictions(X, y, p.target, folds, p.config, balance, hardware, modes=modes)
-        mode, oof = min(((m, v) for (_, m), v in oofs.items()), key=lambda mv: mdape(mv[1].pred, y))  # ties: trees
-        levels[n] = {"halfwidth": conformal_halfwidth(oof.pred, y, p.coverage), "seen_mode": mode,
-                     "by_category": mondrian_halfwidths(oof.pred, y, categories, p.coverage,
-                                                        oof.transferred if transfers else None)}
+        mode, oof = min(((m, v) for (_, m), v in oofs.items()), key=lambda mv: mdape(mv[1], y))  # ties: trees
+        levels[n] = {"halfwidth": conformal_halfwidth(oof, y, p.coverage),
+                     "by_category": mondrian_halfwidths(oof, y, categories, p.coverage), "seen_mode": mode}
     names, counts = np.unique(groups, return_counts=True)
     return replace(p, measured={"levels": levels, "rows": {str(g): int(n) for g, n in zip(names, counts)}},
                    gpu_levels=gpu_levels)
