@@ -237,7 +237,7 @@ def test_a_gpu_measured_in_training_gets_the_few_shot_interval_of_its_row_count(
     assert m.rows_of(h100) == int((t.gpu == h100).sum()) and m.rows_of("NVIDIA H200 SXM") == 0
     assert p.measured is None and p.rows_of(h100) == 0 and sorted(m.measured["levels"]) == list(models.SHOT_LEVELS)
     x, cat = t.X[:3], t.category()[:3]
-    for rows, level in ((0, None), (1, 1), (4, 1), (5, 5), (19, 5), (20, 20), (10_000, 20)):
+    for rows, level in ((0, None), (1, 1), (4, 1), (5, 5), (19, 5), (20, 20), (99, 20), (100, 100), (10_000, 100)):
         expected = m.widths(cat) if level is None else \
             np.array([m.measured["levels"][level]["by_category"].get(float(c), m.measured["levels"][level]["halfwidth"])
                       for c in cat])

@@ -56,7 +56,7 @@ def _fmt(v: tuple[float, float, float], digits: int = 3) -> str:
 
 def _table(estimates: list, title: str, with_cost: bool) -> RichTable:
     t = RichTable(title=title, caption="measured: ITL rows of that GPU in the training data (its intervals are "
-                                       "calibrated for 1, 5 or 20 rows, the most it has); none: never measured, "
+                                       "calibrated for 1, 5, 20 or 100 rows, the most it has); none: never measured, "
                                        "a rough guess; via X: its ITL is measured GPU X's (same manufacturer) "
                                        "scaled by their rooflines, and by its own level where its rows give one")
     cols = ["GPU", "measured", "GPUs", "power/GPU W", "ITL ms", "tokens/s", "tokens/J"] + \

@@ -264,7 +264,11 @@ def point(model, X: np.ndarray, target: str, cfg: XgbConfig, makers: np.ndarray 
 
 
 MIN_CATEGORY_ROWS = 30  # fewer calibration rows than this: the category uses the pooled width
-SHOT_LEVELS = (1, 5, 20)  # a GPU with n training rows gets the interval of LOGO with the largest level <= n
+# a GPU with n training rows gets the interval and seen mode of LOGO with the largest level <= n: at
+# 1-20 rows a level read off its rows may beat the trees, with its rows by the hundred the trees
+# know it (the H100's 1,065 rows at the 20-row level took its sibling's ITL times its level:
+# 25.5 ms for an ML.ENERGY row the trees fit at 40.8 and that measured 35.1)
+SHOT_LEVELS = (1, 5, 20, 100)
 
 
 def mondrian_halfwidths(pred: np.ndarray, true: np.ndarray, categories: np.ndarray | None,

@@ -4,7 +4,7 @@ The power model trains on every measurement with power (both ML.ENERGY sets and 
 own), the ITL model on every measurement; both calibrate their intervals on folds grouped by
 GPU, so the width reflects the error on a GPU the model has not seen. A GPU with training rows
 (a public one, or the user's own via --measurements) gets the width calibrated on folds that keep
-as many rows of each held-out GPU (models.measured_widths, at 1, 5 and 20 rows): the error of a
+as many rows of each held-out GPU (models.measured_widths, at 1, 5, 20 and 100 rows): the error of a
 GPU the model has seen that often, not of one it never saw. A GPU never measured takes its ITL from
 its measured sibling of the same manufacturer when GPU-grouped folds chose to (`siblings`); a GPU
 with rows is predicted in the seen mode (models.SEEN_MODES) its row-count level measured best.
@@ -42,7 +42,7 @@ class Estimate:
     tokens_per_j: tuple[float, float, float]
     usd_per_mtok: tuple[float, float, float] | None = None
     # ITL rows of the GPU in the training data (0: never measured); its intervals are calibrated for
-    # 1, 5 or 20 of them (models.SHOT_LEVELS), the most it has
+    # 1, 5, 20 or 100 of them (models.SHOT_LEVELS), the most it has
     gpu_rows: int = 0
     # the measured GPU of the same manufacturer whose ITL, scaled by the rooflines (and, for a GPU
     # with rows in a sibling seen mode, by its own level), this GPU's is (siblings.py); None: the trees
@@ -81,7 +81,7 @@ def cache_dir() -> Path:
 
 
 # how train() fits, beyond its arguments: a cache made under another recipe is not reused
-RECIPE = ("gpu-balanced-weights, few-shot widths and seen modes at 1/5/20 rows, sibling transfer and levels, "
+RECIPE = ("gpu-balanced-weights, few-shot widths and seen modes at 1/5/20/100 rows, sibling transfer and levels, "
           "alphas 0.5-1.25 per framework, siblings per framework and scenario")
 
 
