@@ -13,6 +13,7 @@ LOLO) the residuals carry the shift to an unseen group, so the width is honest a
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field, replace
 
@@ -131,6 +132,20 @@ def fit_xgb(X: np.ndarray, z: np.ndarray, cfg: XgbConfig, weights: np.ndarray | 
                              n_jobs=cfg.n_jobs, random_state=cfg.seed, tree_method="hist", verbosity=0)
     model.fit(X, z, sample_weight=weights)
     return model
+
+
+class _Memo:
+    """A fitted model whose predictions are kept by input rows. Within one fold the search asks for
+    the same rows once per alpha and seen mode: the trees' own, each sibling's, each level's."""
+
+    def __init__(self, model) -> None:
+        self.model, self._seen = model, {}
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        key = (X.shape, hashlib.blake2b(np.ascontiguousarray(X).tobytes(), digest_size=16).digest())
+        if key not in self._seen:
+            self._seen[key] = self.model.predict(X)
+        return self._seen[key]
 
 
 def inner_folds(n: int, groups: np.ndarray | None, k: int, seed: int = 0,
@@ -292,14 +307,16 @@ def oof_predictions(X: np.ndarray, y: np.ndarray, target: str, folds, cfg: XgbCo
     None: the trees alone) with each of `modes` (default: cfg's; they differ only for a held-out
     GPU with rows in training, a few-shot fold's); one fit per fold serves them all. `hardware`:
     the rows' GPUs and makers (no transfer without)."""
-    variants = {(cfg.sibling_alpha, m): replace(cfg, seen_mode=m) for m in (modes or (cfg.seen_mode,))
-                if cfg.transfers or m == "trees"} if alphas is None else \
-        {(a, m): replace(cfg, sibling_alpha=a, framework_alphas=(), seen_mode=m)
-         for a in alphas for m in (modes or (cfg.seen_mode,)) if a is not None or m == "trees"}
+    modes = modes or (cfg.seen_mode,)
+    if alphas is None:  # cfg as it is (its per-framework alphas included)
+        variants = {(cfg.sibling_alpha, m): replace(cfg, seen_mode=m) for m in modes if cfg.transfers or m == "trees"}
+    else:  # one alpha for every framework; without one (the trees) the seen modes are all the trees
+        variants = {(a, m): replace(cfg, sibling_alpha=a, framework_alphas=(), seen_mode=m)
+                    for a in alphas for m in modes if a is not None or m == "trees"}
     out = {key: np.full(len(y), np.nan) for key in variants}
     for tr, te in folds:
         w = None if balance is None else balanced_weights(balance[tr])
-        model = fit_xgb(X[tr], to_target(target, y[tr], X[tr], cfg.target_form), cfg, w)
+        model = _Memo(fit_xgb(X[tr], to_target(target, y[tr], X[tr], cfg.target_form), cfg, w))
         hw = hardware.take(tr) if hardware is not None else None
         known = siblings.parts(X[tr], hw) if hw is not None else ()
         makers = None if hardware is None else hardware.maker[te]
@@ -388,7 +405,7 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
     model = fit_xgb(X, to_target(target, y, X, cfg.target_form), cfg,
                     None if balance is None else balanced_weights(balance))
     grouped = groups is not None and len(set(groups.tolist())) >= 2
-    known = siblings.parts(X, hardware) if hardware is not None else ()
+    known = siblings.parts(X, hardware) if transfer else ()  # power never transfers
     levels = own_levels(model, X, y, target, cfg, hardware, known) \
         if known and cfg.seen_mode == "sibling_level" else {}  # measured_widths adds them where it needs them
     return Predictor(target=target, model=model, config=cfg, halfwidth=conformal_halfwidth(oof, y, coverage),
