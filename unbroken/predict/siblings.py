@@ -28,7 +28,7 @@ import numpy as np
 
 from unbroken.predict.features import FEATURES, GPU_COLUMNS, ROOFLINE, with_gpu
 
-ALPHAS = (0.5, 0.75, 1.0, 1.25)  # offered to the nested search next to "no transfer"
+ALPHAS = (0.25, 0.5, 0.75, 1.0, 1.25)  # offered to the nested search next to "no transfer"
 _FRAMEWORK = FEATURES.index("framework")
 _SCENARIO = FEATURES.index("scenario")
 _DISTANCE = [GPU_COLUMNS.index(FEATURES.index(c)) for c in ("memory_bandwidth_gb_s", "tensor_tflops")]
