@@ -145,3 +145,28 @@ def test_framework_one_hot_is_nominal_and_unknown_is_missing(name):
 def test_feature_row_carries_the_one_hot(v2):
     i = features.FEATURES.index("framework_is_vLLM")
     assert set(v2.X[:, i].tolist()) == {1.0}  # ML.ENERGY v2 ran vLLM only
+
+
+def _scaled_world(alpha_of: dict[str, float]):
+    """Llama-3.1-8B on an A100, an H100 (NVIDIA) and an MI300X (AMD, no sibling), two frameworks: each
+    configuration's ITL is a constant of its own times the GPU's roofline to the framework's power."""
+    gpus, mods = _specs()
+    rows = [measurements.Measurement(dataset="toy", gpu=gpus.get(g).name, model="meta-llama/Meta-Llama-3.1-8B",
+                                     n_gpus=1, batch=float(b), prompt_tokens=128.0, output_tokens=128.0,
+                                     scenario="offline", framework=f, power_w=math.nan, itl_s=1.0)
+            for g in ("A100", "H100 SXM", "MI300X") for b in (1, 8, 64) for f in alpha_of]
+    t = build(rows, *_specs())
+    itl = [(1 + m.batch / 10) * r ** alpha_of[m.framework] for m, r in zip(rows, t.roofline_s)]
+    return build([measurements.Measurement(**{**m.__dict__, "itl_s": v}) for m, v in zip(rows, itl)], *_specs())
+
+
+def test_sibling_hindsight_finds_each_frameworks_alpha_and_skips_a_part_with_no_sibling():
+    d = diagnostics.sibling_hindsight(_scaled_world({"vLLM": 0.25, "llama.cpp": 1.0}))
+    assert set(d["per_gpu"]) == {"NVIDIA A100-SXM4-40GB", "NVIDIA H100 SXM5 80GB"}  # the MI300X has no sibling
+    for g in d["per_gpu"].values():
+        assert g["best_alpha"] == {"vLLM": 0.25, "llama.cpp": 1.0}
+        assert g["mdape"] == pytest.approx(0.0, abs=1e-6) and g["configurations"] == 6
+    assert d["configurations"] == 12
+    # an alpha outside the offered grid leaves an error, measured from the sibling's own ITL
+    off = diagnostics.sibling_hindsight(_scaled_world({"vLLM": 2.5}))
+    assert off["mdape"] > 10 and all(g["best_alpha"] == {"vLLM": 1.5} for g in off["per_gpu"].values())

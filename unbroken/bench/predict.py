@@ -122,12 +122,13 @@ def _shot_counts(text: str) -> tuple[int, ...]:
 
 
 def _diagnostics(table: Table, target: str, kind: str, pred, cfg, balance: bool = True) -> dict:
-    """LOGO: per-GPU offsets and (ITL) roofline efficiency; power, LOGO and LOLO: the bound given measured ITL."""
+    """LOGO: per-GPU offsets and (ITL) roofline efficiency and the sibling transfer in hindsight; power, LOGO and LOLO: the bound given measured ITL."""
     d = {}
     if kind == "logo":
         d["gpu_offsets"] = diagnostics.gpu_offsets(table, table.power_w if target == "power" else table.itl_s, pred)
         if target == "itl":
             d["roofline_efficiency"] = diagnostics.roofline_efficiency(table)
+            d["sibling_hindsight"] = diagnostics.sibling_hindsight(table)
     if target == "power":
         d["power_given_measured_itl"] = diagnostics.power_given_measured_itl(table, kind, replace(cfg, target_form="direct"),
                                                                              balance)

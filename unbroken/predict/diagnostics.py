@@ -1,4 +1,5 @@
-"""Why a held-out figure is what it is: per-GPU offsets, roofline efficiency, power given measured ITL.
+"""Why a held-out figure is what it is: per-GPU offsets, roofline efficiency, power given measured ITL,
+the sibling transfer in hindsight.
 
 These read the held-out rows' measurements on purpose (they are diagnostics, never
 predictions): the offset of a held-out GPU is the median of measured ÷ predicted over its
@@ -14,6 +15,7 @@ from unbroken.predict.dataset import Table
 from unbroken.predict.evaluate import splits
 from unbroken.predict.features import FEATURES, FRAMEWORKS, ROOFLINE
 from unbroken.predict.models import XgbConfig, balanced_weights, fit_xgb, mdape
+from unbroken.predict.siblings import Hardware, parts
 
 
 def gpu_offsets(table: Table, true: np.ndarray, pred: np.ndarray) -> dict:
@@ -65,3 +67,51 @@ def power_given_measured_itl(table: Table, kind: str, cfg: XgbConfig, balance: b
     return {"mdape": round(mdape(watts, true), 3),
             f"mdape_per_{'gpu' if kind == 'logo' else 'model'}": {
                 u: round(mdape(watts[labels == u], true[labels == u]), 3) for u in sorted(set(labels.tolist()))}}
+
+
+HINDSIGHT_ALPHAS = tuple(a / 4 for a in range(7))  # 0, 0.25, ..., 1.5
+
+
+def _setup_key(row) -> tuple:
+    """A configuration as two GPUs can share it: model, GPUs per replica, batch and lengths (on a
+    log2 grid: ML.ENERGY 2023 reports each GPU's own mean output length), scenario, framework."""
+    def log2(v: float) -> int:
+        return -1 if not v > 0 else round(float(np.log2(v)))
+    return (row.model, row.n_gpus, log2(row.batch), log2(row.prompt_tokens), log2(row.output_tokens),
+            row.scenario, row.framework)
+
+
+def sibling_hindsight(table: Table) -> dict:
+    """ITL LOGO with the sibling transfer at its best: each held-out GPU's configuration is predicted
+    from its nearest same-maker part's *measured* ITL of that configuration (not the trees' estimate),
+    times the roofline ratio to the alpha that is best *in hindsight* for that GPU and serving
+    framework. What the transfer (`siblings`, alpha per framework) cannot beat, however well the trees
+    fit the sibling and the search picks alpha; configurations no sibling ran are not scored."""
+    known = {p.name: p for p in parts(table.X, Hardware(table.gpu, table.maker))}
+    cells: dict[tuple, dict[str, list[int]]] = {}
+    for i, row in enumerate(table.rows):
+        cells.setdefault(_setup_key(row), {}).setdefault(str(table.gpu[i]), []).append(i)
+    per, errors = {}, []
+    for g, me in sorted(known.items()):
+        by_framework: dict[str, list] = {}  # (measured here, sibling's measured ITL, roofline here / there)
+        for key, on in cells.items():
+            there = [known[s] for s in on if s != g and me.maker and known[s].maker == me.maker] if g in on else []
+            if there:
+                sib = min(there, key=lambda p: p.distance(np.asarray(me.figures))).name
+                by_framework.setdefault(key[-1], []).append((
+                    np.median(table.itl_s[on[g]]), np.median(table.itl_s[on[sib]]),
+                    np.median(table.roofline_s[on[g]]) / np.median(table.roofline_s[on[sib]])))
+        if not by_framework:
+            continue
+        mine, alphas = [], {}
+        for fw, cases in sorted(by_framework.items()):
+            true, itl, roof = map(np.array, zip(*cases))
+            err = {a: np.abs(itl * roof ** a / true - 1) for a in HINDSIGHT_ALPHAS}
+            alphas[fw] = min(HINDSIGHT_ALPHAS, key=lambda a: np.median(err[a]))
+            mine.append(err[alphas[fw]])
+        errors += mine
+        mine = np.concatenate(mine)
+        per[g] = {"configurations": int(mine.size), "best_alpha": alphas, "mdape": round(float(np.median(mine)) * 100, 3)}
+    pooled = np.concatenate(errors) if errors else np.array([])
+    return {"per_gpu": per, "configurations": int(pooled.size),
+            "mdape": round(float(np.median(pooled)) * 100, 3) if pooled.size else float("nan")}
