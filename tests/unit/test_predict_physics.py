@@ -147,14 +147,15 @@ def test_feature_row_carries_the_one_hot(v2):
     assert set(v2.X[:, i].tolist()) == {1.0}  # ML.ENERGY v2 ran vLLM only
 
 
-def _scaled_world(alpha_of: dict[str, float]):
-    """Llama-3.1-8B on an A100, an H100 (NVIDIA) and an MI300X (AMD, no sibling), two frameworks: each
-    configuration's ITL is a constant of its own times the GPU's roofline to the framework's power."""
-    gpus, mods = _specs()
-    rows = [measurements.Measurement(dataset="toy", gpu=gpus.get(g).name, model="meta-llama/Meta-Llama-3.1-8B",
+def _scaled_world(alpha_of: dict[str, float], gpus=("A100", "H100 SXM", "MI300X")):
+    """Llama-3.1-8B on `gpus` (by default two NVIDIA parts and an AMD part with no sibling), one
+    framework per key of `alpha_of`: each configuration's ITL is a constant of its own times the GPU's
+    roofline to the framework's power."""
+    specs, _ = _specs()
+    rows = [measurements.Measurement(dataset="toy", gpu=specs.get(g).name, model="meta-llama/Meta-Llama-3.1-8B",
                                      n_gpus=1, batch=float(b), prompt_tokens=128.0, output_tokens=128.0,
                                      scenario="offline", framework=f, power_w=math.nan, itl_s=1.0)
-            for g in ("A100", "H100 SXM", "MI300X") for b in (1, 8, 64) for f in alpha_of]
+            for g in gpus for b in (1, 8, 64) for f in alpha_of]
     t = build(rows, *_specs())
     itl = [(1 + m.batch / 10) * r ** alpha_of[m.framework] for m, r in zip(rows, t.roofline_s)]
     return build([measurements.Measurement(**{**m.__dict__, "itl_s": v}) for m, v in zip(rows, itl)], *_specs())
@@ -164,9 +165,28 @@ def test_sibling_hindsight_finds_each_frameworks_alpha_and_skips_a_part_with_no_
     d = diagnostics.sibling_hindsight(_scaled_world({"vLLM": 0.25, "llama.cpp": 1.0}))
     assert set(d["per_gpu"]) == {"NVIDIA A100-SXM4-40GB", "NVIDIA H100 SXM5 80GB"}  # the MI300X has no sibling
     for g in d["per_gpu"].values():
-        assert g["best_alpha"] == {"vLLM": 0.25, "llama.cpp": 1.0}
-        assert g["mdape"] == pytest.approx(0.0, abs=1e-6) and g["configurations"] == 6
-    assert d["configurations"] == 12
+        assert g["hindsight"]["alpha"] == {"vLLM": 0.25, "llama.cpp": 1.0}
+        assert g["hindsight"]["mdape"] == pytest.approx(0.0, abs=1e-6) and g["configurations"] == 6
+        # held out, the A100 leaves the H100 no pair to learn from (and the other way round)
+        assert g["from_other_gpus"]["alpha"] == {"vLLM": None, "llama.cpp": None}
+    assert d["configurations"] == 12 and math.isnan(d["from_other_gpus"]["mdape"])
     # an alpha outside the offered grid leaves an error, measured from the sibling's own ITL
     off = diagnostics.sibling_hindsight(_scaled_world({"vLLM": 2.5}))
-    assert off["mdape"] > 10 and all(g["best_alpha"] == {"vLLM": 1.5} for g in off["per_gpu"].values())
+    assert off["hindsight"]["mdape"] > 10
+    assert all(g["hindsight"]["alpha"] == {"vLLM": 1.5} for g in off["per_gpu"].values())
+
+
+def test_sibling_alpha_from_other_gpus_carries_over_in_a_world_of_one_alpha_and_not_in_one_of_two():
+    same = diagnostics.sibling_hindsight(_scaled_world({"vLLM": 0.75}, ("A100", "H100 SXM", "H200 SXM")))
+    assert same["from_other_gpus"]["mdape"] == pytest.approx(0.0, abs=1e-6)
+    assert {g["from_other_gpus"]["alpha"]["vLLM"] for g in same["per_gpu"].values()} == {0.75}
+    # the H200 follows its sibling, the H100, at the power 0.25: the other pairs teach it 0.75
+    mixed = _scaled_world({"vLLM": 0.75}, ("A100", "H100 SXM", "H200 SXM"))
+    h100, h200 = (np.flatnonzero(mixed.gpu == mixed.gpu[i]) for i in (3, 6))
+    itl = mixed.itl_s.copy()
+    itl[h200] = itl[h100] * (mixed.roofline_s[h200] / mixed.roofline_s[h100]) ** 0.25
+    d = diagnostics.sibling_hindsight(build([measurements.Measurement(**{**m.__dict__, "itl_s": v})
+                                             for m, v in zip(mixed.rows, itl)], *_specs()))
+    got = d["per_gpu"][str(mixed.gpu[6])]
+    assert got["hindsight"] == {"alpha": {"vLLM": 0.25}, "mdape": pytest.approx(0.0, abs=1e-6)}
+    assert got["from_other_gpus"]["alpha"] == {"vLLM": 0.75} and got["from_other_gpus"]["mdape"] > 10

@@ -81,37 +81,60 @@ def _setup_key(row) -> tuple:
             row.scenario, row.framework)
 
 
+def _pairs(table: Table, known: dict, cells: dict, gpu: str, leave_out: str | None = None) -> dict[str, list]:
+    """Per serving framework, the configurations `gpu` shares with a same-maker part (its nearest one
+    that ran each, `leave_out` excepted): (ITL measured on `gpu`, ITL measured on that part,
+    roofline on `gpu` / roofline there)."""
+    me, out = known[gpu], {}
+    for key, on in cells.items():
+        there = [known[s] for s in on if s not in (gpu, leave_out) and me.maker and known[s].maker == me.maker] \
+            if gpu in on else []
+        if there:
+            sib = min(there, key=lambda p: p.distance(np.asarray(me.figures))).name
+            out.setdefault(key[-1], []).append((np.median(table.itl_s[on[gpu]]), np.median(table.itl_s[on[sib]]),
+                                                np.median(table.roofline_s[on[gpu]]) / np.median(table.roofline_s[on[sib]])))
+    return out
+
+
+def _errors(cases: list, alpha: float) -> np.ndarray:
+    true, itl, roof = map(np.array, zip(*cases))
+    return np.abs(itl * roof ** alpha / true - 1)
+
+
+def _best_alpha(cases: list) -> float:
+    return min(HINDSIGHT_ALPHAS, key=lambda a: float(np.median(_errors(cases, a))))
+
+
 def sibling_hindsight(table: Table) -> dict:
-    """ITL LOGO with the sibling transfer at its best: each held-out GPU's configuration is predicted
-    from its nearest same-maker part's *measured* ITL of that configuration (not the trees' estimate),
-    times the roofline ratio to the alpha that is best *in hindsight* for that GPU and serving
-    framework. What the transfer (`siblings`, alpha per framework) cannot beat, however well the trees
-    fit the sibling and the search picks alpha; configurations no sibling ran are not scored."""
+    """ITL LOGO with the sibling transfer read off *measured* ITL: each held-out GPU's configuration is
+    predicted from its nearest same-maker part's measurement of that configuration (not the trees'
+    estimate) times the roofline ratio to a power alpha per serving framework, chosen two ways:
+    `hindsight`, the alpha best for that GPU and framework (what the transfer, `siblings`, cannot beat
+    however well the trees fit the sibling and the search picks alpha); `from_other_gpus`, the alpha
+    best over the other GPUs' pairs of that framework (the held-out GPU neither target nor sibling):
+    whether a pair's alpha carries over to another pair. Configurations no sibling ran are not scored."""
     known = {p.name: p for p in parts(table.X, Hardware(table.gpu, table.maker))}
     cells: dict[tuple, dict[str, list[int]]] = {}
     for i, row in enumerate(table.rows):
         cells.setdefault(_setup_key(row), {}).setdefault(str(table.gpu[i]), []).append(i)
-    per, errors = {}, []
-    for g, me in sorted(known.items()):
-        by_framework: dict[str, list] = {}  # (measured here, sibling's measured ITL, roofline here / there)
-        for key, on in cells.items():
-            there = [known[s] for s in on if s != g and me.maker and known[s].maker == me.maker] if g in on else []
-            if there:
-                sib = min(there, key=lambda p: p.distance(np.asarray(me.figures))).name
-                by_framework.setdefault(key[-1], []).append((
-                    np.median(table.itl_s[on[g]]), np.median(table.itl_s[on[sib]]),
-                    np.median(table.roofline_s[on[g]]) / np.median(table.roofline_s[on[sib]])))
-        if not by_framework:
+    per, pooled = {}, {"hindsight": [], "from_other_gpus": []}
+    for g in sorted(known):
+        mine = _pairs(table, known, cells, g)
+        if not mine:
             continue
-        mine, alphas = [], {}
-        for fw, cases in sorted(by_framework.items()):
-            true, itl, roof = map(np.array, zip(*cases))
-            err = {a: np.abs(itl * roof ** a / true - 1) for a in HINDSIGHT_ALPHAS}
-            alphas[fw] = min(HINDSIGHT_ALPHAS, key=lambda a: np.median(err[a]))
-            mine.append(err[alphas[fw]])
-        errors += mine
-        mine = np.concatenate(mine)
-        per[g] = {"configurations": int(mine.size), "best_alpha": alphas, "mdape": round(float(np.median(mine)) * 100, 3)}
-    pooled = np.concatenate(errors) if errors else np.array([])
-    return {"per_gpu": per, "configurations": int(pooled.size),
-            "mdape": round(float(np.median(pooled)) * 100, 3) if pooled.size else float("nan")}
+        per[g] = {"configurations": sum(map(len, mine.values()))}
+        for how in pooled:
+            alphas, errs = {}, []
+            for fw, cases in sorted(mine.items()):
+                others = [c for h in known if h != g for c in _pairs(table, known, cells, h, g).get(fw, [])]
+                alphas[fw] = _best_alpha(cases) if how == "hindsight" else (_best_alpha(others) if others else None)
+                errs.append(_errors(cases, alphas[fw]) if alphas[fw] is not None else np.full(len(cases), np.nan))
+            pooled[how].append(np.concatenate(errs))
+            per[g][how] = {"alpha": alphas, "mdape": _pct(pooled[how][-1])}
+    return {"per_gpu": per, "configurations": sum(v["configurations"] for v in per.values()),
+            **{how: {"mdape": _pct(np.concatenate(v)) if v else float("nan")} for how, v in pooled.items()}}
+
+
+def _pct(errors: np.ndarray) -> float:
+    ok = errors[np.isfinite(errors)]
+    return round(float(np.median(ok)) * 100, 3) if ok.size else float("nan")
