@@ -132,9 +132,10 @@ def sibling_hindsight(table: Table) -> dict:
             pooled[how].append(np.concatenate(errs))
             per[g][how] = {"alpha": alphas, "mdape": _pct(pooled[how][-1])}
     return {"per_gpu": per, "configurations": sum(v["configurations"] for v in per.values()),
-            **{how: {"mdape": _pct(np.concatenate(v)) if v else float("nan")} for how, v in pooled.items()}}
+            **{how: {"mdape": _pct(np.concatenate(v)) if v else None} for how, v in pooled.items()}}
 
 
-def _pct(errors: np.ndarray) -> float:
+def _pct(errors: np.ndarray) -> float | None:
+    """Median of relative errors in percent; None where none was scored (JSON has no NaN)."""
     ok = errors[np.isfinite(errors)]
-    return round(float(np.median(ok)) * 100, 3) if ok.size else float("nan")
+    return round(float(np.median(ok)) * 100, 3) if ok.size else None
