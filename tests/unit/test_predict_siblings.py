@@ -169,6 +169,14 @@ def test_the_service_names_the_sibling_and_its_cache_keeps_it(tmp_path):
     assert service.as_dict(a)["itl_sibling"] == "AMD Instinct MI250"
 
 
+def test_a_cache_trained_with_other_alphas_is_not_reused(monkeypatch):
+    world = _stack_world()
+    key = service._key(world, 0.9, QUICK, 3)
+    assert all(str(a) in service.RECIPE for a in siblings.ALPHAS)
+    monkeypatch.setattr(service, "RECIPE", service.RECIPE.replace(str(siblings.ALPHAS[0]), "0.1"))
+    assert service._key(world, 0.9, QUICK, 3) != key
+
+
 def test_seen_modes_need_a_transfer_alpha():
     with pytest.raises(ValueError, match="seen_mode"):
         models.XgbConfig(seen_mode="sibling_level")

@@ -26,7 +26,7 @@ from unbroken.predict import measurements
 from unbroken.predict.dataset import Table, build
 from unbroken.predict.features import FEATURES, OperatingPoint, matrix, point_of
 from unbroken.predict.models import DEFAULT, Predictor, XgbConfig, fit, forms_for, measured_widths
-from unbroken.predict.siblings import Hardware, Part
+from unbroken.predict.siblings import ALPHAS, Hardware, Part
 from unbroken.predict.tables import GpuSpec, GpuTable, ModelSpec, ModelTable
 
 
@@ -82,7 +82,7 @@ def cache_dir() -> Path:
 
 # how train() fits, beyond its arguments: a cache made under another recipe is not reused
 RECIPE = ("gpu-balanced-weights, few-shot widths and seen modes at 1/5/20/100 rows, sibling transfer and levels, "
-          "alphas 0.5-1.25 per framework, siblings per framework and scenario")
+          f"alphas {'/'.join(map(str, ALPHAS))} per framework, siblings per framework and scenario")
 
 
 def _key(table: Table, coverage: float, config: XgbConfig, k: int) -> str:
