@@ -10,6 +10,11 @@ from unbroken.predict import measurements, profile as prof
 from unbroken.predict.command import predict_app
 
 
+def _specs():
+    from unbroken.predict import tables
+    return tables.load_gpus(), tables.load_models()
+
+
 def _run(*args):
     return CliRunner().invoke(predict_app, [str(a) for a in args])
 
@@ -148,6 +153,41 @@ def test_token_lengths_reach_the_operating_point(monkeypatch):
     assert res.exit_code == 0 and math.isnan(seen[-1].prompt_tokens) and math.isnan(seen[-1].output_tokens)
     res = _run("--gpu", "H100 SXM", "--model", "meta-llama/Meta-Llama-3.1-8B", "--output-tokens", "0")
     assert res.exit_code == 2 and "output_tokens must be > 0" in res.output and "Traceback" not in res.output
+
+
+def test_a_length_no_training_row_of_the_setup_recorded_is_read_as_unknown(monkeypatch):
+    from unbroken.predict import models, service
+
+    rows = measurements.load_ml_energy_v2()  # vLLM, server: output lengths, no prompt lengths
+    fast = models.XgbConfig(n_estimators=20, max_depth=3, learning_rate=0.3)
+    monkeypatch.setattr(service, "training_table", lambda g, m, extra: service.build(rows[:150] + list(extra), g, m))
+    monkeypatch.setattr(service, "train_cached", lambda table: service.train(table, config=fast, k=3))
+    base = ("--gpu", "H100 SXM", "--model", "meta-llama/Meta-Llama-3.1-8B", "--output-tokens", "256")
+    given, plain = (json.loads(_run(*base, *extra, "--json").stdout) for extra in (("--prompt-tokens", "512"), ()))
+    assert given["lengths_ignored"] == ["prompt_tokens"] and plain["lengths_ignored"] == []
+    assert given["itl_s"] == plain["itl_s"] and given["power_w"] == plain["power_w"]
+    res = _run(*base, "--prompt-tokens", "512")
+    assert res.exit_code == 0 and "prompt tokens read as unknown" in " ".join(res.output.split())
+    # a setup the training rows never ran keeps what it was given: nothing says it is not informative
+    offline = json.loads(_run(*base, "--prompt-tokens", "512", "--scenario", "offline", "--json").stdout)
+    assert offline["lengths_ignored"] == []
+
+
+def test_recorded_lengths_and_as_trained():
+    from unbroken.predict import service
+    from unbroken.predict.features import OperatingPoint
+
+    trained = service.Trained(power=None, itl=None, n_power_rows=0, n_itl_rows=0,
+                              lengths={("transformers", "single"): frozenset({"output_tokens"})})
+    op = OperatingPoint(prompt_tokens=64.0, output_tokens=256.0, scenario="single", framework="transformers")
+    got, ignored = trained.as_trained(op)
+    assert ignored == ("prompt_tokens",) and math.isnan(got.prompt_tokens) and got.output_tokens == 256.0
+    assert trained.as_trained(OperatingPoint(output_tokens=9.0, scenario="single", framework="transformers"))[1] == ()
+    assert trained.as_trained(OperatingPoint(prompt_tokens=64.0)) == (OperatingPoint(prompt_tokens=64.0), ())
+    table = service.build(measurements.load_ml_energy_v2()[:3] + measurements.load_ml_energy_legacy()[:3],
+                          *_specs())
+    assert service.recorded_lengths(table) == {("vLLM", "server"): frozenset({"output_tokens"}),
+                                               ("transformers", "single"): frozenset({"output_tokens"})}
 
 
 def test_a_malformed_measurement_file_is_one_line(tmp_path):

@@ -148,3 +148,6 @@ def predict(ctx: typer.Context,
     console.print(_table([e], f"{spec.name} on {gspec.name}, batch {batch:g} (90% intervals)", usd is not None))
     if spec.name != model:
         console.print(f"[dim]model specs: {spec.name} (same architecture as {model})[/]")
+    if e.lengths_ignored:
+        console.print(f"[dim]{' and '.join(n.replace('_', ' ') for n in e.lengths_ignored)} read as unknown: no "
+                      f"training row of {op.framework} in the {op.scenario} scenario recorded it[/]")

@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +47,11 @@ class Estimate:
     # the measured GPU of the same manufacturer whose ITL, scaled by the rooflines (and, for a GPU
     # with rows in a sibling seen mode, by its own level), this GPU's is (siblings.py); None: the trees
     itl_sibling: str | None = None
+    # token lengths given but read as unknown: no training row of the query's setup recorded them
+    lengths_ignored: tuple[str, ...] = ()
+
+
+LENGTHS = ("prompt_tokens", "output_tokens")
 
 
 @dataclass
@@ -55,6 +60,28 @@ class Trained:
     itl: Predictor
     n_power_rows: int
     n_itl_rows: int
+    # {(framework, scenario): the token lengths (LENGTHS) its training rows recorded}; a setup absent
+    # here has no training rows
+    lengths: dict[tuple[str, str], frozenset[str]] = field(default_factory=dict)
+
+    def as_trained(self, op: OperatingPoint) -> tuple[OperatingPoint, tuple[str, ...]]:
+        """`op` with the lengths its setup's training rows never recorded read as unknown, and their
+        names. ML.ENERGY 2023's `transformers` rows have no prompt length: given one, the trees took a
+        branch learned from other setups' rows, and the H200 check's 7B decode came out 9.2 ms instead
+        of 19.4 (docs/predict.md). A setup with no training rows keeps what it was given."""
+        known = self.lengths.get((op.framework, op.scenario))
+        if known is None:
+            return op, ()
+        ignored = tuple(n for n in LENGTHS if not math.isnan(getattr(op, n)) and n not in known)
+        return replace(op, **{n: math.nan for n in ignored}), ignored
+
+
+def recorded_lengths(table: Table) -> dict[tuple[str, str], frozenset[str]]:
+    """Per (framework, scenario) of `table`'s rows, the token lengths any of them recorded."""
+    out: dict[tuple[str, str], set[str]] = {}
+    for m in table.rows:
+        out.setdefault((m.framework, m.scenario), set()).update(n for n in LENGTHS if not math.isnan(getattr(m, n)))
+    return {k: frozenset(v) for k, v in out.items()}
 
 
 def training_table(gpus: GpuTable, models: ModelTable, extra: list[measurements.Measurement] = ()) -> Table:
@@ -73,7 +100,8 @@ def train(table: Table, *, coverage: float = 0.9, config: XgbConfig = DEFAULT, k
         p = fit(t.X, t.target(target), target, groups=t.gpu, grid=grid, coverage=coverage, k=k,
                 categories=t.category(), balance=t.gpu, hardware=hw)
         fitted.append(measured_widths(p, t.X, t.target(target), t.gpu, k, t.category(), t.gpu, hw))
-    return Trained(power=fitted[0], itl=fitted[1], n_power_rows=len(pw), n_itl_rows=len(it))
+    return Trained(power=fitted[0], itl=fitted[1], n_power_rows=len(pw), n_itl_rows=len(it),
+                   lengths=recorded_lengths(table))
 
 
 def cache_dir() -> Path:
@@ -155,7 +183,7 @@ def train_cached(table: Table, *, coverage: float = 0.9, config: XgbConfig = DEF
     power, itl = _load("power", folder), _load("itl", folder)
     pw, it = len(table.with_target("power")), len(table.with_target("itl"))
     if power is not None and itl is not None:
-        return Trained(power=power, itl=itl, n_power_rows=pw, n_itl_rows=it)
+        return Trained(power=power, itl=itl, n_power_rows=pw, n_itl_rows=it, lengths=recorded_lengths(table))
     trained = train(table, coverage=coverage, config=config, k=k)
     _save(trained.power, folder)
     _save(trained.itl, folder)
@@ -164,6 +192,7 @@ def train_cached(table: Table, *, coverage: float = 0.9, config: XgbConfig = DEF
 
 def estimate(trained: Trained, gpu: GpuSpec, model: ModelSpec, op: OperatingPoint,
              usd_per_gpu_hour: float | None = None) -> Estimate:
+    op, ignored = trained.as_trained(op)
     X = matrix([(gpu, model, op)])
     cat = X[:, FEATURES.index("scenario")]
     power = trained.power.predict(X, cat, trained.power.rows_of(gpu.name))
@@ -179,7 +208,7 @@ def estimate(trained: Trained, gpu: GpuSpec, model: ModelSpec, op: OperatingPoin
         cost = (usd_s / tok[0] * 1e6, usd_s / tok[2] * 1e6, usd_s / tok[1] * 1e6)
     return Estimate(gpu=gpu.name, model=model.name, n_gpus=op.n_gpus, batch=op.batch, power_w=(p, p_lo, p_hi),
                     itl_s=(t, t_lo, t_hi), tokens_s=tok, tokens_per_j=per_j, usd_per_mtok=cost,
-                    gpu_rows=rows, itl_sibling=via[0])
+                    gpu_rows=rows, itl_sibling=via[0], lengths_ignored=ignored)
 
 
 def fits_in_memory(gpu: GpuSpec, model: ModelSpec, n_gpus: int) -> bool:
@@ -206,7 +235,7 @@ def rank(trained: Trained, gpus: GpuTable, model: ModelSpec, op: OperatingPoint,
 
 def as_dict(e: Estimate) -> dict:
     d = {"gpu": e.gpu, "model": e.model, "n_gpus": e.n_gpus, "batch": e.batch, "gpu_rows": e.gpu_rows,
-         "itl_sibling": e.itl_sibling}
+         "itl_sibling": e.itl_sibling, "lengths_ignored": list(e.lengths_ignored)}
     for name in ("power_w", "itl_s", "tokens_s", "tokens_per_j", "usd_per_mtok"):
         v = getattr(e, name)
         if v is not None:
@@ -224,7 +253,8 @@ def check(trained: Trained, gpus: GpuTable, models: ModelTable, rows: list[measu
                 continue
             out.append({"gpu": m.gpu, "model": m.model, "batch": m.batch, "scenario": m.scenario, "target": target,
                         "measured": measured, "predicted": pred[0], "low": pred[1], "high": pred[2],
-                        "error": (pred[0] - measured) / measured, "inside": bool(pred[1] <= measured <= pred[2])})
+                        "error": (pred[0] - measured) / measured, "inside": bool(pred[1] <= measured <= pred[2]),
+                        "lengths_ignored": list(e.lengths_ignored)})
     for target in ("power_w", "itl_s"):
         hits = [r for r in out if r["target"] == target]
         if hits:
