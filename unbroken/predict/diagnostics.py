@@ -123,10 +123,11 @@ def sibling_hindsight(table: Table) -> dict:
         if not mine:
             continue
         per[g] = {"configurations": sum(map(len, mine.values()))}
+        theirs = [_pairs(table, known, cells, h, g) for h in known if h != g]
         for how in pooled:
             alphas, errs = {}, []
             for fw, cases in sorted(mine.items()):
-                others = [c for h in known if h != g for c in _pairs(table, known, cells, h, g).get(fw, [])]
+                others = [c for pairs in theirs for c in pairs.get(fw, [])]
                 alphas[fw] = _best_alpha(cases) if how == "hindsight" else (_best_alpha(others) if others else None)
                 errs.append(_errors(cases, alphas[fw]) if alphas[fw] is not None else np.full(len(cases), np.nan))
             pooled[how].append(np.concatenate(errs))

@@ -68,7 +68,7 @@ class Trained:
         """`op` with the lengths its setup's training rows never recorded read as unknown, and their
         names. ML.ENERGY 2023's `transformers` rows have no prompt length: given one, the trees took a
         branch learned from other setups' rows, and the H200 check's 7B decode came out 9.2 ms instead
-        of 19.4 (docs/predict.md). A setup with no training rows keeps what it was given."""
+        of 21.9 (docs/predict.md). A setup with no training rows keeps what it was given."""
         known = self.lengths.get((op.framework, op.scenario))
         if known is None:
             return op, ()
