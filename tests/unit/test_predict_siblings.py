@@ -270,9 +270,19 @@ def test_per_framework_keeps_one_alpha_when_one_is_best():
     oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
     np.testing.assert_allclose(oof, np.r_[np.full(3, 1.01), np.full(3, 1.0)])
     assert (cfg.alpha_for(0.0), cfg.alpha_for(1.0), cfg.alpha_for(7.0)) == (0.5, 1.0, 0.5)  # ties: the smaller
-    oofs[(None, "trees")] = np.r_[np.full(3, 1.0), np.full(3, 2.0)]  # the trees best for framework 0
+    # the trees best for framework 0, whose rows a sibling moves: it still gets an alpha (the inner
+    # folds' trees say little of a part whose vendor's level is far from its spec neighbours)
+    oofs[(None, "trees")] = np.r_[np.full(3, 1.0), np.full(3, 2.0)]
     oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
-    assert (cfg.alpha_for(0.0), cfg.alpha_for(1.0), cfg.sibling_alpha) == (None, 1.0, 1.0) and cfg.transfers
+    assert (cfg.alpha_for(0.0), cfg.alpha_for(1.0)) == (0.5, 1.0)
+    np.testing.assert_allclose(oof, np.r_[np.full(3, 1.01), np.full(3, 1.0)])
+    # framework 2's rows no alpha moves (no sibling ran it): the trees
+    framework = np.r_[framework, 2.0, 2.0]
+    y = np.ones(8)
+    oofs = {(None, "trees"): np.r_[np.full(6, 2.0), 1.2, 1.2], (0.5, "trees"): np.r_[np.full(6, 1.01), 1.2, 1.2],
+            (1.0, "trees"): np.r_[np.full(3, 1.5), np.full(3, 1.0), 1.2, 1.2]}
+    oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
+    assert (cfg.alpha_for(0.0), cfg.alpha_for(1.0), cfg.alpha_for(2.0)) == (0.5, 1.0, None) and cfg.transfers
 
 
 def test_framework_alphas_survive_a_json_round_trip_and_are_checked():

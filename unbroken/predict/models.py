@@ -338,19 +338,24 @@ def own_levels(model, X: np.ndarray, y: np.ndarray, target: str, cfg: XgbConfig,
 def per_framework(oofs: dict[tuple, np.ndarray], y: np.ndarray, framework: np.ndarray, cfg: XgbConfig,
                   mode: str) -> tuple[np.ndarray, XgbConfig] | None:
     """The out-of-fold predictions and config of the best alpha for each serving framework apart
-    (by that framework's rows' MdAPE; ties: no transfer, then the smaller alpha), from `oofs`
-    (`oof_predictions` keyed (alpha, mode), with (None, "trees")), in seen mode `mode`; None when
-    that is one alpha for all (the plain candidate is that) or no transfer at all. The remaining
-    sibling_alpha, for a framework the training rows never ran (no sibling ran it either), is the
-    one chosen for most rows."""
+    (by that framework's rows' MdAPE; ties: the smaller alpha), from `oofs` (`oof_predictions` keyed
+    (alpha, mode), with (None, "trees")), in seen mode `mode`; None when that is one alpha for all
+    (the plain candidate is that) or no transfer at all. A framework whose rows no alpha moves (no
+    sibling ran it) keeps the trees; one with a sibling gets an alpha, not the trees: their choice
+    was scored on the inner folds' held-out parts, mostly NVIDIA, where the trees' spec neighbours
+    are close, and applied to a part whose vendor's level is far from its spec neighbours, where
+    they miss several-fold (seed 0: the MI250's llama.cpp rows by 611%, its sibling's transfer by
+    about 25%; docs/predict.md). The plain no-transfer candidate still competes. The remaining
+    sibling_alpha, for a framework the training rows never ran, is the one chosen for most rows."""
     def oof(a: float | None) -> np.ndarray:
         return oofs[(a, "trees" if a is None else mode)]
 
-    alphas = [a for a, m in oofs if a is None or m == mode]
+    alphas = [a for a, m in oofs if a is not None and m == mode]
     combined, choice, rows = oof(None).copy(), {}, {}  # a row without a framework has no sibling
     for f in sorted(set(framework[np.isfinite(framework)].tolist())):
         sel = framework == f
-        choice[f] = min(alphas, key=lambda a: (mdape(oof(a)[sel], y[sel]), -1 if a is None else a))
+        moved = [a for a in alphas if not np.array_equal(oof(a)[sel], oof(None)[sel], equal_nan=True)]
+        choice[f] = min(moved, key=lambda a: (mdape(oof(a)[sel], y[sel]), a)) if moved else None
         combined[sel] = oof(choice[f])[sel]
         if choice[f] is not None:
             rows[choice[f]] = rows.get(choice[f], 0) + int(sel.sum())
