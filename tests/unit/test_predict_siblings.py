@@ -276,13 +276,19 @@ def test_per_framework_keeps_one_alpha_when_one_is_best():
     oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
     assert (cfg.alpha_for(0.0), cfg.alpha_for(1.0)) == (0.5, 1.0)
     np.testing.assert_allclose(oof, np.r_[np.full(3, 1.01), np.full(3, 1.0)])
-    # framework 2's rows no alpha moves (no sibling ran it): the trees
-    framework = np.r_[framework, 2.0, 2.0]
-    y = np.ones(8)
-    oofs = {(None, "trees"): np.r_[np.full(6, 2.0), 1.2, 1.2], (0.5, "trees"): np.r_[np.full(6, 1.01), 1.2, 1.2],
-            (1.0, "trees"): np.r_[np.full(3, 1.5), np.full(3, 1.0), 1.2, 1.2]}
+    # framework 2's rows no alpha moves (no sibling ran it): the trees predict them, and the config
+    # names no alpha of its own for it (should a sibling run it at the refit, the remaining one)
+    framework = np.r_[framework, 2.0, 2.0, 2.0, 2.0]
+    y = np.ones(10)
+    oofs = {(None, "trees"): np.r_[np.full(6, 2.0), np.full(4, 1.2)],
+            (0.5, "trees"): np.r_[np.full(6, 1.01), np.full(4, 1.2)],
+            (1.0, "trees"): np.r_[np.full(3, 1.5), np.full(3, 1.0), np.full(4, 1.2)]}
     oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
-    assert (cfg.alpha_for(0.0), cfg.alpha_for(1.0), cfg.alpha_for(2.0)) == (0.5, 1.0, None) and cfg.transfers
+    np.testing.assert_allclose(oof, np.r_[np.full(3, 1.01), np.full(3, 1.0), np.full(4, 1.2)])
+    assert cfg.framework_alphas == ((1.0, 1.0),) and cfg.sibling_alpha == cfg.alpha_for(2.0) == 0.5
+    # one alpha for every framework a sibling ran, whatever the others: the plain candidate
+    oofs[(1.0, "trees")] = np.r_[np.full(6, 1.5), np.full(4, 1.2)]
+    assert models.per_framework(oofs, y, framework, QUICK, "trees") is None
 
 
 def test_framework_alphas_survive_a_json_round_trip_and_are_checked():

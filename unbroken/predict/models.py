@@ -341,12 +341,13 @@ def per_framework(oofs: dict[tuple, np.ndarray], y: np.ndarray, framework: np.nd
     (by that framework's rows' MdAPE; ties: the smaller alpha), from `oofs` (`oof_predictions` keyed
     (alpha, mode), with (None, "trees")), in seen mode `mode`; None when that is one alpha for all
     (the plain candidate is that) or no transfer at all. A framework whose rows no alpha moves (no
-    sibling ran it) keeps the trees; one with a sibling gets an alpha, not the trees: their choice
+    sibling ran it) is left out: the trees predict it whatever its alpha, and should a sibling run
+    it at the refit it takes the remaining sibling_alpha; one with a sibling gets an alpha, not the trees: their choice
     was scored on the inner folds' held-out parts, mostly NVIDIA, where the trees' spec neighbours
     are close, and applied to a part whose vendor's level is far from its spec neighbours, where
     they miss several-fold (seed 0: the MI250's llama.cpp rows by 611%, its sibling's transfer by
     about 25%; docs/predict.md). The plain no-transfer candidate still competes. The remaining
-    sibling_alpha, for a framework the training rows never ran, is the one chosen for most rows."""
+    sibling_alpha is the one chosen for most rows."""
     def oof(a: float | None) -> np.ndarray:
         return oofs[(a, "trees" if a is None else mode)]
 
@@ -355,13 +356,14 @@ def per_framework(oofs: dict[tuple, np.ndarray], y: np.ndarray, framework: np.nd
     for f in sorted(set(framework[np.isfinite(framework)].tolist())):
         sel = framework == f
         moved = [a for a in alphas if not np.array_equal(oof(a)[sel], oof(None)[sel], equal_nan=True)]
-        choice[f] = min(moved, key=lambda a: (mdape(oof(a)[sel], y[sel]), a)) if moved else None
+        if not moved:  # no sibling: any alpha predicts these rows as the trees do
+            continue
+        choice[f] = min(moved, key=lambda a: (mdape(oof(a)[sel], y[sel]), a))
         combined[sel] = oof(choice[f])[sel]
-        if choice[f] is not None:
-            rows[choice[f]] = rows.get(choice[f], 0) + int(sel.sum())
-    if len(set(choice.values())) < 2 or not rows:
+        rows[choice[f]] = rows.get(choice[f], 0) + int(sel.sum())
+    if len(rows) < 2:
         return None
-    rest = max(rows, key=rows.get)
+    rest = max(rows, key=rows.get)  # also a framework no sibling ran here, should one at the refit
     return combined, replace(cfg, sibling_alpha=rest, seen_mode=mode,
                              framework_alphas=tuple((f, a) for f, a in choice.items() if a != rest))
 
