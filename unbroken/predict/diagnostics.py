@@ -15,7 +15,7 @@ from unbroken.predict.dataset import Table
 from unbroken.predict.evaluate import splits
 from unbroken.predict.features import FEATURES, FRAMEWORKS, ROOFLINE
 from unbroken.predict.models import XgbConfig, balanced_weights, fit_xgb, mdape
-from unbroken.predict.siblings import Hardware, parts
+from unbroken.predict.siblings import Hardware, nearest, parts
 
 
 def gpu_offsets(table: Table, true: np.ndarray, pred: np.ndarray) -> dict:
@@ -89,10 +89,11 @@ def _pairs(table: Table, known: dict, cells: dict, gpu: str, leave_out: str | No
     for key, on in cells.items():
         there = [known[s] for s in on if s not in (gpu, leave_out) and me.maker and known[s].maker == me.maker] \
             if gpu in on else []
-        if there:
-            sib = min(there, key=lambda p: p.distance(np.asarray(me.figures))).name
-            out.setdefault(key[-1], []).append((np.median(table.itl_s[on[gpu]]), np.median(table.itl_s[on[sib]]),
-                                                np.median(table.roofline_s[on[gpu]]) / np.median(table.roofline_s[on[sib]])))
+        if there:  # the transfer's rule (siblings.nearest) among the parts that ran this configuration
+            sib = nearest(there, np.asarray(me.figures)).name
+            here, far = on[gpu], on[sib]
+            out.setdefault(key[-1], []).append((np.median(table.itl_s[here]), np.median(table.itl_s[far]),
+                                                np.median(table.roofline_s[here]) / np.median(table.roofline_s[far])))
     return out
 
 

@@ -340,14 +340,16 @@ def per_framework(oofs: dict[tuple, np.ndarray], y: np.ndarray, framework: np.nd
     """The out-of-fold predictions and config of the best alpha for each serving framework apart
     (by that framework's rows' MdAPE; ties: the smaller alpha), from `oofs` (`oof_predictions` keyed
     (alpha, mode), with (None, "trees")), in seen mode `mode`; None when that is one alpha for all
-    (the plain candidate is that) or no transfer at all. A framework whose rows no alpha moves (no
-    sibling ran it) is left out: the trees predict it whatever its alpha, and should a sibling run
-    it at the refit it takes the remaining sibling_alpha; one with a sibling gets an alpha, not the trees: their choice
-    was scored on the inner folds' held-out parts, mostly NVIDIA, where the trees' spec neighbours
-    are close, and applied to a part whose vendor's level is far from its spec neighbours, where
-    they miss several-fold (seed 0: the MI250's llama.cpp rows by 611%, its sibling's transfer by
-    about 25%; docs/predict.md). The plain no-transfer candidate still competes. The remaining
-    sibling_alpha is the one chosen for most rows."""
+    (the plain candidate is that) or no transfer at all. The remaining sibling_alpha is the one
+    chosen for most rows.
+
+    A framework whose rows no alpha moves (no sibling ran it) is left out: the trees predict it
+    whatever its alpha, and should a sibling run it at the refit it takes the remaining alpha. A
+    framework with a sibling gets an alpha, never the trees: that choice would be scored on the
+    inner folds' held-out parts, mostly NVIDIA, whose spec neighbours are close, and applied to a
+    part whose vendor's level is far from its spec neighbours (seed 0: the MI250's llama.cpp rows
+    611% off by the trees, about 25% by its sibling's transfer; docs/predict.md). The plain
+    no-transfer candidate still competes."""
     def oof(a: float | None) -> np.ndarray:
         return oofs[(a, "trees" if a is None else mode)]
 

@@ -94,7 +94,12 @@ def sibling(known: tuple[Part, ...], maker: str, figures: np.ndarray, setup: tup
         return None
     same = [p for p in known if p.maker == maker and p is not own and tuple(setup) in p.setups
             and _transferable(np.asarray(p.figures))]
-    return min(same, key=lambda p: p.distance(figures)) if same else None
+    return nearest(same, figures)
+
+
+def nearest(candidates: list[Part], figures: np.ndarray) -> Part | None:
+    """The candidate nearest to a GPU's `figures` in log bandwidth and log TFLOPS (None: no candidate)."""
+    return min(candidates, key=lambda p: p.distance(figures)) if candidates else None
 
 
 def _kinds(X: np.ndarray, makers: np.ndarray) -> dict[tuple, list[int]]:
