@@ -205,13 +205,13 @@ def test_bench_seed_reaches_every_search_config(tmp_path, monkeypatch):
     seen = []
     balanced = []
     transfers, per_framework = [], []
-    monkeypatch.setattr(bp, "_run_one", lambda table, target, grid, console, balance, transfer, framework_alphas:
+    monkeypatch.setattr(bp, "_run_one", lambda table, target, grid, console, balance, transfer, framework_laws:
                         seen.append(grid) or balanced.append(balance) or transfers.append(transfer)
-                        or per_framework.append(framework_alphas) or {})
+                        or per_framework.append(framework_laws) or {})
     monkeypatch.setattr(bp, "_figure", lambda results, path: None)
     shots = []
-    monkeypatch.setattr(bp, "_few_shot", lambda table, target, grid, counts, balance, console, transfer, framework_alphas:
-                        shots.append(counts) or transfers.append(transfer) or per_framework.append(framework_alphas)
+    monkeypatch.setattr(bp, "_few_shot", lambda table, target, grid, counts, balance, console, transfer, framework_laws:
+                        shots.append(counts) or transfers.append(transfer) or per_framework.append(framework_laws)
                         or {})
     app = typer.Typer()
     app.command()(bp.predict)
@@ -222,17 +222,17 @@ def test_bench_seed_reaches_every_search_config(tmp_path, monkeypatch):
     assert balanced and all(balanced)  # GPU-balanced weights unless --no-balance
     assert shots and all(c == bp.SHOTS for c in shots)
     assert transfers and all(transfers)  # sibling transfer offered unless --no-siblings
-    assert per_framework and all(per_framework)  # and an alpha per framework unless --one-alpha
-    assert json.loads((tmp_path / "predict.json").read_text())["framework_alphas"] is True
+    assert per_framework and all(per_framework)  # and an alpha per framework unless --one-law
+    assert json.loads((tmp_path / "predict.json").read_text())["framework_laws"] is True
     res = CliRunner().invoke(app, ["--only", "ml-energy", "--trees", "10", "--no-balance", "--shots", "",
                                    "--no-siblings", "--out-dir", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert balanced[-1] is False and len(shots) == 2  # '' runs no few-shot split (2 targets before)
     assert transfers[-1] is False
     record = json.loads((tmp_path / "predict.json").read_text())
-    assert record["few_shot_logo"] == {} and record["sibling_transfer"] is False and record["framework_alphas"] is False
-    res = CliRunner().invoke(app, ["--only", "ml-energy", "--trees", "10", "--shots", "", "--one-alpha",
+    assert record["few_shot_logo"] == {} and record["sibling_transfer"] is False and record["framework_laws"] is False
+    res = CliRunner().invoke(app, ["--only", "ml-energy", "--trees", "10", "--shots", "", "--one-law",
                                    "--out-dir", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert transfers[-1] is True and per_framework[-1] is False
-    assert json.loads((tmp_path / "predict.json").read_text())["framework_alphas"] is False
+    assert json.loads((tmp_path / "predict.json").read_text())["framework_laws"] is False

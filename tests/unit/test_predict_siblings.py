@@ -17,6 +17,8 @@ from unbroken.predict.features import FEATURES, FRAMEWORKS, GPU_COLUMNS, ROOFLIN
     with_gpu
 from unbroken.predict.measurements import Measurement
 
+RATIO = {a: siblings.Law("ratio", a) for a in (0.5, 0.75, 1.0)}
+
 QUICK = models.XgbConfig(n_estimators=30, max_depth=3, learning_rate=0.3)
 
 
@@ -99,13 +101,60 @@ def test_transfer_scales_the_siblings_itl_by_the_roofline_ratio(alpha):
     makers = np.array(["NVIDIA"] * 3 + ["AMD"] * 3)
     seen = []
     out, used, own = siblings.transfer(lambda Xs: seen.append(Xs) or np.full(len(Xs), 0.01), X, makers, known,
-                                       lambda framework: alpha)
+                                       lambda framework: siblings.Law("ratio", alpha))
     on_h100 = matrix(_rows("H100 SXM"))
     np.testing.assert_allclose(seen[0], on_h100)  # the trees asked about the H100
     np.testing.assert_allclose(out[:3], 0.01 * np.exp(alpha * (X[:3, ROOFLINE] - on_h100[:, ROOFLINE])))
     assert np.isnan(out[3:]).all() and used == ["NVIDIA H100 SXM5 80GB"] * 3 + [None] * 3 and own == [None] * 6
     if alpha == 1.0:  # the H200 reads 4.8 TB/s against 3.35: a bandwidth-bound row is that much faster
         assert out[0] == pytest.approx(0.01 * 3350 / 4800, rel=0.02)
+
+
+def test_one_offset_serves_stacks_at_different_levels_where_one_ratio_does_not():
+    """Two vendors' stacks at 2x and 10x the roofline, each with 2 ms of host time per token: the
+    offset law with c = 1 carries both over (k, read off each sibling's rows, holds the level);
+    one alpha is wrong for at least one of them."""
+    gpus, mods = _specs()
+    pairs = {"NVIDIA": ("H100 SXM", "A100 SXM4 40GB", 2.0), "AMD": ("MI300X", "MI250", 10.0)}
+    models_ = ("meta-llama/Meta-Llama-3.1-8B", "meta-llama/Llama-2-13b-hf", "meta-llama/Llama-2-70b-hf")
+
+    def rows(gpu: str) -> np.ndarray:
+        return matrix([(gpus.get(gpu), mods.get(m), OperatingPoint(batch=float(b))) for m in models_ for b in (1, 16, 64)])
+
+    def truth(X: np.ndarray, maker: str) -> np.ndarray:
+        return pairs[maker][2] * np.exp(X[:, ROOFLINE]) + 0.002
+
+    X_sib = {mk: rows(sib) for mk, (sib, _, _) in pairs.items()}
+    known = siblings.parts(np.vstack(list(X_sib.values())),
+                           siblings.Hardware(np.repeat([gpus.get(s).name for s, _, _ in pairs.values()], 9),
+                                             np.repeat(list(pairs), 9)),
+                           np.concatenate([truth(X, mk) for mk, X in X_sib.items()]))
+    assert [p.efficiency[0][2] for p in known] == pytest.approx([10.0, 2.0], rel=0.3)  # MI300X, H100 (by name)
+    X = np.vstack([rows(target) for _, target, _ in pairs.values()])
+    makers, true = np.repeat(list(pairs), 9), np.concatenate([truth(rows(t), mk) for mk, (_, t, _) in pairs.items()])
+
+    def err(law: siblings.Law) -> np.ndarray:  # the trees replaced by the truth on the sibling
+        got = [siblings.transfer(lambda Xs, mk=mk: truth(Xs, mk), X[i * 9:(i + 1) * 9], makers[i * 9:(i + 1) * 9],
+                                 known, lambda f: law).itl_s for i, mk in enumerate(pairs)]
+        return np.abs(np.concatenate(got) / true - 1)
+
+    assert np.median(err(siblings.Law("offset", 1.0))) < 0.05
+    assert min(max(np.median(err(siblings.Law("ratio", a))[:9]), np.median(err(siblings.Law("ratio", a))[9:]))
+               for a in np.arange(0, 1.3, 0.25)) > 0.05
+
+
+@given(host=st.floats(0.0, 0.05), c=st.floats(0.5, 8.0), k=st.floats(1.0, 20.0), here=st.floats(1e-4, 0.02),
+       there=st.floats(1e-4, 0.02))
+def test_the_offset_law_carries_the_host_share_over_and_scales_the_rest(host, c, k, here, there):
+    """A sibling whose stack takes k rooflines where bandwidth-bound and spends `host` seconds beyond
+    c*k of its rooflines spends them on the GPU too."""
+    law = siblings.Law("offset", c)
+    got = law.apply(np.array([host + c * k * there]), np.log([here]), np.log([there]), k)[0]
+    assert got == pytest.approx(max(host + c * k * here, here), rel=1e-9)
+    assert got >= here * (1 - 1e-12)  # never below the GPU's own roofline
+    assert np.isnan(law.apply(np.array([host + there]), np.log([here]), np.log([there]))[0])  # no efficiency known
+    ratio = siblings.Law("ratio", 0.0).apply(np.array([host + c * there]), np.log([here]), np.log([there]))[0]
+    assert ratio == pytest.approx(host + c * there)  # alpha 0 copies the sibling
 
 
 def _stack_world(odd: float = 1.0, powers: dict[str, float] | None = None) -> "evaluate.Table":
@@ -138,8 +187,8 @@ def test_logo_takes_an_unseen_gpus_level_from_its_sibling():
     moved = evaluate.predict_held_out(world, "itl", "logo", grid=(QUICK,))
     err = {name: models.mdape(p["xgboost"], world.itl_s) for name, p in (("plain", plain), ("moved", moved))}
     assert err["plain"] > 50 and err["moved"] < 10, err
-    assert all(c.sibling_alpha is not None for c in moved["configs"])
-    assert all(c.sibling_alpha is None for c in plain["configs"]) and set(plain["sibling"]) == {""}
+    assert all(c.sibling_law is not None for c in moved["configs"])
+    assert all(c.sibling_law is None for c in plain["configs"]) and set(plain["sibling"]) == {""}
     h100 = world.gpu == "NVIDIA H100 SXM5 80GB"
     assert set(moved["sibling"][h100]) == {"NVIDIA A100-SXM4-40GB"}  # its maker's only other part
 
@@ -147,7 +196,7 @@ def test_logo_takes_an_unseen_gpus_level_from_its_sibling():
 def test_cv_never_transfers():
     world = _stack_world()
     preds = evaluate.predict_held_out(world, "itl", "cv", grid=(QUICK,))
-    assert all(c.sibling_alpha is None for c in preds["configs"]) and set(preds["sibling"]) == {""}
+    assert all(c.sibling_law is None for c in preds["configs"]) and set(preds["sibling"]) == {""}
 
 
 def test_the_service_names_the_sibling_and_its_cache_keeps_it(tmp_path):
@@ -160,7 +209,7 @@ def test_the_service_names_the_sibling_and_its_cache_keeps_it(tmp_path):
     spec = dataclasses.replace(gpus.get("MI300X"), manufacturer="fast")
     model, op = mods.get("meta-llama/Llama-2-13b-hf"), OperatingPoint(batch=16.0)
     a, b = (service.estimate(t, spec, model, op) for t in (trained, again))
-    assert trained.itl.config.sibling_alpha is not None and again.itl.config == trained.itl.config
+    assert trained.itl.config.sibling_law is not None and again.itl.config == trained.itl.config
     as_saved = [service._part_to_json(p) for p in trained.itl.parts]  # NaN figures: compare as saved (None)
     assert [service._part_to_json(p) for p in again.itl.parts] == as_saved and len(as_saved) == 3
     assert a.itl_sibling == b.itl_sibling == "AMD Instinct MI250" and a.itl_s == pytest.approx(b.itl_s)
@@ -169,26 +218,26 @@ def test_the_service_names_the_sibling_and_its_cache_keeps_it(tmp_path):
     assert service.as_dict(a)["itl_sibling"] == "AMD Instinct MI250"
 
 
-def test_a_cache_trained_with_other_alphas_is_not_reused(monkeypatch):
+def test_a_cache_trained_with_other_laws_is_not_reused(monkeypatch):
     world = _stack_world()
     key = service._key(world, 0.9, QUICK, 3)
-    assert all(str(a) in service.RECIPE for a in siblings.ALPHAS)
-    monkeypatch.setattr(service, "RECIPE", service.RECIPE.replace(str(siblings.ALPHAS[0]), "0.1"))
+    assert all(str(a) in service.RECIPE for a in siblings.LAWS)
+    monkeypatch.setattr(service, "RECIPE", service.RECIPE.replace(str(siblings.LAWS[0]), "ratio 0.1"))
     assert service._key(world, 0.9, QUICK, 3) != key
 
 
-def test_seen_modes_need_a_transfer_alpha():
+def test_seen_modes_need_a_transfer_law():
     with pytest.raises(ValueError, match="seen_mode"):
         models.XgbConfig(seen_mode="sibling_level")
     with pytest.raises(ValueError, match="seen_mode"):
-        models.XgbConfig(sibling_alpha=1.0, seen_mode="guess")
-    assert models.XgbConfig(sibling_alpha=1.0, seen_mode="sibling").seen_mode == "sibling"
+        models.XgbConfig(sibling_law=RATIO[1.0], seen_mode="guess")
+    assert models.XgbConfig(sibling_law=RATIO[1.0], seen_mode="sibling").seen_mode == "sibling"
 
 
 def test_a_measured_gpu_is_predicted_by_its_mode():
     world = _stack_world(odd=2.0)  # the MI300X runs at twice its sibling's (the MI250's) level
     hw = siblings.Hardware(world.gpu, world.maker)
-    cfg = dataclasses.replace(QUICK, sibling_alpha=1.0)
+    cfg = dataclasses.replace(QUICK, sibling_law=RATIO[1.0])
     model = models.fit_xgb(world.X, np.log(world.itl_s), cfg, models.balanced_weights(world.gpu))
     known = siblings.parts(world.X, hw)
     levels = models.own_levels(model, world.X, world.itl_s, "itl", cfg, hw, known)
@@ -240,7 +289,7 @@ def test_the_record_names_the_siblings_used():
     world, quiet = _stack_world(), Console(quiet=True)
     logo = bp._run_one(world, "itl", (QUICK,), quiet)["logo"]
     assert logo["siblings_used"]["NVIDIA H100 SXM5 80GB"] == {"NVIDIA A100-SXM4-40GB": 12}
-    assert all(c["sibling_alpha"] is not None for c in logo["configs_chosen"])
+    assert all(c["sibling_law"] is not None for c in logo["configs_chosen"])
     assert logo["by_source"]["sibling"]["rows"] == len(world) and logo["by_source"]["trees"]["rows"] == 0
     few = bp._few_shot(world, "itl", (QUICK,), (2,), True, quiet)["2"]
     assert len(few["configs_chosen"]) == 4 and {c["seen_mode"] for c in few["configs_chosen"]} <= set(models.SEEN_MODES)
@@ -249,58 +298,64 @@ def test_the_record_names_the_siblings_used():
     assert all(v == {"": 12} for v in plain["siblings_used"].values()) and "by_source" not in plain
 
 
-def test_each_framework_may_take_its_own_alpha():
-    # vLLM's ITL follows the roofline, llama.cpp's its square root: one alpha fits neither stack
+def test_each_framework_may_take_its_own_alpha(monkeypatch):
+    # vLLM's ITL follows the roofline, llama.cpp's its square root: one alpha fits neither stack (the
+    # offset laws, which fit both closely in this world, are left out)
+    monkeypatch.setattr(siblings, "LAWS", tuple(a for a in siblings.LAWS if a.kind == "ratio"))
     world = _stack_world(powers={"vLLM": 1.0, "llama.cpp": 0.5})
-    one = evaluate.predict_held_out(world, "itl", "logo", grid=(QUICK,), framework_alphas=False)
+    one = evaluate.predict_held_out(world, "itl", "logo", grid=(QUICK,), framework_laws=False)
     each = evaluate.predict_held_out(world, "itl", "logo", grid=(QUICK,))
     err = {name: models.mdape(p["xgboost"], world.itl_s) for name, p in (("one", one), ("each", each))}
     assert err["each"] < 5 < err["one"], err
     vllm, llama = (float(FRAMEWORKS.index(f)) for f in ("vLLM", "llama.cpp"))
-    assert all(c.alpha_for(vllm) == 1.0 and c.alpha_for(llama) == 0.5 for c in each["configs"]), each["configs"]
-    assert all(not c.framework_alphas for c in one["configs"])
+    assert all(c.law_for(vllm) == RATIO[1.0] and c.law_for(llama) == RATIO[0.5] for c in each["configs"]), \
+        each["configs"]
+    assert all(not c.framework_laws for c in one["configs"])
 
 
-def test_per_framework_keeps_one_alpha_when_one_is_best():
+def test_per_framework_keeps_one_law_when_one_is_best():
+    H, O = RATIO[0.5], RATIO[1.0]
     y = np.ones(6)
     framework = np.array([0.0, 0.0, 0.0, 1.0, 1.0, 1.0])
-    oofs = {(None, "trees"): np.full(6, 2.0), (0.5, "trees"): np.full(6, 1.01), (1.0, "trees"): np.full(6, 1.5)}
+    oofs = {(None, "trees"): np.full(6, 2.0), (H, "trees"): np.full(6, 1.01), (O, "trees"): np.full(6, 1.5)}
     assert models.per_framework(oofs, y, framework, QUICK, "trees") is None  # 0.5 for both: the plain candidate
-    oofs[(1.0, "trees")] = np.r_[np.full(3, 1.5), np.full(3, 1.0)]
+    oofs[(O, "trees")] = np.r_[np.full(3, 1.5), np.full(3, 1.0)]
     oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
     np.testing.assert_allclose(oof, np.r_[np.full(3, 1.01), np.full(3, 1.0)])
-    assert (cfg.alpha_for(0.0), cfg.alpha_for(1.0), cfg.alpha_for(7.0)) == (0.5, 1.0, 0.5)  # ties: the smaller
-    # the trees best for framework 0, whose rows a sibling moves: it still gets an alpha (the inner
+    assert (cfg.law_for(0.0), cfg.law_for(1.0), cfg.law_for(7.0)) == (H, O, H)  # ties: the law offered first
+    # the trees best for framework 0, whose rows a sibling moves: it still gets a law (the inner
     # folds' trees say little of a part whose vendor's level is far from its spec neighbours)
     oofs[(None, "trees")] = np.r_[np.full(3, 1.0), np.full(3, 2.0)]
     oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
-    assert (cfg.alpha_for(0.0), cfg.alpha_for(1.0)) == (0.5, 1.0)
+    assert (cfg.law_for(0.0), cfg.law_for(1.0)) == (H, O)
     np.testing.assert_allclose(oof, np.r_[np.full(3, 1.01), np.full(3, 1.0)])
-    # framework 2's rows no alpha moves (no sibling ran it): the trees predict them, and the config
-    # names no alpha of its own for it (should a sibling run it at the refit, the remaining one)
+    # framework 2's rows no law moves (no sibling ran it): the trees predict them, and the config
+    # names no law of its own for it (should a sibling run it at the refit, the remaining one)
     framework = np.r_[framework, 2.0, 2.0, 2.0, 2.0]
     y = np.ones(10)
     oofs = {(None, "trees"): np.r_[np.full(6, 2.0), np.full(4, 1.2)],
-            (0.5, "trees"): np.r_[np.full(6, 1.01), np.full(4, 1.2)],
-            (1.0, "trees"): np.r_[np.full(3, 1.5), np.full(3, 1.0), np.full(4, 1.2)]}
+            (H, "trees"): np.r_[np.full(6, 1.01), np.full(4, 1.2)],
+            (O, "trees"): np.r_[np.full(3, 1.5), np.full(3, 1.0), np.full(4, 1.2)]}
     oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
     np.testing.assert_allclose(oof, np.r_[np.full(3, 1.01), np.full(3, 1.0), np.full(4, 1.2)])
-    assert cfg.framework_alphas == ((1.0, 1.0),) and cfg.sibling_alpha == cfg.alpha_for(2.0) == 0.5
-    # one alpha for every framework a sibling ran, whatever the others: the plain candidate
-    oofs[(1.0, "trees")] = np.r_[np.full(6, 1.5), np.full(4, 1.2)]
+    assert cfg.framework_laws == ((1.0, O),) and cfg.sibling_law == cfg.law_for(2.0) == H
+    # one law for every framework a sibling ran, whatever the others: the plain candidate
+    oofs[(O, "trees")] = np.r_[np.full(6, 1.5), np.full(4, 1.2)]
     assert models.per_framework(oofs, y, framework, QUICK, "trees") is None
 
 
-def test_framework_alphas_survive_a_json_round_trip_and_are_checked():
-    cfg = models.XgbConfig(sibling_alpha=0.75, framework_alphas=((3.0, None), (1.0, 1.25)), seen_mode="sibling")
+def test_framework_laws_survive_a_json_round_trip_and_are_checked():
+    offset = siblings.Law("offset", 2)
+    cfg = models.XgbConfig(sibling_law=RATIO[0.75], framework_laws=((3.0, None), (1.0, offset)), seen_mode="sibling")
     again = models.XgbConfig(**json.loads(json.dumps(dataclasses.asdict(cfg))))
-    assert again == cfg and hash(again) == hash(cfg) and again.framework_alphas == ((1.0, 1.25), (3.0, None))
-    assert (cfg.alpha_for(1.0), cfg.alpha_for(3.0), cfg.alpha_for(2.0)) == (1.25, None, 0.75)
-    with pytest.raises(ValueError, match="framework_alphas"):
-        models.XgbConfig(framework_alphas=((1.0, 3.0),))
-    assert models.XgbConfig(framework_alphas=((1.0, 0.5),), seen_mode="sibling").transfers  # an alpha for one is enough
+    assert again == cfg and hash(again) == hash(cfg) and again.framework_laws == ((1.0, offset), (3.0, None))
+    assert (cfg.law_for(1.0), cfg.law_for(3.0), cfg.law_for(2.0)) == (offset, None, RATIO[0.75])
+    for bad in (3.0, {"kind": "ratio", "value": 3.0}, {"kind": "offset", "value": 9}, {"kind": "guess", "value": 1}):
+        with pytest.raises(ValueError, match="transfer law"):
+            models.XgbConfig(framework_laws=((1.0, bad),))
+    assert models.XgbConfig(framework_laws=((1.0, RATIO[0.5]),), seen_mode="sibling").transfers  # one is enough
     with pytest.raises(ValueError, match="seen_mode"):
-        models.XgbConfig(framework_alphas=((1.0, None),), seen_mode="sibling")
+        models.XgbConfig(framework_laws=((1.0, None),), seen_mode="sibling")
 
 
 def test_by_source_scores_the_transferred_and_the_trees_rows_apart():

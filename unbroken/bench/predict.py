@@ -48,12 +48,12 @@ def _table(sources: tuple[str, ...], frameworks: tuple[str, ...] | None = None) 
 
 
 def _run_one(table: Table, target: str, grid, console: Console, balance: bool = True, transfer: bool = True,
-             framework_alphas: bool = True) -> dict:
+             framework_laws: bool = True) -> dict:
     out = {}
     for kind in evaluate.SPLITS:
         t0 = time.monotonic()
         preds = evaluate.predict_held_out(table, target, kind, grid=grid, coverage=COVERAGE, balance=balance,
-                                          transfer=transfer, framework_alphas=framework_alphas)
+                                          transfer=transfer, framework_laws=framework_laws)
         res = evaluate.score(table, target, preds)
         chosen = Counter(preds["configs"]).most_common(1)[0][0]
         res["config"] = asdict(chosen)  # the one the outer splits chose most often
@@ -79,7 +79,7 @@ SHOTS = (1, 5, 20)  # measured rows of the held-out GPU handed to its training s
 
 
 def _few_shot(table: Table, target: str, grid, shots: tuple[int, ...], balance: bool, console: Console,
-              transfer: bool = True, framework_alphas: bool = True) -> dict:
+              transfer: bool = True, framework_laws: bool = True) -> dict:
     """LOGO with `n` random rows of each held-out GPU in its training split, for each n in `shots`:
     how many measurements of new hardware (`unbroken predict profile`) bring its other rows in."""
     out = {}
@@ -87,7 +87,7 @@ def _few_shot(table: Table, target: str, grid, shots: tuple[int, ...], balance: 
         t0 = time.monotonic()
         try:
             preds = evaluate.predict_held_out(table, target, "logo", grid=grid, coverage=COVERAGE, balance=balance,
-                                              shots=n, transfer=transfer, framework_alphas=framework_alphas)
+                                              shots=n, transfer=transfer, framework_laws=framework_laws)
         except evaluate.SplitError as e:  # a GPU with <= n rows: say so in the record, go on
             out[str(n)] = {"skipped": str(e)}
             continue
@@ -196,7 +196,7 @@ def predict(out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where p
                                          "same in the fits, however many rows it has (--no-balance: every row)"),
             transfer: bool = typer.Option(True, "--siblings/--no-siblings", help="offer the search the ITL of an "
                                           "unseen GPU by transfer from its measured sibling of the same manufacturer"),
-            framework_alphas: bool = typer.Option(True, "--framework-alphas/--one-alpha", help="the search may "
+            framework_laws: bool = typer.Option(True, "--framework-laws/--one-law", help="the search may "
                                                   "choose the transfer's alpha per serving framework"),
             shots: str = typer.Option(",".join(map(str, SHOTS)), "--shots", help="comma-separated numbers of "
                                       "measured rows of the held-out GPU to add to its LOGO training split "
@@ -221,20 +221,20 @@ def predict(out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where p
                       f"{len(set(table.model.tolist()))} models")
         for target in targets:
             t = table.with_target(target)
-            per_split = _run_one(t, target, grid, console, balance, transfer, framework_alphas)
+            per_split = _run_one(t, target, grid, console, balance, transfer, framework_laws)
             configs[f"{name}/{target}"] = {kind: r["config"] for kind, r in per_split.items()}
             for kind, r in per_split.items():
                 results.setdefault(name, {}).setdefault(kind, {})[target] = r
             if shot_counts:
                 few_shot.setdefault(name, {})[target] = _few_shot(t, target, grid, shot_counts, balance, console,
-                                                                  transfer, framework_alphas)
+                                                                  transfer, framework_laws)
     g = goals(results)
     _print(results, g, console)
     out_dir = Path(out_dir)
     path = write_result("predict", {"results": results, "goals": g, "chosen_configs": configs,
                                     "search_grid": [asdict(c) for c in grid], "interval_nominal_coverage": COVERAGE,
                                     "balanced_gpu_weights": balance, "sibling_transfer": transfer,
-                                    "framework_alphas": transfer and framework_alphas,
+                                    "framework_laws": transfer and framework_laws,
                                     "few_shot_logo": few_shot},
                         out_dir)
     _figure(results, out_dir / "predict.png")

@@ -15,7 +15,7 @@ from unbroken.predict.dataset import Table
 from unbroken.predict.evaluate import splits
 from unbroken.predict.features import FEATURES, FRAMEWORKS, ROOFLINE
 from unbroken.predict.models import XgbConfig, balanced_weights, fit_xgb, mdape
-from unbroken.predict.siblings import Hardware, nearest, parts
+from unbroken.predict.siblings import Hardware, Law, nearest, parts
 
 
 def gpu_offsets(table: Table, true: np.ndarray, pred: np.ndarray) -> dict:
@@ -69,7 +69,11 @@ def power_given_measured_itl(table: Table, kind: str, cfg: XgbConfig, balance: b
                 u: round(mdape(watts[labels == u], true[labels == u]), 3) for u in sorted(set(labels.tolist()))}}
 
 
-HINDSIGHT_ALPHAS = tuple(a / 4 for a in range(7))  # 0, 0.25, ..., 1.5
+# the laws the hindsight diagnostic tries (`siblings.Law`), by kind, and the name of each kind's parameter
+HINDSIGHT_LAWS = {"ratio": tuple(Law("ratio", a / 4) for a in range(7)),     # alpha 0, 0.25, ..., 1.5
+                  "offset": tuple(Law("offset", c / 4) for c in range(13))}  # c 0, 0.25, ..., 3
+_PARAMETER = {"ratio": "alpha", "offset": "c"}
+_FW, _SC = FEATURES.index("framework"), FEATURES.index("scenario")
 
 
 def _setup_key(row) -> tuple:
@@ -83,58 +87,73 @@ def _setup_key(row) -> tuple:
 
 def _pairs(table: Table, known: dict, cells: dict, gpu: str, leave_out: str | None = None) -> dict[str, list]:
     """Per serving framework, the configurations `gpu` shares with a same-maker part (its nearest one
-    that ran each, `leave_out` excepted): (ITL measured on `gpu`, ITL measured on that part,
-    roofline on `gpu` / roofline there)."""
+    that ran each, `leave_out` excepted): (ITL measured on `gpu`, ITL measured on that part, log
+    roofline on `gpu`, log roofline there, that part's efficiency in the setup)."""
     me, out = known[gpu], {}
     for key, on in cells.items():
         there = [known[s] for s in on if s not in (gpu, leave_out) and me.maker and known[s].maker == me.maker] \
             if gpu in on else []
         if there:  # the transfer's rule (siblings.nearest) among the parts that ran this configuration
-            sib = nearest(there, np.asarray(me.figures)).name
-            here, far = on[gpu], on[sib]
+            sib = nearest(there, np.asarray(me.figures))
+            here, far = on[gpu], on[sib.name]
+            setup = (float(table.X[far[0], _FW]), float(table.X[far[0], _SC]))
             out.setdefault(key[-1], []).append((np.median(table.itl_s[here]), np.median(table.itl_s[far]),
-                                                np.median(table.roofline_s[here]) / np.median(table.roofline_s[far])))
+                                                np.log(np.median(table.roofline_s[here])),
+                                                np.log(np.median(table.roofline_s[far])), sib.efficiency_of(setup)))
     return out
 
 
-def _errors(cases: list, alpha: float) -> np.ndarray:
-    true, itl, roof = map(np.array, zip(*cases))
-    return np.abs(itl * roof ** alpha / true - 1)
+def _errors(cases: list, law: Law) -> np.ndarray:
+    true, itl, here, there, k = map(np.array, zip(*cases))
+    return np.abs(law.apply(itl, here, there, k) / true - 1)
 
 
-def _best_alpha(cases: list) -> float:
-    return min(HINDSIGHT_ALPHAS, key=lambda a: float(np.median(_errors(cases, a))))
+def _best(cases: list, laws: tuple[Law, ...]) -> Law:
+    return min(laws, key=lambda a: float(np.median(_errors(cases, a))))
 
 
 def sibling_hindsight(table: Table) -> dict:
     """ITL LOGO with the sibling transfer read off *measured* ITL: each held-out GPU's configuration is
     predicted from its nearest same-maker part's measurement of that configuration (not the trees'
-    estimate) times the roofline ratio to a power alpha per serving framework, chosen two ways:
-    `hindsight`, the alpha best for that GPU and framework (what the transfer, `siblings`, cannot beat
-    however well the trees fit the sibling and the search picks alpha); `from_other_gpus`, the alpha
-    best over the other GPUs' pairs of that framework (the held-out GPU neither target nor sibling):
-    whether a pair's alpha carries over to another pair. Configurations no sibling ran are not scored."""
-    known = {p.name: p for p in parts(table.X, Hardware(table.gpu, table.maker))}
+    estimate) by a transfer law per serving framework (`siblings.Law`; the ratio law's alpha at the
+    top level, the offset law's c under "offset"), chosen two ways: `hindsight`, the law best for
+    that GPU and framework (what the transfer cannot beat however well the trees fit the sibling and
+    the search picks the law); `from_other_gpus`, the law best over the other GPUs' pairs of that
+    framework (the held-out GPU neither target nor sibling): whether a pair's law carries over to
+    another pair. Configurations no sibling ran are not scored."""
+    known = {p.name: p for p in parts(table.X, Hardware(table.gpu, table.maker), table.itl_s)}
     cells: dict[tuple, dict[str, list[int]]] = {}
     for i, row in enumerate(table.rows):
         cells.setdefault(_setup_key(row), {}).setdefault(str(table.gpu[i]), []).append(i)
-    per, pooled = {}, {"hindsight": [], "from_other_gpus": []}
+    per, pooled = {}, {(kind, how): [] for kind in HINDSIGHT_LAWS for how in ("hindsight", "from_other_gpus")}
     for g in sorted(known):
         mine = _pairs(table, known, cells, g)
         if not mine:
             continue
         per[g] = {"configurations": sum(map(len, mine.values()))}
         theirs = [_pairs(table, known, cells, h, g) for h in known if h != g]
-        for how in pooled:
-            alphas, errs = {}, []
-            for fw, cases in sorted(mine.items()):
-                others = [c for pairs in theirs for c in pairs.get(fw, [])]
-                alphas[fw] = _best_alpha(cases) if how == "hindsight" else (_best_alpha(others) if others else None)
-                errs.append(_errors(cases, alphas[fw]) if alphas[fw] is not None else np.full(len(cases), np.nan))
-            pooled[how].append(np.concatenate(errs))
-            per[g][how] = {"alpha": alphas, "mdape": _pct(pooled[how][-1])}
-    return {"per_gpu": per, "configurations": sum(v["configurations"] for v in per.values()),
-            **{how: {"mdape": _pct(np.concatenate(v)) if v else None} for how, v in pooled.items()}}
+        for kind, how in pooled:
+            pooled[(kind, how)].append(_choose(mine, theirs, HINDSIGHT_LAWS[kind], how, per[g], kind))
+    out = {"per_gpu": per, "configurations": sum(v["configurations"] for v in per.values())}
+    for (kind, how), errs in pooled.items():
+        (out.setdefault("offset", {}) if kind == "offset" else out)[how] = {
+            "mdape": _pct(np.concatenate(errs)) if errs else None}
+    return out
+
+
+def _choose(mine: dict, theirs: list, laws: tuple[Law, ...], how: str, record: dict, kind: str) -> np.ndarray:
+    """One held-out GPU's errors with each framework's law chosen `how`; the laws and MdAPE go into
+    `record` (under "offset" for that kind)."""
+    chosen, errs = {}, []
+    for fw, cases in sorted(mine.items()):
+        others = [c for pairs in theirs for c in pairs.get(fw, [])]
+        chosen[fw] = _best(cases, laws) if how == "hindsight" else (_best(others, laws) if others else None)
+        errs.append(_errors(cases, chosen[fw]) if chosen[fw] is not None else np.full(len(cases), np.nan))
+    out = np.concatenate(errs)
+    where = record.setdefault("offset", {}) if kind == "offset" else record
+    where[how] = {_PARAMETER[kind]: {fw: None if a is None else a.value for fw, a in chosen.items()},
+                  "mdape": _pct(out)}
+    return out
 
 
 def _pct(errors: np.ndarray) -> float | None:

@@ -120,7 +120,7 @@ def inner_k(kind: str, train_groups: np.ndarray | None, default: int = INNER_FOL
 
 def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbConfig, ...] = (DEFAULT,),
                      coverage: float = 0.9, k: int | None = None, balance: bool = True,
-                     shots: int = 0, transfer: bool = True, framework_alphas: bool = True) -> dict[str, np.ndarray]:
+                     shots: int = 0, transfer: bool = True, framework_laws: bool = True) -> dict[str, np.ndarray]:
     """Out-of-split predictions for every row, in physical units (W per GPU or s): xgboost point,
     interval, baseline; plus the config each split chose (from `grid`, by inner folds of that
     split's training rows only; `k` of them, or `inner_k`'s choice when None) and whether every
@@ -131,7 +131,7 @@ def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbCon
     with a few measurements: the roofline, or TDP, times the held-out group's own measured factor).
     `transfer`: the search may predict an unseen GPU's ITL from its measured sibling (`siblings`);
     `sibling` then names, per row, the GPU its prediction came from ("" for the trees alone);
-    `framework_alphas`: the search may also choose the transfer's alpha per serving framework."""
+    `framework_laws`: the search may also choose the transfer's alpha per serving framework."""
     n = len(table)
     out = {name: np.full(n, np.nan) for name in ("xgboost", "low", "high", "baseline", "baseline_from_shots")}
     out["sibling"] = np.full(n, "", dtype=object)
@@ -145,7 +145,7 @@ def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbCon
         ks.append(k if k is not None else inner_k(kind, g_tr))
         p = fit(table.X[tr], y[tr], target, groups=g_tr, grid=grid, coverage=coverage, k=ks[-1],
                 categories=table.category()[tr], balance=table.gpu[tr] if balance else None, shots=shots,
-                hardware=hw.take(tr) if transfer else None, framework_alphas=framework_alphas)
+                hardware=hw.take(tr) if transfer else None, framework_laws=framework_laws)
         point, lo, hi, via = p.predict_via(table.X[te], table.category()[te], makers=table.maker[te])
         out["sibling"][te] = [s or "" for s in via]
         out["xgboost"][te], out["low"][te], out["high"][te] = point * scale[te], lo * scale[te], hi * scale[te]

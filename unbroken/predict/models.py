@@ -21,7 +21,7 @@ import numpy as np
 
 from unbroken.predict import siblings
 from unbroken.predict.features import FEATURES, ROOFLINE
-from unbroken.predict.siblings import Hardware, Part
+from unbroken.predict.siblings import Hardware, Law, Part
 
 TARGETS = ("power", "itl")
 FLOOR = 1e-4  # a tree ensemble may predict <= 0 for power/TDP; logs need a floor
@@ -47,23 +47,21 @@ class XgbConfig:
     n_jobs: int = 1  # more threads spin-wait on a shared, loaded box (measured: 15x slower)
     seed: int = 0
     target_form: str = "direct"  # or "roofline_ratio" (ITL only): see the module docstring
-    # ITL of a GPU with no training rows by transfer from its sibling (`siblings`), scaled by the
-    # roofline ratio to this power; None: the trees alone
-    sibling_alpha: float | None = None
-    # ((serving framework code, its alpha or None), ...): frameworks whose alpha is not sibling_alpha
-    framework_alphas: tuple[tuple[float, float | None], ...] = ()
-    seen_mode: str = "trees"  # SEEN_MODES; all but "trees" need an alpha
+    # ITL of a GPU with no training rows by transfer from its sibling by this law (`siblings.Law`);
+    # None: the trees alone
+    sibling_law: Law | None = None
+    # ((serving framework code, its law or None), ...): frameworks whose law is not sibling_law
+    framework_laws: tuple[tuple[float, Law | None], ...] = ()
+    seen_mode: str = "trees"  # SEEN_MODES; all but "trees" need a law
 
     def __post_init__(self) -> None:
-        # a JSON round trip (the service's cache) gives lists: keep the config hashable and equal
-        object.__setattr__(self, "framework_alphas", tuple(sorted(
-            (float(f), None if a is None else float(a)) for f, a in self.framework_alphas)))
-        for a in (self.sibling_alpha, *(a for _, a in self.framework_alphas)):
-            if a is not None and not 0 <= a <= 2:
-                raise ValueError(f"sibling_alpha and framework_alphas must be None or in [0, 2], got {a}")
+        # a JSON round trip (the service's cache) gives lists and dicts: keep the config hashable and equal
+        object.__setattr__(self, "sibling_law", Law.of(self.sibling_law))
+        object.__setattr__(self, "framework_laws", tuple(sorted(
+            ((float(f), Law.of(a)) for f, a in self.framework_laws), key=lambda fa: fa[0])))
         if self.seen_mode not in SEEN_MODES or (self.seen_mode != "trees" and not self.transfers):
             raise ValueError(f"seen_mode must be one of {', '.join(SEEN_MODES)} (all but 'trees' with a "
-                             f"sibling_alpha), got {self.seen_mode!r}")
+                             f"sibling_law), got {self.seen_mode!r}")
         if self.target_form not in FORMS:
             raise ValueError(f"target_form must be one of {', '.join(FORMS)}, got {self.target_form!r}")
         if self.n_estimators < 1 or self.max_depth < 1:
@@ -71,14 +69,14 @@ class XgbConfig:
         if not (0 < self.learning_rate <= 1 and 0 < self.subsample <= 1 and 0 < self.colsample_bytree <= 1):
             raise ValueError("learning_rate, subsample and colsample_bytree must be in (0, 1]")
 
-    def alpha_for(self, framework: float) -> float | None:
-        """The sibling-transfer alpha of a serving framework's rows (None: the trees)."""
-        return dict(self.framework_alphas).get(float(framework), self.sibling_alpha)
+    def law_for(self, framework: float) -> Law | None:
+        """The sibling-transfer law of a serving framework's rows (None: the trees)."""
+        return dict(self.framework_laws).get(float(framework), self.sibling_law)
 
     @property
     def transfers(self) -> bool:
         """Whether any framework's ITL may come from a sibling."""
-        return self.sibling_alpha is not None or any(a is not None for _, a in self.framework_alphas)
+        return self.sibling_law is not None or any(a is not None for _, a in self.framework_laws)
 
 
 DEFAULT = XgbConfig()
@@ -136,7 +134,7 @@ def fit_xgb(X: np.ndarray, z: np.ndarray, cfg: XgbConfig, weights: np.ndarray | 
 
 class _Memo:
     """A fitted model whose predictions are kept by input rows. Within one fold the search asks for
-    the same rows once per alpha and seen mode: the trees' own, each sibling's, each level's."""
+    the same rows once per law and seen mode: the trees' own, each sibling's, each level's."""
 
     def __init__(self, model) -> None:
         self.model, self._seen = model, {}
@@ -207,7 +205,7 @@ class Predictor:
     # widths and seen mode for a GPU measured in training (`measured_widths`): {"levels": {shots:
     # {"halfwidth", "by_category", "seen_mode"}}, "rows": {gpu: training rows}}; None: not calibrated
     measured: dict | None = None
-    # the GPUs of the training rows, for sibling transfer (config.sibling_alpha not None), and each
+    # the GPUs of the training rows, for sibling transfer (config.sibling_law not None), and each
     # one's own level per framework against its nearest other part (seen_mode "sibling_level"),
     # keyed (GPU, framework code)
     parts: tuple[Part, ...] = ()
@@ -258,7 +256,7 @@ class Predictor:
 def point(model, X: np.ndarray, target: str, cfg: XgbConfig, makers: np.ndarray | None, known: tuple[Part, ...],
           levels: dict | None = None, seen_mode: str | None = None) -> tuple[np.ndarray, list[str | None]]:
     """`model`'s prediction in target units and each row's sibling (None: the trees' own). Where
-    cfg gives the row's framework an alpha (`XgbConfig.alpha_for`): a GPU with no training rows by
+    cfg gives the row's framework a law (`XgbConfig.law_for`): a GPU with no training rows by
     transfer where one applies; a measured GPU, in seen_mode (else cfg's) "sibling", by transfer
     from its nearest other part, in "sibling_level" that times its level for the row's framework in
     `levels` (where it has one), in "trees" by the trees."""
@@ -270,7 +268,7 @@ def point(model, X: np.ndarray, target: str, cfg: XgbConfig, makers: np.ndarray 
     def predict_s(Xs: np.ndarray) -> np.ndarray:
         return from_target(target, model.predict(Xs), Xs, cfg.target_form)
 
-    t = siblings.transfer(predict_s, X, makers, known, cfg.alpha_for, measured_ok=seen_mode != "trees")
+    t = siblings.transfer(predict_s, X, makers, known, cfg.law_for, measured_ok=seen_mode != "trees")
     itl = t.itl_s
     if seen_mode == "sibling_level" and levels:  # a framework the GPU has no level for: its sibling's
         fw = X[:, FEATURES.index("framework")]
@@ -300,25 +298,25 @@ def mondrian_halfwidths(pred: np.ndarray, true: np.ndarray, categories: np.ndarr
 
 def oof_predictions(X: np.ndarray, y: np.ndarray, target: str, folds, cfg: XgbConfig,
                     balance: np.ndarray | None = None, hardware: Hardware | None = None,
-                    alphas: tuple[float | None, ...] | None = None,
+                    laws: tuple[Law | None, ...] | None = None,
                     modes: tuple[str, ...] | None = None) -> dict[tuple, np.ndarray]:
-    """Out-of-fold predictions of `cfg`, target units, keyed (alpha, seen mode): each sibling-transfer
-    alpha in `alphas` for every framework (default: cfg's own alphas, keyed by its sibling_alpha;
+    """Out-of-fold predictions of `cfg`, target units, keyed (law, seen mode): each sibling-transfer
+    law in `laws` for every framework (default: cfg's own laws, keyed by its sibling_law;
     None: the trees alone) with each of `modes` (default: cfg's; they differ only for a held-out
     GPU with rows in training, a few-shot fold's); one fit per fold serves them all. `hardware`:
     the rows' GPUs and makers (no transfer without)."""
     modes = modes or (cfg.seen_mode,)
-    if alphas is None:  # cfg as it is (its per-framework alphas included)
-        variants = {(cfg.sibling_alpha, m): replace(cfg, seen_mode=m) for m in modes if cfg.transfers or m == "trees"}
-    else:  # one alpha for every framework; without one (the trees) the seen modes are all the trees
-        variants = {(a, m): replace(cfg, sibling_alpha=a, framework_alphas=(), seen_mode=m)
-                    for a in alphas for m in modes if a is not None or m == "trees"}
+    if laws is None:  # cfg as it is (its per-framework laws included)
+        variants = {(cfg.sibling_law, m): replace(cfg, seen_mode=m) for m in modes if cfg.transfers or m == "trees"}
+    else:  # one law for every framework; without one (the trees) the seen modes are all the trees
+        variants = {(a, m): replace(cfg, sibling_law=a, framework_laws=(), seen_mode=m)
+                    for a in laws for m in modes if a is not None or m == "trees"}
     out = {key: np.full(len(y), np.nan) for key in variants}
     for tr, te in folds:
         w = None if balance is None else balanced_weights(balance[tr])
         model = _Memo(fit_xgb(X[tr], to_target(target, y[tr], X[tr], cfg.target_form), cfg, w))
         hw = hardware.take(tr) if hardware is not None else None
-        known = siblings.parts(X[tr], hw) if hw is not None else ()
+        known = siblings.parts(X[tr], hw, y[tr]) if hw is not None else ()
         makers = None if hardware is None else hardware.maker[te]
         held = set() if hardware is None else set(hardware.gpu[te].tolist())
         for key, c in variants.items():
@@ -330,44 +328,44 @@ def oof_predictions(X: np.ndarray, y: np.ndarray, target: str, folds, cfg: XgbCo
 
 def own_levels(model, X: np.ndarray, y: np.ndarray, target: str, cfg: XgbConfig, hw: Hardware,
                known: tuple[Part, ...], only: set[str] | None = None) -> dict[tuple[str, float], float]:
-    """`siblings.own_levels` with `model`'s ITL and cfg's alphas."""
+    """`siblings.own_levels` with `model`'s ITL and cfg's laws."""
     return siblings.own_levels(lambda Xs: from_target(target, model.predict(Xs), Xs, cfg.target_form),
-                               X, y, hw, known, cfg.alpha_for, only)
+                               X, y, hw, known, cfg.law_for, only)
 
 
 def per_framework(oofs: dict[tuple, np.ndarray], y: np.ndarray, framework: np.ndarray, cfg: XgbConfig,
                   mode: str) -> tuple[np.ndarray, XgbConfig] | None:
-    """The out-of-fold predictions and config of the best alpha for each serving framework apart
-    (by that framework's rows' MdAPE; ties: the smaller alpha), from `oofs` (`oof_predictions` keyed
-    (alpha, mode), with (None, "trees")), in seen mode `mode`; None when that is one alpha for all
-    (the plain candidate is that) or no transfer at all. The remaining sibling_alpha is the one
+    """The out-of-fold predictions and config of the best law for each serving framework apart
+    (by that framework's rows' MdAPE; ties: the law offered first), from `oofs` (`oof_predictions`
+    keyed (law, mode), with (None, "trees")), in seen mode `mode`; None when that is one law for all
+    (the plain candidate is that) or no transfer at all. The remaining sibling_law is the one
     chosen for most rows.
 
-    A framework whose rows no alpha moves (no sibling ran it) is left out: the trees predict it
-    whatever its alpha, and should a sibling run it at the refit it takes the remaining alpha. A
-    framework with a sibling gets an alpha, never the trees: that choice would be scored on the
+    A framework whose rows no law moves (no sibling ran it) is left out: the trees predict it
+    whatever its law, and should a sibling run it at the refit it takes the remaining law. A
+    framework with a sibling gets a law, never the trees: that choice would be scored on the
     inner folds' held-out parts, mostly NVIDIA, whose spec neighbours are close, and applied to a
     part whose vendor's level is far from its spec neighbours (seed 0: the MI250's llama.cpp rows
     611% off by the trees, about 25% by its sibling's transfer; docs/predict.md). The plain
     no-transfer candidate still competes."""
-    def oof(a: float | None) -> np.ndarray:
+    def oof(a: Law | None) -> np.ndarray:
         return oofs[(a, "trees" if a is None else mode)]
 
-    alphas = [a for a, m in oofs if a is not None and m == mode]
+    laws = [a for a, m in oofs if a is not None and m == mode]
     combined, choice, rows = oof(None).copy(), {}, {}  # a row without a framework has no sibling
     for f in sorted(set(framework[np.isfinite(framework)].tolist())):
         sel = framework == f
-        moved = [a for a in alphas if not np.array_equal(oof(a)[sel], oof(None)[sel], equal_nan=True)]
-        if not moved:  # no sibling: any alpha predicts these rows as the trees do
+        moved = [a for a in laws if not np.array_equal(oof(a)[sel], oof(None)[sel], equal_nan=True)]
+        if not moved:  # no sibling: any law predicts these rows as the trees do
             continue
-        choice[f] = min(moved, key=lambda a: (mdape(oof(a)[sel], y[sel]), a))
+        choice[f] = min(moved, key=lambda a: (mdape(oof(a)[sel], y[sel]), laws.index(a)))
         combined[sel] = oof(choice[f])[sel]
         rows[choice[f]] = rows.get(choice[f], 0) + int(sel.sum())
     if len(rows) < 2:
         return None
     rest = max(rows, key=rows.get)  # also a framework no sibling ran here, should one at the refit
-    return combined, replace(cfg, sibling_alpha=rest, seen_mode=mode,
-                             framework_alphas=tuple((f, a) for f, a in choice.items() if a != rest))
+    return combined, replace(cfg, sibling_law=rest, seen_mode=mode,
+                             framework_laws=tuple((f, a) for f, a in choice.items() if a != rest))
 
 
 def mdape(pred: np.ndarray, true: np.ndarray) -> float:
@@ -379,14 +377,14 @@ def mdape(pred: np.ndarray, true: np.ndarray) -> float:
 def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None = None,
         grid: tuple[XgbConfig, ...] = (DEFAULT,), coverage: float = 0.9, k: int = 5,
         categories: np.ndarray | None = None, balance: np.ndarray | None = None, shots: int = 0,
-        hardware: Hardware | None = None, framework_alphas: bool = True) -> Predictor:
+        hardware: Hardware | None = None, framework_laws: bool = True) -> Predictor:
     """Choose a config from `grid` by inner-fold MdAPE, calibrate the interval on the same
     out-of-fold predictions, refit the chosen config on all rows. A config whose target form does
     not apply to `target` is tried in the direct form (duplicates once). `balance`: labels (the
     GPU of each row) whose groups get equal weight in every fit (`balanced_weights`); the scores
     and the interval stay unweighted, as the held-out metric is. `shots`: few-shot inner folds
     (`inner_folds`). `hardware` (ITL): each config is also scored with sibling transfer at every
-    alpha in siblings.ALPHAS and, with `framework_alphas`, with each framework's best alpha apart
+    law in siblings.LAWS and, with `framework_laws`, with each framework's best law apart
     (`per_framework`); the simpler candidate wins ties (under CV and LOLO no row has a sibling:
     the trees alone)."""
     if target not in TARGETS:
@@ -397,13 +395,13 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
         raise ValueError(f"cannot train the {target} model on {len(y)} row(s): the training split is empty")
     folds = inner_folds(len(y), groups, k, shots=shots)
     transfer = target == "itl" and hardware is not None
-    alphas = (None,) + (siblings.ALPHAS if transfer else ())
+    laws = (None,) + (siblings.LAWS if transfer else ())
     modes = SEEN_MODES if shots else ("trees",)  # without shots no held-out GPU is in training
     best = None
     for cfg in grid:
-        oofs = oof_predictions(X, y, target, folds, cfg, balance, hardware, alphas, modes)
-        candidates = [(v, replace(cfg, sibling_alpha=a, seen_mode=m)) for (a, m), v in oofs.items()]
-        if transfer and framework_alphas:
+        oofs = oof_predictions(X, y, target, folds, cfg, balance, hardware, laws, modes)
+        candidates = [(v, replace(cfg, sibling_law=a, seen_mode=m)) for (a, m), v in oofs.items()]
+        if transfer and framework_laws:
             found = (per_framework(oofs, y, X[:, FEATURES.index("framework")], cfg, m) for m in modes)
             candidates += [c for c in found if c is not None]
         for oof, c in candidates:
@@ -414,7 +412,7 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
     model = fit_xgb(X, to_target(target, y, X, cfg.target_form), cfg,
                     None if balance is None else balanced_weights(balance))
     grouped = groups is not None and len(set(groups.tolist())) >= 2
-    known = siblings.parts(X, hardware) if transfer else ()  # power never transfers
+    known = siblings.parts(X, hardware, y) if transfer else ()  # power never transfers
     levels = own_levels(model, X, y, target, cfg, hardware, known) \
         if known and cfg.seen_mode == "sibling_level" else {}  # measured_widths adds them where it needs them
     return Predictor(target=target, model=model, config=cfg, halfwidth=conformal_halfwidth(oof, y, coverage),

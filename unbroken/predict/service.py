@@ -26,7 +26,7 @@ from unbroken.predict import measurements
 from unbroken.predict.dataset import Table, build
 from unbroken.predict.features import FEATURES, OperatingPoint, matrix, point_of
 from unbroken.predict.models import DEFAULT, Predictor, XgbConfig, fit, forms_for, measured_widths
-from unbroken.predict.siblings import ALPHAS, Hardware, Part
+from unbroken.predict.siblings import LAWS, Hardware, Part
 from unbroken.predict.tables import GpuSpec, GpuTable, ModelSpec, ModelTable
 
 
@@ -110,7 +110,7 @@ def cache_dir() -> Path:
 
 # how train() fits, beyond its arguments: a cache made under another recipe is not reused
 RECIPE = ("gpu-balanced-weights, few-shot widths and seen modes at 1/5/20/100 rows, sibling transfer and levels, "
-          f"alphas {'/'.join(map(str, ALPHAS))} per framework, siblings per framework and scenario")
+          f"transfer laws {'/'.join(map(str, LAWS))} per framework, siblings per framework and scenario")
 
 
 def _key(table: Table, coverage: float, config: XgbConfig, k: int) -> str:
@@ -154,12 +154,13 @@ def _load(target: str, folder: Path) -> Predictor | None:
 
 def _part_to_json(p: Part) -> dict:
     return {"name": p.name, "maker": p.maker, "figures": [None if math.isnan(v) else v for v in p.figures],
-            "setups": sorted(p.setups)}
+            "setups": sorted(p.setups), "efficiency": [list(e) for e in p.efficiency]}
 
 
 def _part_from_json(d: dict) -> Part:
     return Part(name=d["name"], maker=d["maker"], figures=tuple(math.nan if v is None else float(v) for v in d["figures"]),
-                setups=frozenset((float(f), float(c)) for f, c in d["setups"]))
+                setups=frozenset((float(f), float(c)) for f, c in d["setups"]),
+                efficiency=tuple((float(f), float(c), float(k)) for f, c, k in d.get("efficiency", ())))
 
 
 def _categories(saved: dict) -> dict:

@@ -9,17 +9,21 @@ of those ratios, median): the same ROCm stack, one level apart. So for a GPU wit
 rows, the prediction is the trees' ITL *for its sibling* (the measured part of the same
 manufacturer nearest in log bandwidth and log TFLOPS that ran the row's serving framework in the
 row's scenario: a sibling's offline vLLM rows say little of a server's, which ML.ENERGY measured
-several-fold slower against the roofline), times
-(roofline on the GPU ÷ roofline on the sibling) ** alpha: alpha = 1 trusts the datasheet ratio
-fully, 0 copies the sibling; the nested search picks alpha on leave-one-GPU-out folds, or no
-transfer at all, for all serving frameworks or for each apart (a stack's efficiency need not follow
-the datasheet as another's does; models.XgbConfig.framework_alphas). A GPU whose figures equal a measured part's is that part (the trees know it);
+several-fold slower against the roofline), carried over by a transfer law (`Law`): the sibling's ITL
+times (roofline on the GPU ÷ roofline on the sibling) ** alpha (alpha = 1 trusts the datasheet ratio
+fully, 0 copies the sibling), or the sibling's ITL plus c × (roofline on the GPU − roofline on the
+sibling) × the sibling stack's efficiency (what the sibling spends beyond that, the host's share,
+carries over unchanged).
+The nested search picks the law on leave-one-GPU-out folds, or no transfer at all, for all serving
+frameworks or for each apart (a stack's efficiency need not follow the datasheet as another's does;
+models.XgbConfig.framework_laws). A GPU whose figures equal a measured part's is that part (the trees know it);
 one whose manufacturer has no measured part, or whose setup (framework, scenario) no sibling ran,
 keeps the trees' own prediction. A GPU with a few rows may be predicted by its sibling too (models.SEEN_MODES), times
 its own level per framework (`own_levels`).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -28,10 +32,59 @@ import numpy as np
 
 from unbroken.predict.features import FEATURES, GPU_COLUMNS, ROOFLINE, with_gpu
 
-ALPHAS = (0.25, 0.5, 0.75, 1.0, 1.25)  # offered to the nested search next to "no transfer"
 _FRAMEWORK = FEATURES.index("framework")
 _SCENARIO = FEATURES.index("scenario")
 _DISTANCE = [GPU_COLUMNS.index(FEATURES.index(c)) for c in ("memory_bandwidth_gb_s", "tensor_tflops")]
+
+
+LAW_KINDS = ("ratio", "offset")
+
+
+@dataclass(frozen=True)
+class Law:
+    """How a GPU's ITL follows its sibling's. "ratio": the sibling's ITL times (roofline here ÷
+    roofline there) ** value, value = alpha in [0, 2]. "offset": the sibling's ITL plus value × k ×
+    (roofline here − roofline there), value = c in [0, 8], k the sibling stack's efficiency in the
+    row's setup (`Part.efficiency`: how many rooflines its bandwidth-bound rows take), never below
+    the GPU's own roofline. What the sibling spends beyond c·k rooflines (kernel launches,
+    scheduling, sampling on the host) carries over unchanged: a host-bound row barely moves, a
+    bandwidth-bound one moves with the datasheet. Because k carries the stack's level, one c serves
+    a 2x-roofline NVIDIA stack and a 10x AMD one alike (a c in seconds per roofline second does not;
+    measured in docs/predict.md)."""
+
+    kind: str
+    value: float
+
+    def __post_init__(self) -> None:
+        top = {"ratio": 2.0, "offset": 8.0}.get(self.kind)
+        if top is None or not 0 <= self.value <= top:
+            raise ValueError(f"a transfer law is ratio (0-2) or offset (0-8), got {self.kind!r} {self.value!r}")
+        object.__setattr__(self, "value", float(self.value))
+
+    @classmethod
+    def of(cls, obj) -> "Law | None":
+        """A law from itself, from its JSON form (`dataclasses.asdict`: a dict) or None."""
+        if obj is None or isinstance(obj, Law):
+            return obj
+        if isinstance(obj, dict) and set(obj) == {"kind", "value"}:
+            return cls(str(obj["kind"]), float(obj["value"]))
+        raise ValueError(f"a transfer law is {{'kind': 'ratio' or 'offset', 'value': number}}, got {obj!r}")
+
+    def apply(self, itl_there_s: np.ndarray, log_roof_here: np.ndarray, log_roof_there: np.ndarray,
+              efficiency: float = math.nan) -> np.ndarray:
+        """The GPU's ITL (s) from its sibling's, given both log rooflines (`features.ROOFLINE`) and,
+        for "offset", the sibling's `efficiency` (NaN where unknown: so is the answer)."""
+        if self.kind == "ratio":
+            return itl_there_s * np.exp(self.value * (log_roof_here - log_roof_there))
+        here = np.exp(log_roof_here)
+        return np.maximum(itl_there_s + self.value * efficiency * (here - np.exp(log_roof_there)), here)
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.value:g}"
+
+
+# offered to the nested search next to "no transfer"; measured in docs/predict.md
+LAWS = tuple(Law("ratio", a) for a in (0.25, 0.5, 0.75, 1.0, 1.25)) + tuple(Law("offset", c) for c in (0.75, 1, 1.5, 2))
 
 
 class Hardware(NamedTuple):
@@ -46,13 +99,19 @@ class Hardware(NamedTuple):
 
 @dataclass(frozen=True)
 class Part:
-    """A GPU with training rows: its name, manufacturer, GPU_COLUMNS figures, and the setups it ran:
-    (serving framework code, scenario code) pairs."""
+    """A GPU with training rows: its name, manufacturer, GPU_COLUMNS figures, the setups it ran:
+    (serving framework code, scenario code) pairs, and per setup its stack's efficiency: the 10th
+    percentile of measured ITL ÷ roofline over those rows, (framework, scenario, efficiency) triples
+    (the rooflines its bandwidth-bound rows take; `Law`)."""
 
     name: str
     maker: str
     figures: tuple[float, ...]
     setups: frozenset[tuple[float, float]]
+    efficiency: tuple[tuple[float, float, float], ...] = ()
+
+    def efficiency_of(self, setup: tuple[float, float]) -> float:
+        return next((k for f, c, k in self.efficiency if (f, c) == tuple(setup)), math.nan)
 
     def distance(self, figures: np.ndarray) -> float:
         a, b = np.log(np.asarray(self.figures)[_DISTANCE]), np.log(figures[_DISTANCE])
@@ -63,14 +122,29 @@ class Part:
         return bool(np.all((mine == figures) | (np.isnan(mine) & np.isnan(figures))))
 
 
-def parts(X: np.ndarray, hw: Hardware) -> tuple[Part, ...]:
-    """The measured parts in training rows `X` (one per GPU label)."""
+EFFICIENCY_PERCENTILE = 10
+
+
+def parts(X: np.ndarray, hw: Hardware, itl_s: np.ndarray | None = None) -> tuple[Part, ...]:
+    """The measured parts in training rows `X` (one per GPU label); with the rows' measured `itl_s`,
+    each setup's efficiency too."""
     out = []
     for g in sorted(set(hw.gpu.tolist())):
         rows = np.flatnonzero(hw.gpu == g)
         ran = X[rows][:, [_FRAMEWORK, _SCENARIO]]
+        setups = frozenset(map(tuple, ran[np.isfinite(ran).all(axis=1)].tolist()))
         out.append(Part(name=str(g), maker=str(hw.maker[rows[0]]), figures=tuple(X[rows[0]][list(GPU_COLUMNS)].tolist()),
-                        setups=frozenset(map(tuple, ran[np.isfinite(ran).all(axis=1)].tolist()))))
+                        setups=setups, efficiency=() if itl_s is None else _efficiency(X[rows], itl_s[rows], setups)))
+    return tuple(out)
+
+
+def _efficiency(X: np.ndarray, itl_s: np.ndarray, setups: frozenset) -> tuple[tuple[float, float, float], ...]:
+    out = []
+    for f, c in sorted(setups):
+        ratio = itl_s / np.exp(X[:, ROOFLINE])
+        ok = (X[:, _FRAMEWORK] == f) & (X[:, _SCENARIO] == c) & np.isfinite(ratio) & (ratio > 0)
+        if ok.any():
+            out.append((f, c, float(np.percentile(ratio[ok], EFFICIENCY_PERCENTILE))))
     return tuple(out)
 
 
@@ -120,10 +194,10 @@ class Transferred(NamedTuple):
 
 
 def transfer(predict_s: Callable[[np.ndarray], np.ndarray], X: np.ndarray, makers: np.ndarray,
-             known: tuple[Part, ...], alpha_of: Callable[[float], float | None],
+             known: tuple[Part, ...], law_of: Callable[[float], Law | None],
              measured_ok: bool = False) -> Transferred:
-    """ITL by sibling transfer. `predict_s`: the trees' ITL for feature rows, in seconds. `alpha_of`:
-    the roofline-ratio power for a serving framework's code (None: that framework is not transferred).
+    """ITL by sibling transfer. `predict_s`: the trees' ITL for feature rows, in seconds. `law_of`:
+    the transfer law for a serving framework's code (None: that framework is not transferred).
     `measured_ok`: see `sibling`."""
     out = Transferred(np.full(len(X), np.nan), [None] * len(X), [None] * len(X))
     for rows in _kinds(X, makers).values():
@@ -131,20 +205,20 @@ def transfer(predict_s: Callable[[np.ndarray], np.ndarray], X: np.ndarray, maker
         own = own_part(known, maker, first[list(GPU_COLUMNS)])
         for i in rows:
             out.own[i] = None if own is None else own.name
-        alpha = alpha_of(float(first[_FRAMEWORK]))
+        law = law_of(float(first[_FRAMEWORK]))
         setup = (float(first[_FRAMEWORK]), float(first[_SCENARIO]))
-        p = None if alpha is None else sibling(known, maker, first[list(GPU_COLUMNS)], setup, measured_ok)
+        p = None if law is None else sibling(known, maker, first[list(GPU_COLUMNS)], setup, measured_ok)
         if p is None:
             continue
         Xs = with_gpu(X[rows], np.asarray(p.figures))
-        out.itl_s[rows] = predict_s(Xs) * np.exp(alpha * (X[rows, ROOFLINE] - Xs[:, ROOFLINE]))
+        out.itl_s[rows] = law.apply(predict_s(Xs), X[rows, ROOFLINE], Xs[:, ROOFLINE], p.efficiency_of(setup))
         for i in rows:
             out.via[i] = p.name
     return out
 
 
 def own_levels(predict_s: Callable[[np.ndarray], np.ndarray], X: np.ndarray, y: np.ndarray, hw: Hardware,
-               known: tuple[Part, ...], alpha_of: Callable[[float], float | None],
+               known: tuple[Part, ...], law_of: Callable[[float], Law | None],
                only: set[str] | None = None) -> dict[tuple[str, float], float]:
     """Per measured GPU (those in `only`, default all) and serving framework it ran: the median of its
     measured ITL ÷ the ITL transferred from its nearest other part, over those rows: the level of its
@@ -154,7 +228,7 @@ def own_levels(predict_s: Callable[[np.ndarray], np.ndarray], X: np.ndarray, y: 
     out = {}
     for g in sorted(set(hw.gpu.tolist()) if only is None else only & set(hw.gpu.tolist())):
         rows = np.flatnonzero(hw.gpu == g)
-        t = transfer(predict_s, X[rows], hw.maker[rows], known, alpha_of, measured_ok=True).itl_s
+        t = transfer(predict_s, X[rows], hw.maker[rows], known, law_of, measured_ok=True).itl_s
         fw = X[rows, _FRAMEWORK]
         for f in sorted(set(fw[np.isfinite(fw)].tolist())):
             ok = np.isfinite(t) & (t > 0) & (fw == f)
