@@ -99,7 +99,7 @@ def _few_shot(table: Table, target: str, grid, shots: tuple[int, ...], balance: 
                        "coverage": res["coverage"], "interval_median_width_pct": res["interval_median_width_pct"],
                        "mdape_per_gpu": res["mdape_per_gpu"]["xgboost"],
                        "target_forms": dict(Counter(c.target_form for c in preds["configs"])),
-                       "configs_chosen": [asdict(c) for c in preds["configs"]],  # incl. alpha and seen mode
+                       "configs_chosen": [asdict(c) for c in preds["configs"]],  # incl. the transfer law and seen mode
                        "siblings_used": _siblings_used(table.gpu, preds["sibling"]),
                        **({"by_source": res["by_source"]} if "by_source" in res else {}),
                        "seconds": round(time.monotonic() - t0, 1)}
@@ -197,7 +197,7 @@ def predict(out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where p
             transfer: bool = typer.Option(True, "--siblings/--no-siblings", help="offer the search the ITL of an "
                                           "unseen GPU by transfer from its measured sibling of the same manufacturer"),
             framework_laws: bool = typer.Option(True, "--framework-laws/--one-law", help="the search may "
-                                                  "choose the transfer's alpha per serving framework"),
+                                                  "choose the transfer law (ratio alpha or offset c) per serving framework"),
             shots: str = typer.Option(",".join(map(str, SHOTS)), "--shots", help="comma-separated numbers of "
                                       "measured rows of the held-out GPU to add to its LOGO training split "
                                       "(few-shot LOGO; '' skips it)")) -> None:

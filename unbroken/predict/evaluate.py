@@ -131,7 +131,7 @@ def predict_held_out(table: Table, target: str, kind: str, *, grid: tuple[XgbCon
     with a few measurements: the roofline, or TDP, times the held-out group's own measured factor).
     `transfer`: the search may predict an unseen GPU's ITL from its measured sibling (`siblings`);
     `sibling` then names, per row, the GPU its prediction came from ("" for the trees alone);
-    `framework_laws`: the search may also choose the transfer's alpha per serving framework."""
+    `framework_laws`: the search may also choose the transfer's law per serving framework."""
     n = len(table)
     out = {name: np.full(n, np.nan) for name in ("xgboost", "low", "high", "baseline", "baseline_from_shots")}
     out["sibling"] = np.full(n, "", dtype=object)
