@@ -35,9 +35,7 @@ from unbroken.predict.features import FEATURES, GPU_COLUMNS, ROOFLINE, with_gpu
 _FRAMEWORK = FEATURES.index("framework")
 _SCENARIO = FEATURES.index("scenario")
 _DISTANCE = [GPU_COLUMNS.index(FEATURES.index(c)) for c in ("memory_bandwidth_gb_s", "tensor_tflops")]
-
-
-LAW_KINDS = ("ratio", "offset")
+_LAW_RANGE = {"ratio": 2.0, "offset": 8.0}  # each kind's parameter runs from 0 to this
 
 
 @dataclass(frozen=True)
@@ -56,7 +54,7 @@ class Law:
     value: float
 
     def __post_init__(self) -> None:
-        top = {"ratio": 2.0, "offset": 8.0}.get(self.kind)
+        top = _LAW_RANGE.get(self.kind)
         if top is None or not 0 <= self.value <= top:
             raise ValueError(f"a transfer law is ratio (0-2) or offset (0-8), got {self.kind!r} {self.value!r}")
         object.__setattr__(self, "value", float(self.value))
@@ -71,9 +69,10 @@ class Law:
         raise ValueError(f"a transfer law is {{'kind': 'ratio' or 'offset', 'value': number}}, got {obj!r}")
 
     def apply(self, itl_there_s: np.ndarray, log_roof_here: np.ndarray, log_roof_there: np.ndarray,
-              efficiency: float = math.nan) -> np.ndarray:
+              efficiency: float | np.ndarray = math.nan) -> np.ndarray:
         """The GPU's ITL (s) from its sibling's, given both log rooflines (`features.ROOFLINE`) and,
-        for "offset", the sibling's `efficiency` (NaN where unknown: so is the answer)."""
+        for "offset", the sibling's `efficiency` (per row or one for all; NaN where unknown: so is
+        the answer)."""
         if self.kind == "ratio":
             return itl_there_s * np.exp(self.value * (log_roof_here - log_roof_there))
         here = np.exp(log_roof_here)
