@@ -182,27 +182,31 @@ def by_source(preds: dict, true: np.ndarray) -> dict:
     return out
 
 
-def score(table: Table, target: str, preds: dict) -> dict:
-    """The metrics for one (data set, split, target): xgboost next to the baseline."""
+def headline(table: Table, target: str, preds: dict) -> dict:
+    """The figures every held-out run reports: MdAPE of xgboost and the baseline (pooled and per
+    GPU), their ratio, the interval's coverage and width, and the figures per source of the ITL."""
     true = table.power_w if target == "power" else table.itl_s
-    res = {"n_rows": len(table), "n_gpus": len(set(table.gpu.tolist())), "n_models": len(set(table.model.tolist()))}
-    for key in ("mdape", "pearson_r", "kendall_tau_gpu", "kendall_tau_model"):
-        res[key] = {}
-    for name in ("xgboost", "baseline"):
-        pred = preds[name]
-        res["mdape"][name] = round(mdape(pred, true), 3)
-        res["pearson_r"][name] = round(pearson(pred, true), 4)
-        res["kendall_tau_gpu"][name] = round(kendall(table, true, pred, "gpu"), 4)
-        res["kendall_tau_model"][name] = round(kendall(table, true, pred, "model"), 4)
+    res = {"n_rows": len(table), "n_gpus": len(set(table.gpu.tolist())), "n_models": len(set(table.model.tolist())),
+           "mdape": {name: round(mdape(preds[name], true), 3) for name in ("xgboost", "baseline")}}
     res.update(_interval(preds, true, np.isfinite(preds["xgboost"])))  # rows a split predicted
     if "sibling" in preds and (preds["sibling"] != "").any():
         res["by_source"] = by_source(preds, true)
-    res["mdape_per_gpu"] = {"xgboost": per_group_mdape(table.gpu, preds["xgboost"], true),
-                            "baseline": per_group_mdape(table.gpu, preds["baseline"], true)}
-    res["mdape_per_model"] = {"xgboost": per_group_mdape(table.model, preds["xgboost"], true),
-                              "baseline": per_group_mdape(table.model, preds["baseline"], true)}
-    res["pearson_r_per_gpu"] = {n: per_group_pearson(table.gpu, preds[n], true) for n in ("xgboost", "baseline")}
-    res["pearson_r_per_model"] = {n: per_group_pearson(table.model, preds[n], true) for n in ("xgboost", "baseline")}
+    res["mdape_per_gpu"] = {n: per_group_mdape(table.gpu, preds[n], true) for n in ("xgboost", "baseline")}
     res["baseline_over_xgboost"] = round(res["mdape"]["baseline"] / res["mdape"]["xgboost"], 3) \
         if res["mdape"]["xgboost"] > 0 else None
+    return res
+
+
+def score(table: Table, target: str, preds: dict) -> dict:
+    """The metrics for one (data set, split, target): `headline`, and Pearson r and Kendall tau
+    (pooled, per GPU and per model) and MdAPE per model, xgboost next to the baseline."""
+    true = table.power_w if target == "power" else table.itl_s
+    res = headline(table, target, preds)
+    names = ("xgboost", "baseline")
+    res["pearson_r"] = {n: round(pearson(preds[n], true), 4) for n in names}
+    res["kendall_tau_gpu"] = {n: round(kendall(table, true, preds[n], "gpu"), 4) for n in names}
+    res["kendall_tau_model"] = {n: round(kendall(table, true, preds[n], "model"), 4) for n in names}
+    res["mdape_per_model"] = {n: per_group_mdape(table.model, preds[n], true) for n in names}
+    res["pearson_r_per_gpu"] = {n: per_group_pearson(table.gpu, preds[n], true) for n in names}
+    res["pearson_r_per_model"] = {n: per_group_pearson(table.model, preds[n], true) for n in names}
     return res
