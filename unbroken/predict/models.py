@@ -316,7 +316,7 @@ def oof_predictions(X: np.ndarray, y: np.ndarray, target: str, folds, cfg: XgbCo
         w = None if balance is None else balanced_weights(balance[tr])
         model = _Memo(fit_xgb(X[tr], to_target(target, y[tr], X[tr], cfg.target_form), cfg, w))
         hw = hardware.take(tr) if hardware is not None else None
-        known = siblings.parts(X[tr], hw, y[tr]) if hw is not None else ()
+        known = siblings.parts(X[tr], hw, y[tr]) if hw is not None and target == "itl" else ()  # power never transfers
         makers = None if hardware is None else hardware.maker[te]
         held = set() if hardware is None else set(hardware.gpu[te].tolist())
         for key, c in variants.items():

@@ -138,9 +138,8 @@ def parts(X: np.ndarray, hw: Hardware, itl_s: np.ndarray | None = None) -> tuple
 
 
 def _efficiency(X: np.ndarray, itl_s: np.ndarray, setups: frozenset) -> tuple[tuple[float, float, float], ...]:
-    out = []
+    out, ratio = [], itl_s / np.exp(X[:, ROOFLINE])
     for f, c in sorted(setups):
-        ratio = itl_s / np.exp(X[:, ROOFLINE])
         ok = (X[:, _FRAMEWORK] == f) & (X[:, _SCENARIO] == c) & np.isfinite(ratio) & (ratio > 0)
         if ok.any():
             out.append((f, c, float(np.percentile(ratio[ok], EFFICIENCY_PERCENTILE))))
