@@ -15,7 +15,7 @@ from unbroken.predict.dataset import Table
 from unbroken.predict.evaluate import splits
 from unbroken.predict.features import FEATURES, FRAMEWORKS, ROOFLINE
 from unbroken.predict.models import XgbConfig, balanced_weights, fit_xgb, mdape
-from unbroken.predict.siblings import Hardware, Law, nearest, parts
+from unbroken.predict.siblings import Hardware, Law, log_speedup, nearest, parts
 
 
 def gpu_offsets(table: Table, true: np.ndarray, pred: np.ndarray) -> dict:
@@ -71,8 +71,9 @@ def power_given_measured_itl(table: Table, kind: str, cfg: XgbConfig, balance: b
 
 # the laws the hindsight diagnostic tries (`siblings.Law`), by kind, and the name of each kind's parameter
 HINDSIGHT_LAWS = {"ratio": tuple(Law("ratio", a / 4) for a in range(7)),     # alpha 0, 0.25, ..., 1.5
-                  "offset": tuple(Law("offset", c / 4) for c in range(13))}  # c 0, 0.25, ..., 3
-_PARAMETER = {"ratio": "alpha", "offset": "c"}
+                  "offset": tuple(Law("offset", c / 4) for c in range(13)),  # c 0, 0.25, ..., 3
+                  "specs": tuple(Law("specs", a / 4, b / 4) for a in range(7) for b in range(7))}
+_PARAMETER = {"ratio": "alpha", "offset": "c", "specs": "exponents"}  # specs: [bandwidth, TFLOPS]
 _FW, _SC = FEATURES.index("framework"), FEATURES.index("scenario")
 
 
@@ -88,7 +89,8 @@ def _setup_key(row) -> tuple:
 def _pairs(table: Table, known: dict, cells: dict, gpu: str, leave_out: str | None = None) -> dict[str, list]:
     """Per serving framework, the configurations `gpu` shares with a same-maker part (its nearest one
     that ran each, `leave_out` excepted): (ITL measured on `gpu`, ITL measured on that part, log
-    roofline on `gpu`, log roofline there, that part's efficiency in the setup)."""
+    roofline on `gpu`, log roofline there, that part's efficiency in the setup, log bandwidth and log
+    TFLOPS of `gpu` over that part)."""
     me, out = known[gpu], {}
     for key, on in cells.items():
         there = [known[s] for s in on if s not in (gpu, leave_out) and me.maker and known[s].maker == me.maker] \
@@ -99,13 +101,14 @@ def _pairs(table: Table, known: dict, cells: dict, gpu: str, leave_out: str | No
             setup = (float(table.X[far[0], _FW]), float(table.X[far[0], _SC]))
             out.setdefault(key[-1], []).append((np.median(table.itl_s[here]), np.median(table.itl_s[far]),
                                                 np.log(np.median(table.roofline_s[here])),
-                                                np.log(np.median(table.roofline_s[far])), sib.efficiency_of(setup)))
+                                                np.log(np.median(table.roofline_s[far])), sib.efficiency_of(setup),
+                                                *log_speedup(me.figures, sib.figures)))
     return out
 
 
 def _errors(cases: list, law: Law) -> np.ndarray:
-    true, itl, here, there, k = map(np.array, zip(*cases))
-    return np.abs(law.apply(itl, here, there, k) / true - 1)
+    true, itl, here, there, k, bw, tf = map(np.array, zip(*cases))
+    return np.abs(law.apply(itl, here, there, k, (bw, tf)) / true - 1)
 
 
 def _best(cases: list, laws: tuple[Law, ...]) -> Law:
@@ -116,7 +119,7 @@ def sibling_hindsight(table: Table) -> dict:
     """ITL LOGO with the sibling transfer read off *measured* ITL: each held-out GPU's configuration is
     predicted from its nearest same-maker part's measurement of that configuration (not the trees'
     estimate) by a transfer law per serving framework (`siblings.Law`; the ratio law's alpha at the
-    top level, the offset law's c under "offset"), chosen two ways: `hindsight`, the law best for
+    top level, the offset law's c under "offset", the specs law's two exponents under "specs"), chosen two ways: `hindsight`, the law best for
     that GPU and framework (what the transfer cannot beat however well the trees fit the sibling and
     the search picks the law); `from_other_gpus`, the law best over the other GPUs' pairs of that
     framework (the held-out GPU neither target nor sibling): whether a pair's law carries over to
@@ -136,24 +139,28 @@ def sibling_hindsight(table: Table) -> dict:
             pooled[(kind, how)].append(_choose(mine, theirs, HINDSIGHT_LAWS[kind], how, per[g], kind))
     out = {"per_gpu": per, "configurations": sum(v["configurations"] for v in per.values())}
     for (kind, how), errs in pooled.items():
-        (out.setdefault("offset", {}) if kind == "offset" else out)[how] = {
+        (out if kind == "ratio" else out.setdefault(kind, {}))[how] = {
             "mdape": _pct(np.concatenate(errs)) if errs else None}
     return out
 
 
 def _choose(mine: dict, theirs: list, laws: tuple[Law, ...], how: str, record: dict, kind: str) -> np.ndarray:
     """One held-out GPU's errors with each framework's law chosen `how`; the laws and MdAPE go into
-    `record` (under "offset" for that kind)."""
+    `record` (under the law's kind, but for the ratio law's)."""
     chosen, errs = {}, []
     for fw, cases in sorted(mine.items()):
         others = [c for pairs in theirs for c in pairs.get(fw, [])]
         chosen[fw] = _best(cases, laws) if how == "hindsight" else (_best(others, laws) if others else None)
         errs.append(_errors(cases, chosen[fw]) if chosen[fw] is not None else np.full(len(cases), np.nan))
     out = np.concatenate(errs)
-    where = record.setdefault("offset", {}) if kind == "offset" else record
-    where[how] = {_PARAMETER[kind]: {fw: None if a is None else a.value for fw, a in chosen.items()},
+    where = record if kind == "ratio" else record.setdefault(kind, {})
+    where[how] = {_PARAMETER[kind]: {fw: _parameter(a) for fw, a in chosen.items()},
                   "mdape": _pct(out)}
     return out
+
+
+def _parameter(law: Law | None) -> float | list[float] | None:
+    return None if law is None else [law.value, law.compute] if law.kind == "specs" else law.value
 
 
 def _pct(errors: np.ndarray) -> float | None:

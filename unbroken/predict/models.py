@@ -355,10 +355,14 @@ def per_framework(oofs: dict[tuple, np.ndarray], y: np.ndarray, framework: np.nd
     combined, choice, rows = oof(None).copy(), {}, {}  # a row without a framework has no sibling
     for f in sorted(set(framework[np.isfinite(framework)].tolist())):
         sel = framework == f
-        moved = [a for a in laws if not np.array_equal(oof(a)[sel], oof(None)[sel], equal_nan=True)]
-        if not moved:  # no sibling: any law predicts these rows as the trees do
+        # the rows some law moves (a sibling ran their setup): the only ones a choice of law can change
+        moves = np.zeros(len(y), bool)
+        for a in laws:
+            moves[sel] |= ~np.isclose(oof(a)[sel], oof(None)[sel], rtol=0, atol=0, equal_nan=True)
+        if not moves.any():  # no sibling: any law predicts these rows as the trees do
             continue
-        choice[f] = min(moved, key=lambda a: (mdape(oof(a)[sel], y[sel]), laws.index(a)))
+        moved = [a for a in laws if not np.array_equal(oof(a)[sel], oof(None)[sel], equal_nan=True)]
+        choice[f] = min(moved, key=lambda a: (mdape(oof(a)[moves], y[moves]), laws.index(a)))
         combined[sel] = oof(choice[f])[sel]
         rows[choice[f]] = rows.get(choice[f], 0) + int(sel.sum())
     if len(rows) < 2:
@@ -384,7 +388,7 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
     GPU of each row) whose groups get equal weight in every fit (`balanced_weights`); the scores
     and the interval stay unweighted, as the held-out metric is. `shots`: few-shot inner folds
     (`inner_folds`). `hardware` (ITL): each config is also scored with sibling transfer at every
-    law in siblings.LAWS and, with `framework_laws`, with each framework's best law apart
+    law in siblings.LAWS its GPUs support (`siblings.laws_for`) and, with `framework_laws`, with each framework's best law apart
     (`per_framework`); the simpler candidate wins ties (under CV and LOLO no row has a sibling:
     the trees alone)."""
     if target not in TARGETS:
@@ -395,7 +399,7 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
         raise ValueError(f"cannot train the {target} model on {len(y)} row(s): the training split is empty")
     folds = inner_folds(len(y), groups, k, shots=shots)
     transfer = target == "itl" and hardware is not None
-    laws = (None,) + (siblings.LAWS if transfer else ())
+    laws = (None,) + (siblings.laws_for(hardware) if transfer else ())
     modes = SEEN_MODES if shots else ("trees",)  # without shots no held-out GPU is in training
     best = None
     for cfg in grid:

@@ -35,7 +35,7 @@ from unbroken.predict.features import FEATURES, GPU_COLUMNS, ROOFLINE, with_gpu
 _FRAMEWORK = FEATURES.index("framework")
 _SCENARIO = FEATURES.index("scenario")
 _DISTANCE = [GPU_COLUMNS.index(FEATURES.index(c)) for c in ("memory_bandwidth_gb_s", "tensor_tflops")]
-_LAW_RANGE = {"ratio": 2.0, "offset": 8.0}  # each kind's parameter runs from 0 to this
+_LAW_RANGE = {"ratio": 2.0, "offset": 8.0, "specs": 2.0}  # each kind's parameter runs from 0 to this
 
 
 @dataclass(frozen=True)
@@ -48,42 +48,85 @@ class Law:
     scheduling, sampling on the host) carries over unchanged: a host-bound row barely moves, a
     bandwidth-bound one moves with the datasheet. Because k carries the stack's level, one c serves
     a 2x-roofline NVIDIA stack and a 10x AMD one alike (a c in seconds per roofline second does not;
-    measured in docs/predict.md)."""
+    measured in docs/predict.md). "specs": the sibling's ITL ÷ (bandwidth here ÷ there) ** value ÷
+    (TFLOPS here ÷ there) ** compute, both in [0, 2]: the roofline follows whichever of the two bounds
+    a row, while a real stack gains from both at once (a newer generation's kernels, clocks and
+    caches come with its TFLOPS), and two parts of one chip with different memory (the GH200 and the
+    H100) differ in bandwidth alone."""
 
     kind: str
     value: float
+    compute: float = 0.0  # the TFLOPS exponent of a "specs" law; 0 for the other kinds
 
     def __post_init__(self) -> None:
         top = _LAW_RANGE.get(self.kind)
-        if top is None or not 0 <= self.value <= top:
-            raise ValueError(f"a transfer law is ratio (0-2) or offset (0-8), got {self.kind!r} {self.value!r}")
+        if top is None or not 0 <= self.value <= top or not 0 <= self.compute <= _LAW_RANGE["specs"] \
+                or (self.compute and self.kind != "specs"):
+            raise ValueError(f"a transfer law is ratio (0-2), offset (0-8) or specs (0-2, compute 0-2), "
+                             f"got {self.kind!r} {self.value!r} compute {self.compute!r}")
         object.__setattr__(self, "value", float(self.value))
+        object.__setattr__(self, "compute", float(self.compute))
 
     @classmethod
     def of(cls, obj) -> "Law | None":
         """A law from itself, from its JSON form (`dataclasses.asdict`: a dict) or None."""
         if obj is None or isinstance(obj, Law):
             return obj
-        if isinstance(obj, dict) and set(obj) == {"kind", "value"}:
-            return cls(str(obj["kind"]), float(obj["value"]))
-        raise ValueError(f"a transfer law is {{'kind': 'ratio' or 'offset', 'value': number}}, got {obj!r}")
+        if isinstance(obj, dict) and {"kind", "value"} <= set(obj) <= {"kind", "value", "compute"}:
+            return cls(str(obj["kind"]), float(obj["value"]), float(obj.get("compute", 0.0)))
+        raise ValueError(f"a transfer law is {{'kind': 'ratio', 'offset' or 'specs', 'value': number"
+                         f"[, 'compute': number]}}, got {obj!r}")
 
     def apply(self, itl_there_s: np.ndarray, log_roof_here: np.ndarray, log_roof_there: np.ndarray,
-              efficiency: float | np.ndarray = math.nan) -> np.ndarray:
-        """The GPU's ITL (s) from its sibling's, given both log rooflines (`features.ROOFLINE`) and,
-        for "offset", the sibling's `efficiency` (per row or one for all; NaN where unknown: so is
-        the answer)."""
+              efficiency: float | np.ndarray = math.nan, log_speedup: tuple[float, float] = (math.nan, math.nan)
+              ) -> np.ndarray:
+        """The GPU's ITL (s) from its sibling's, given both log rooflines (`features.ROOFLINE`), for
+        "offset" the sibling's `efficiency` (per row or one for all), for "specs" the GPU's
+        `log_speedup` over the sibling (`log_speedup`: log bandwidth and log TFLOPS ratios); NaN where
+        what the law needs is unknown."""
         if self.kind == "ratio":
             return itl_there_s * np.exp(self.value * (log_roof_here - log_roof_there))
+        if self.kind == "specs":
+            return itl_there_s * np.exp(-self.value * log_speedup[0] - self.compute * log_speedup[1])
         here = np.exp(log_roof_here)
         return np.maximum(itl_there_s + self.value * efficiency * (here - np.exp(log_roof_there)), here)
 
+    @property
+    def parameters(self) -> int:
+        """How many numbers the law fits: two for "specs", one for the others."""
+        return 2 if self.kind == "specs" else 1
+
     def __str__(self) -> str:
-        return f"{self.kind} {self.value:g}"
+        return f"{self.kind} {self.value:g}" + (f"/{self.compute:g}" if self.kind == "specs" else "")
+
+
+def log_speedup(figures_here, figures_there) -> tuple[float, float]:
+    """log(bandwidth here ÷ there), log(TFLOPS here ÷ there) of two GPUs' GPU_COLUMNS figures (NaN
+    where either lacks one): what a "specs" `Law` scales by."""
+    here, there = np.asarray(figures_here, dtype=float)[_DISTANCE], np.asarray(figures_there, dtype=float)[_DISTANCE]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bw, tf = np.log(here / there)
+    return float(bw), float(tf)
 
 
 # offered to the nested search next to "no transfer"; measured in docs/predict.md
-LAWS = tuple(Law("ratio", a) for a in (0.25, 0.5, 0.75, 1.0, 1.25)) + tuple(Law("offset", c) for c in (0.75, 1, 1.5, 2))
+LAWS = tuple(Law("ratio", a) for a in (0.25, 0.5, 0.75, 1.0, 1.25)) + \
+    tuple(Law("offset", c) for c in (0.75, 1, 1.5, 2)) + \
+    tuple(Law("specs", a, b) for a in (0, 0.25, 0.5, 0.75, 1.0, 1.25) for b in (0, 0.25, 0.5, 0.75))
+
+
+def laws_for(hw: "Hardware") -> tuple[Law, ...]:
+    """The LAWS a search over training rows of these GPUs may choose among: a law only where more
+    GPUs than its parameters have a same-maker part to be predicted from on leave-one-GPU-out folds.
+    Two pairs fit a two-exponent law exactly, noise included: ML.ENERGY 2023 under LOGO trains on two
+    parts, and the specs law its one pair chose missed the V100 by 21% where one exponent missed by
+    9% (docs/predict.md)."""
+    makers = {}
+    for g, m in set(zip(hw.gpu.tolist(), hw.maker.tolist())):
+        if m:
+            makers[m] = makers.get(m, 0) + 1
+    pairs = sum(n for n in makers.values() if n >= 2)
+    return tuple(a for a in LAWS if a.parameters < pairs)
 
 
 class Hardware(NamedTuple):
@@ -209,7 +252,8 @@ def transfer(predict_s: Callable[[np.ndarray], np.ndarray], X: np.ndarray, maker
         if p is None:
             continue
         Xs = with_gpu(X[rows], np.asarray(p.figures))
-        out.itl_s[rows] = law.apply(predict_s(Xs), X[rows, ROOFLINE], Xs[:, ROOFLINE], p.efficiency_of(setup))
+        out.itl_s[rows] = law.apply(predict_s(Xs), X[rows, ROOFLINE], Xs[:, ROOFLINE], p.efficiency_of(setup),
+                                    log_speedup(first[list(GPU_COLUMNS)], p.figures))
         for i in rows:
             out.via[i] = p.name
     return out
