@@ -171,8 +171,11 @@ def test_sibling_hindsight_finds_each_frameworks_alpha_and_skips_a_part_with_no_
         assert g["from_other_gpus"]["alpha"] == {"vLLM": None, "llama.cpp": None}
         # the offset law, tried beside: a world of pure ratio laws, where it is the worse one
         assert set(g["offset"]["hindsight"]["c"]) == {"vLLM", "llama.cpp"} and g["offset"]["hindsight"]["mdape"] > 1
+        # the specs law: two exponents, [bandwidth, TFLOPS], per framework
+        assert all(len(e) == 2 for e in g["specs"]["hindsight"]["exponents"].values())
     assert d["configurations"] == 12 and d["from_other_gpus"]["mdape"] is None
     assert d["offset"]["hindsight"]["mdape"] > 1 and d["offset"]["from_other_gpus"]["mdape"] is None
+    assert d["specs"]["from_other_gpus"]["mdape"] is None
     # an alpha outside the offered grid leaves an error, measured from the sibling's own ITL
     off = diagnostics.sibling_hindsight(_scaled_world({"vLLM": 2.5}))
     assert off["hindsight"]["mdape"] > 10

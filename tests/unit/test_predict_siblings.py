@@ -157,6 +157,66 @@ def test_the_offset_law_carries_the_host_share_over_and_scales_the_rest(host, c,
     assert ratio == pytest.approx(host + c * there)  # alpha 0 copies the sibling
 
 
+@given(a=st.floats(0.0, 2.0), b=st.floats(0.0, 2.0), bw=st.floats(-2.0, 2.0), tf=st.floats(-2.0, 2.0),
+       itl=st.floats(1e-4, 1.0))
+def test_the_specs_law_scales_by_bandwidth_and_tflops_apart(a, b, bw, tf, itl):
+    law = siblings.Law("specs", a, b)
+    got = law.apply(np.array([itl]), np.log([0.01]), np.log([0.02]), math.nan, (bw, tf))[0]
+    assert got == pytest.approx(itl * math.exp(bw) ** -a * math.exp(tf) ** -b, rel=1e-9)
+    assert np.isnan(law.apply(np.array([itl]), np.log([0.01]), np.log([0.02]))[0])  # no speed-up known
+    assert law.parameters == 2 and siblings.Law("ratio", a).parameters == 1
+
+
+def test_one_specs_law_carries_a_memory_upgrade_and_a_new_generation():
+    """The GH200 is an H100 with faster memory: in a world whose stacks gain from TFLOPS ** 0.5 and
+    not from bandwidth, it copies the H100 while the H100 runs sqrt(TFLOPS ratio) faster than the A100.
+    One specs law carries both pairs; no ratio alpha does (the roofline follows bandwidth in both)."""
+    gpus, mods = _specs()
+    h100, gh200, a100 = (gpus.get(n) for n in ("H100 SXM", "GH200", "A100 SXM4 40GB"))
+    assert h100.tensor_tflops == gh200.tensor_tflops and gh200.memory_bandwidth_gb_s > h100.memory_bandwidth_gb_s
+    model, op = mods.get("meta-llama/Meta-Llama-3.1-8B"), OperatingPoint(batch=16.0)
+    X = {g.name: matrix([(g, model, op)])[0] for g in (h100, gh200, a100)}
+
+    def itl(g) -> float:  # the world's truth: 20 ms on the A100, faster with TFLOPS alone
+        return 0.02 * (a100.tensor_tflops / g.tensor_tflops) ** 0.5
+
+    def err(law: siblings.Law, here, there) -> float:
+        speedup = siblings.log_speedup(X[here.name][list(GPU_COLUMNS)], X[there.name][list(GPU_COLUMNS)])
+        got = law.apply(np.array([itl(there)]), X[here.name][ROOFLINE], X[there.name][ROOFLINE], math.nan, speedup)
+        return abs(float(got[0]) / itl(here) - 1)
+
+    pairs = ((gh200, h100), (h100, a100))
+    assert max(err(siblings.Law("specs", 0, 0.5), *p) for p in pairs) < 1e-9
+    assert min(max(err(siblings.Law("ratio", a), *p) for p in pairs) for a in np.arange(0, 2.01, 0.05)) > 0.05
+
+
+def test_a_two_exponent_law_needs_more_siblings_than_exponents():
+    def hw(*gpus_makers) -> siblings.Hardware:
+        g, m = zip(*gpus_makers)
+        return siblings.Hardware(np.repeat(g, 3), np.repeat(m, 3))
+
+    two = hw(("A100", "NVIDIA"), ("V100", "NVIDIA"), ("Gaudi2", "Intel Habana"), ("x", ""))
+    assert siblings.laws_for(two) == tuple(a for a in siblings.LAWS if a.kind != "specs")
+    assert siblings.laws_for(hw(("A100", "NVIDIA"), ("V100", "NVIDIA"), ("H100", "NVIDIA"))) == siblings.LAWS
+    assert siblings.laws_for(hw(("A100", "NVIDIA"), ("MI250", "AMD"), ("Max 1550", "Intel"))) == ()
+    assert any(a.kind == "specs" for a in siblings.LAWS)
+
+
+def test_a_frameworks_law_is_chosen_on_the_rows_a_law_moves():
+    """Framework 0: three rows a sibling moves, two no law moves (the trees, 20% off). Law A is exact
+    on two of the three moved rows, B 10% off on all three: over every row of the framework B's median
+    wins (10% against A's 20%, set by the unmoved rows), over the moved rows A's (0 against 10%)."""
+    A, B = RATIO[0.5], RATIO[1.0]
+    framework, y = np.array([0.0] * 5 + [1.0] * 3), np.ones(8)
+    trees = np.r_[np.full(3, 2.0), 1.2, 1.2, np.full(3, 2.0)]
+    oofs = {(None, "trees"): trees,
+            (A, "trees"): np.r_[1.0, 1.0, 1.5, 1.2, 1.2, np.full(3, 1.5)],
+            (B, "trees"): np.r_[1.1, 1.1, 1.1, 1.2, 1.2, np.full(3, 1.0)]}
+    oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees")
+    assert (cfg.law_for(0.0), cfg.law_for(1.0)) == (A, B)
+    np.testing.assert_allclose(oof, np.r_[1.0, 1.0, 1.5, 1.2, 1.2, np.full(3, 1.0)])
+
+
 def _stack_world(odd: float = 1.0, powers: dict[str, float] | None = None) -> "evaluate.Table":
     """Four GPUs, two makers whose software runs at 10x and 1x the roofline, their datasheets
     interleaved so that no spec tells the makers apart: LOGO's trees mix the levels, a sibling does not.
@@ -350,7 +410,13 @@ def test_framework_laws_survive_a_json_round_trip_and_are_checked():
     again = models.XgbConfig(**json.loads(json.dumps(dataclasses.asdict(cfg))))
     assert again == cfg and hash(again) == hash(cfg) and again.framework_laws == ((1.0, offset), (3.0, None))
     assert (cfg.law_for(1.0), cfg.law_for(3.0), cfg.law_for(2.0)) == (offset, None, RATIO[0.75])
-    for bad in (3.0, {"kind": "ratio", "value": 3.0}, {"kind": "offset", "value": 9}, {"kind": "guess", "value": 1}):
+    specs = siblings.Law("specs", 0.5, 0.25)
+    assert models.XgbConfig(**json.loads(json.dumps(dataclasses.asdict(
+        models.XgbConfig(sibling_law=specs))))).sibling_law == specs and str(specs) == "specs 0.5/0.25"
+    assert siblings.Law.of({"kind": "ratio", "value": 0.5}) == RATIO[0.5]  # records before the specs law
+    for bad in (3.0, {"kind": "ratio", "value": 3.0}, {"kind": "offset", "value": 9}, {"kind": "guess", "value": 1},
+                {"kind": "ratio", "value": 0.5, "compute": 0.5}, {"kind": "specs", "value": 0.5, "compute": 3},
+                {"kind": "specs", "value": 0.5, "tflops": 1}):
         with pytest.raises(ValueError, match="transfer law"):
             models.XgbConfig(framework_laws=((1.0, bad),))
     assert models.XgbConfig(framework_laws=((1.0, RATIO[0.5]),), seen_mode="sibling").transfers  # one is enough
