@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from unbroken.predict import evaluate, models, service, siblings, tables
 from unbroken.predict.dataset import build
 from unbroken.predict.features import FEATURES, FRAMEWORKS, GPU_COLUMNS, ROOFLINE, SCENARIOS, OperatingPoint, matrix, \
-    with_gpu
+    with_batch, with_gpu
 from unbroken.predict.measurements import Measurement
 
 RATIO = {a: siblings.Law("ratio", a) for a in (0.5, 0.75, 1.0)}
@@ -47,6 +47,40 @@ def test_a_row_moved_to_another_gpu_reads_as_built_on_it(data):
     on_h = matrix([(h, model, op)])
     moved = with_gpu(matrix([(g, model, op)]), on_h[0, list(GPU_COLUMNS)])
     np.testing.assert_allclose(moved, on_h, rtol=1e-9, equal_nan=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_a_row_moved_to_another_batch_reads_as_built_at_it(data):
+    gpus, mods = _specs()
+    g = data.draw(st.sampled_from(list(gpus.specs)))
+    model = mods.get(data.draw(st.sampled_from(["meta-llama/Meta-Llama-3.1-8B", "mistralai/Mixtral-8x7B-Instruct-v0.1"])))
+    b, b2 = (float(data.draw(st.integers(1, 1024))) for _ in range(2))
+    op = OperatingPoint(n_gpus=data.draw(st.integers(1, 8)), batch=b, prompt_tokens=data.draw(LENGTH),
+                        output_tokens=data.draw(LENGTH), scenario=data.draw(st.sampled_from(SCENARIOS)))
+    at_b2 = matrix([(g, model, dataclasses.replace(op, batch=b2))])
+    np.testing.assert_allclose(with_batch(matrix([(g, model, op)]), math.log2(b2)), at_b2, rtol=1e-9, equal_nan=True)
+
+
+def test_a_siblings_itl_beyond_its_largest_batch_follows_its_slope():
+    """Trees flat beyond batch 64 (what they learnt at the edge); the truth, ITL = 1 ms x batch ** 0.8,
+    is recovered from the slope between batch 32 and 64. A part that ran batch 256 is read as it is,
+    and a slope steeper than linear is held at 1."""
+    gpus, mods = _specs()
+    X = matrix([(gpus.get("MI250"), mods.get("meta-llama/Meta-Llama-3.1-8B"), OperatingPoint(batch=float(b)))
+                for b in (16, 64, 128, 256)])
+    batch = np.exp2(X[:, FEATURES.index("log2_batch")])
+
+    def trees(Xs: np.ndarray, power: float = 0.8) -> np.ndarray:
+        return 1e-3 * np.minimum(np.exp2(Xs[:, FEATURES.index("log2_batch")]), 64.0) ** power
+
+    np.testing.assert_allclose(siblings.beyond_batches(trees, X, 6.0), 1e-3 * batch ** 0.8, rtol=1e-9)
+    np.testing.assert_allclose(siblings.beyond_batches(trees, X, 8.0), trees(X))  # it ran them all
+    np.testing.assert_allclose(siblings.beyond_batches(trees, X, math.nan), trees(X))  # nothing known
+    steep = siblings.beyond_batches(lambda Xs: trees(Xs, 1.5), X, 6.0)
+    np.testing.assert_allclose(steep, 1e-3 * np.minimum(batch, 64) ** 1.5 * np.maximum(batch / 64, 1), rtol=1e-9)
+    known = siblings.parts(X, siblings.Hardware(np.array(["a"] * 4), np.array(["AMD"] * 4)))
+    assert known[0].largest_batch_of((float(FRAMEWORKS.index("vLLM")), float(SCENARIOS.index("server")))) == 8.0
 
 
 def test_a_gpu_without_bandwidth_cannot_be_moved_to():

@@ -160,11 +160,32 @@ def with_gpu(X: np.ndarray, gpu_figures: np.ndarray) -> np.ndarray:
     out[:, i("compute_latency_s")] *= tf
     out[:, i("log_kv_latency_s")] += np.log(bw)
     out[:, i("log_prefill_latency_s")] += np.log(tf)
-    kv, prefill = (np.nan_to_num(np.exp(out[:, i(c)])) for c in ("log_kv_latency_s", "log_prefill_latency_s"))
-    read = out[:, i("bandwidth_latency_s")] + kv
-    out[:, ROOFLINE] = np.log(prefill + np.fmax(read, out[:, i("compute_latency_s")]))
+    _recompute_roofline(out)
     out[~(np.isfinite(bw) & np.isfinite(tf))] = np.nan
     return out
+
+
+def with_batch(X: np.ndarray, log2_batch: float | np.ndarray) -> np.ndarray:
+    """The feature rows `X` at another batch (log2): the batch column, the decode compute, KV read
+    and prefill latencies (each proportional to the batch) and the roofline (equal to `matrix` at
+    that batch; tested)."""
+    out = X.copy()
+    i = FEATURES.index
+    scale = np.exp2(log2_batch - X[:, i("log2_batch")])
+    out[:, i("log2_batch")] = log2_batch
+    out[:, i("compute_latency_s")] *= scale
+    out[:, i("log_kv_latency_s")] += np.log(scale)
+    out[:, i("log_prefill_latency_s")] += np.log(scale)
+    _recompute_roofline(out)
+    return out
+
+
+def _recompute_roofline(X: np.ndarray) -> None:
+    """`X`'s roofline column from its latency columns, in place (`roofline_s`)."""
+    i = FEATURES.index
+    kv, prefill = (np.nan_to_num(np.exp(X[:, i(c)])) for c in ("log_kv_latency_s", "log_prefill_latency_s"))
+    read = X[:, i("bandwidth_latency_s")] + kv
+    X[:, ROOFLINE] = np.log(prefill + np.fmax(read, X[:, i("compute_latency_s")]))
 
 
 def matrix(rows: list[tuple[GpuSpec, ModelSpec, OperatingPoint]]) -> np.ndarray:

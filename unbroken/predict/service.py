@@ -110,7 +110,8 @@ def cache_dir() -> Path:
 
 # how train() fits, beyond its arguments: a cache made under another recipe is not reused
 RECIPE = ("gpu-balanced-weights, few-shot widths and seen modes at 1/5/20/100 rows, sibling transfer and levels, "
-          f"transfer laws {'/'.join(map(str, LAWS))} per framework, siblings per framework and scenario")
+          f"transfer laws {'/'.join(map(str, LAWS))} per framework, siblings per framework and scenario, "
+          "a sibling's ITL beyond its largest batch along its slope")
 
 
 def _key(table: Table, coverage: float, config: XgbConfig, k: int) -> str:
@@ -154,13 +155,15 @@ def _load(target: str, folder: Path) -> Predictor | None:
 
 def _part_to_json(p: Part) -> dict:
     return {"name": p.name, "maker": p.maker, "figures": [None if math.isnan(v) else v for v in p.figures],
-            "setups": sorted(p.setups), "efficiency": [list(e) for e in p.efficiency]}
+            "setups": sorted(p.setups), "efficiency": [list(e) for e in p.efficiency],
+            "largest_batch": [list(b) for b in p.largest_batch]}
 
 
 def _part_from_json(d: dict) -> Part:
     return Part(name=d["name"], maker=d["maker"], figures=tuple(math.nan if v is None else float(v) for v in d["figures"]),
                 setups=frozenset((float(f), float(c)) for f, c in d["setups"]),
-                efficiency=tuple((float(f), float(c), float(k)) for f, c, k in d.get("efficiency", ())))
+                efficiency=tuple((float(f), float(c), float(k)) for f, c, k in d.get("efficiency", ())),
+                largest_batch=tuple((float(f), float(c), float(b)) for f, c, b in d.get("largest_batch", ())))
 
 
 def _categories(saved: dict) -> dict:

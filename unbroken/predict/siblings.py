@@ -30,10 +30,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from unbroken.predict.features import FEATURES, GPU_COLUMNS, ROOFLINE, with_gpu
+from unbroken.predict.features import FEATURES, GPU_COLUMNS, ROOFLINE, with_batch, with_gpu
 
 _FRAMEWORK = FEATURES.index("framework")
 _SCENARIO = FEATURES.index("scenario")
+_BATCH = FEATURES.index("log2_batch")
 _DISTANCE = [GPU_COLUMNS.index(FEATURES.index(c)) for c in ("memory_bandwidth_gb_s", "tensor_tflops")]
 _LAW_RANGE = {"ratio": 2.0, "offset": 8.0, "specs": 2.0}  # each kind's parameter runs from 0 to this
 
@@ -144,16 +145,22 @@ class Part:
     """A GPU with training rows: its name, manufacturer, GPU_COLUMNS figures, the setups it ran:
     (serving framework code, scenario code) pairs, and per setup its stack's efficiency: the 10th
     percentile of measured ITL ÷ roofline over those rows, (framework, scenario, efficiency) triples
-    (the rooflines its bandwidth-bound rows take; `Law`)."""
+    (the rooflines its bandwidth-bound rows take; `Law`), and per setup the largest batch it ran,
+    (framework, scenario, log2 batch) triples (`beyond_batches`)."""
 
     name: str
     maker: str
     figures: tuple[float, ...]
     setups: frozenset[tuple[float, float]]
     efficiency: tuple[tuple[float, float, float], ...] = ()
+    largest_batch: tuple[tuple[float, float, float], ...] = ()
 
     def efficiency_of(self, setup: tuple[float, float]) -> float:
         return next((k for f, c, k in self.efficiency if (f, c) == tuple(setup)), math.nan)
+
+    def largest_batch_of(self, setup: tuple[float, float]) -> float:
+        """log2 of the largest batch this part ran in `setup` (NaN: none known)."""
+        return next((b for f, c, b in self.largest_batch if (f, c) == tuple(setup)), math.nan)
 
     def distance(self, figures: np.ndarray) -> float:
         a, b = np.log(np.asarray(self.figures)[_DISTANCE]), np.log(figures[_DISTANCE])
@@ -176,8 +183,35 @@ def parts(X: np.ndarray, hw: Hardware, itl_s: np.ndarray | None = None) -> tuple
         ran = X[rows][:, [_FRAMEWORK, _SCENARIO]]
         setups = frozenset(map(tuple, ran[np.isfinite(ran).all(axis=1)].tolist()))
         out.append(Part(name=str(g), maker=str(hw.maker[rows[0]]), figures=tuple(X[rows[0]][list(GPU_COLUMNS)].tolist()),
-                        setups=setups, efficiency=() if itl_s is None else _efficiency(X[rows], itl_s[rows], setups)))
+                        setups=setups, efficiency=() if itl_s is None else _efficiency(X[rows], itl_s[rows], setups),
+                        largest_batch=_largest_batch(X[rows], setups)))
     return tuple(out)
+
+
+def _largest_batch(X: np.ndarray, setups: frozenset) -> tuple[tuple[float, float, float], ...]:
+    out = []
+    for f, c in sorted(setups):
+        b = X[(X[:, _FRAMEWORK] == f) & (X[:, _SCENARIO] == c), _BATCH]
+        if np.isfinite(b).any():
+            out.append((f, c, float(np.nanmax(b))))
+    return tuple(out)
+
+
+def beyond_batches(predict_s: Callable[[np.ndarray], np.ndarray], Xs: np.ndarray, largest: float) -> np.ndarray:
+    """The trees' ITL (s) for feature rows `Xs` of a part that ran batches up to 2 ** `largest` (NaN:
+    unknown, the trees as they are). Beyond that a tree predicts what it learnt at the edge, flat,
+    while a real stack's ITL keeps growing (the MI300X's vLLM ITL grows 3.6-fold from batch 64 to
+    256, its sibling the MI250 never ran beyond 64, and the trees moved to the MI250 predicted it
+    3.3x too fast; docs/predict.md). So a row beyond takes the ITL at the largest batch, extended
+    along the part's own log-log slope between its two largest batches, between 0 and 1: a decode
+    step of b sequences takes at most b times one sequence's."""
+    itl = np.array(predict_s(Xs), dtype=float)  # a copy: predict_s may hand out a cached array
+    far = np.isfinite(largest) & (Xs[:, _BATCH] > largest)
+    if far.any():
+        top, below = predict_s(with_batch(Xs[far], largest)), predict_s(with_batch(Xs[far], largest - 1.0))
+        slope = np.clip(np.log2(top / below), 0.0, 1.0)
+        itl[far] = top * np.exp2(slope * (Xs[far, _BATCH] - largest))
+    return itl
 
 
 def _efficiency(X: np.ndarray, itl_s: np.ndarray, setups: frozenset) -> tuple[tuple[float, float, float], ...]:
@@ -252,7 +286,7 @@ def transfer(predict_s: Callable[[np.ndarray], np.ndarray], X: np.ndarray, maker
         if p is None:
             continue
         Xs = with_gpu(X[rows], np.asarray(p.figures))
-        out.itl_s[rows] = law.apply(predict_s(Xs), X[rows, ROOFLINE], Xs[:, ROOFLINE], p.efficiency_of(setup),
+        out.itl_s[rows] = law.apply(beyond_batches(predict_s, Xs, p.largest_batch_of(setup)), X[rows, ROOFLINE], Xs[:, ROOFLINE], p.efficiency_of(setup),
                                     log_speedup(first[list(GPU_COLUMNS)], p.figures))
         for i in rows:
             out.via[i] = p.name
