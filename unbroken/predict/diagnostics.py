@@ -119,11 +119,11 @@ def sibling_hindsight(table: Table) -> dict:
     """ITL LOGO with the sibling transfer read off *measured* ITL: each held-out GPU's configuration is
     predicted from its nearest same-maker part's measurement of that configuration (not the trees'
     estimate) by a transfer law per serving framework (`siblings.Law`; the ratio law's alpha at the
-    top level, the offset law's c under "offset", the specs law's two exponents under "specs"), chosen two ways: `hindsight`, the law best for
-    that GPU and framework (what the transfer cannot beat however well the trees fit the sibling and
-    the search picks the law); `from_other_gpus`, the law best over the other GPUs' pairs of that
-    framework (the held-out GPU neither target nor sibling): whether a pair's law carries over to
-    another pair. Configurations no sibling ran are not scored."""
+    top level, the offset law's c under "offset", the specs law's two exponents under "specs"),
+    chosen two ways: `hindsight`, the law best for that GPU and framework (what the transfer cannot
+    beat however well the trees fit the sibling and the search picks the law); `from_other_gpus`,
+    the law best over the other GPUs' pairs of that framework (the held-out GPU neither target nor
+    sibling): whether a pair's law carries over to another pair. Configurations no sibling ran are not scored."""
     known = {p.name: p for p in parts(table.X, Hardware(table.gpu, table.maker), table.itl_s)}
     cells: dict[tuple, dict[str, list[int]]] = {}
     for i, row in enumerate(table.rows):

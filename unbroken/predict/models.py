@@ -355,14 +355,14 @@ def per_framework(oofs: dict[tuple, np.ndarray], y: np.ndarray, framework: np.nd
     combined, choice, rows = oof(None).copy(), {}, {}  # a row without a framework has no sibling
     for f in sorted(set(framework[np.isfinite(framework)].tolist())):
         sel = framework == f
-        # the rows some law moves (a sibling ran their setup): the only ones a choice of law can change
-        moves = np.zeros(len(y), bool)
-        for a in laws:
-            moves[sel] |= ~np.isclose(oof(a)[sel], oof(None)[sel], rtol=0, atol=0, equal_nan=True)
+        # the rows some law moves (a sibling ran their setup) are the only ones a choice of law changes:
+        # it is made on them (the trees' error on the others would only shift which row is the median)
+        moved = {a: sel & _differs(oof(a), oof(None)) for a in laws}
+        moves = np.logical_or.reduce(list(moved.values()))
         if not moves.any():  # no sibling: any law predicts these rows as the trees do
             continue
-        moved = [a for a in laws if not np.array_equal(oof(a)[sel], oof(None)[sel], equal_nan=True)]
-        choice[f] = min(moved, key=lambda a: (mdape(oof(a)[moves], y[moves]), laws.index(a)))
+        choice[f] = min((a for a in laws if moved[a].any()),
+                        key=lambda a: (mdape(oof(a)[moves], y[moves]), laws.index(a)))
         combined[sel] = oof(choice[f])[sel]
         rows[choice[f]] = rows.get(choice[f], 0) + int(sel.sum())
     if len(rows) < 2:
@@ -370,6 +370,11 @@ def per_framework(oofs: dict[tuple, np.ndarray], y: np.ndarray, framework: np.nd
     rest = max(rows, key=rows.get)  # also a framework no sibling ran here, should one at the refit
     return combined, replace(cfg, sibling_law=rest, seen_mode=mode,
                              framework_laws=tuple((f, a) for f, a in choice.items() if a != rest))
+
+
+def _differs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row: whether two predictions differ (two NaNs do not)."""
+    return (a != b) & ~(np.isnan(a) & np.isnan(b))
 
 
 def mdape(pred: np.ndarray, true: np.ndarray) -> float:
@@ -388,9 +393,9 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
     GPU of each row) whose groups get equal weight in every fit (`balanced_weights`); the scores
     and the interval stay unweighted, as the held-out metric is. `shots`: few-shot inner folds
     (`inner_folds`). `hardware` (ITL): each config is also scored with sibling transfer at every
-    law in siblings.LAWS its GPUs support (`siblings.laws_for`) and, with `framework_laws`, with each framework's best law apart
-    (`per_framework`); the simpler candidate wins ties (under CV and LOLO no row has a sibling:
-    the trees alone)."""
+    law in siblings.LAWS its GPUs support (`siblings.laws_for`) and, with `framework_laws`, with
+    each framework's best law apart (`per_framework`); the simpler candidate wins ties (under CV
+    and LOLO no row has a sibling: the trees alone)."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     grid = tuple(dict.fromkeys(c if c.target_form in forms_for(target) else replace(c, target_form="direct")

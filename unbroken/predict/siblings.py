@@ -11,9 +11,11 @@ manufacturer nearest in log bandwidth and log TFLOPS that ran the row's serving 
 row's scenario: a sibling's offline vLLM rows say little of a server's, which ML.ENERGY measured
 several-fold slower against the roofline), carried over by a transfer law (`Law`): the sibling's ITL
 times (roofline on the GPU ÷ roofline on the sibling) ** alpha (alpha = 1 trusts the datasheet ratio
-fully, 0 copies the sibling), or the sibling's ITL plus c × (roofline on the GPU − roofline on the
+fully, 0 copies the sibling); or the sibling's ITL plus c × (roofline on the GPU − roofline on the
 sibling) × the sibling stack's efficiency (what the sibling spends beyond that, the host's share,
-carries over unchanged).
+carries over unchanged); or the sibling's ITL divided by the bandwidth and the TFLOPS ratios, each to
+its own exponent. Where the row's batch is beyond any the sibling ran, the sibling's ITL follows its
+own batch slope (`beyond_batches`): trees do not extrapolate.
 The nested search picks the law on leave-one-GPU-out folds, or no transfer at all, for all serving
 frameworks or for each apart (a stack's efficiency need not follow the datasheet as another's does;
 models.XgbConfig.framework_laws). A GPU whose figures equal a measured part's is that part (the trees know it);
@@ -286,7 +288,8 @@ def transfer(predict_s: Callable[[np.ndarray], np.ndarray], X: np.ndarray, maker
         if p is None:
             continue
         Xs = with_gpu(X[rows], np.asarray(p.figures))
-        out.itl_s[rows] = law.apply(beyond_batches(predict_s, Xs, p.largest_batch_of(setup)), X[rows, ROOFLINE], Xs[:, ROOFLINE], p.efficiency_of(setup),
+        there = beyond_batches(predict_s, Xs, p.largest_batch_of(setup))
+        out.itl_s[rows] = law.apply(there, X[rows, ROOFLINE], Xs[:, ROOFLINE], p.efficiency_of(setup),
                                     log_speedup(first[list(GPU_COLUMNS)], p.figures))
         for i in rows:
             out.via[i] = p.name
