@@ -251,6 +251,20 @@ def test_a_frameworks_law_is_chosen_on_the_rows_a_law_moves():
     np.testing.assert_allclose(oof, np.r_[1.0, 1.0, 1.5, 1.2, 1.2, np.full(3, 1.0)])
 
 
+def test_a_frameworks_law_weighs_every_gpu_alike():
+    """Framework 0: five rows of GPU a, one of GPU b. Law A is exact on a and 50% off on b, B 10% off on
+    both: pooled, a's rows make A's median 0; per GPU, A averages 25% and B 10%. Framework 1: A exact."""
+    A, B = RATIO[0.5], RATIO[1.0]
+    framework, y, gpus = np.array([0.0] * 6 + [1.0] * 2), np.ones(8), np.array(list("aaaaab") + ["a", "b"])
+    oofs = {(None, "trees"): np.full(8, 2.0),
+            (A, "trees"): np.r_[np.full(5, 1.0), 1.5, 1.0, 1.0],
+            (B, "trees"): np.r_[np.full(6, 1.1), 1.3, 1.3]}
+    assert models.per_framework(oofs, y, framework, QUICK, "trees") is None  # pooled: A for both
+    oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees", gpus)
+    assert (cfg.law_for(0.0), cfg.law_for(1.0)) == (B, A)
+    np.testing.assert_allclose(oof, np.r_[np.full(6, 1.1), 1.0, 1.0])
+
+
 def _stack_world(odd: float = 1.0, powers: dict[str, float] | None = None) -> "evaluate.Table":
     """Four GPUs, two makers whose software runs at 10x and 1x the roofline, their datasheets
     interleaved so that no spec tells the makers apart: LOGO's trees mix the levels, a sibling does not.

@@ -334,12 +334,15 @@ def own_levels(model, X: np.ndarray, y: np.ndarray, target: str, cfg: XgbConfig,
 
 
 def per_framework(oofs: dict[tuple, np.ndarray], y: np.ndarray, framework: np.ndarray, cfg: XgbConfig,
-                  mode: str) -> tuple[np.ndarray, XgbConfig] | None:
-    """The out-of-fold predictions and config of the best law for each serving framework apart
-    (by that framework's rows' MdAPE; ties: the law offered first), from `oofs` (`oof_predictions`
-    keyed (law, mode), with (None, "trees")), in seen mode `mode`; None when that is one law for all
-    (the plain candidate is that) or no transfer at all. The remaining sibling_law is the one
-    chosen for most rows.
+                  mode: str, gpus: np.ndarray | None = None) -> tuple[np.ndarray, XgbConfig] | None:
+    """The out-of-fold predictions and config of the best law for each serving framework apart, from
+    `oofs` (`oof_predictions` keyed (law, mode), with (None, "trees")), in seen mode `mode`; None when
+    that is one law for all (the plain candidate is that) or no transfer at all. The remaining
+    sibling_law is the one chosen for most rows. Best: the least MdAPE over that framework's rows
+    that some law moves, with `gpus` (each row's GPU) the mean of each GPU's MdAPE over them, so a
+    part measured 1,105 times does not outvote three measured 300 times (the reason for
+    `balanced_weights`; the A100's TensorRT-LLM rows, 21% too slow at seed 0, came out level; docs/predict.md);
+    ties: the law offered first.
 
     A framework whose rows no law moves (no sibling ran it) is left out: the trees predict it
     whatever its law, and should a sibling run it at the refit it takes the remaining law. A
@@ -362,7 +365,7 @@ def per_framework(oofs: dict[tuple, np.ndarray], y: np.ndarray, framework: np.nd
         if not moves.any():  # no sibling: any law predicts these rows as the trees do
             continue
         choice[f] = min((a for a in laws if moved[a].any()),
-                        key=lambda a: (mdape(oof(a)[moves], y[moves]), laws.index(a)))
+                        key=lambda a: (_balanced_mdape(oof(a), y, moves, gpus), laws.index(a)))
         combined[sel] = oof(choice[f])[sel]
         rows[choice[f]] = rows.get(choice[f], 0) + int(sel.sum())
     if len(rows) < 2:
@@ -370,6 +373,13 @@ def per_framework(oofs: dict[tuple, np.ndarray], y: np.ndarray, framework: np.nd
     rest = max(rows, key=rows.get)  # also a framework no sibling ran here, should one at the refit
     return combined, replace(cfg, sibling_law=rest, seen_mode=mode,
                              framework_laws=tuple((f, a) for f, a in choice.items() if a != rest))
+
+
+def _balanced_mdape(pred: np.ndarray, y: np.ndarray, rows: np.ndarray, gpus: np.ndarray | None) -> float:
+    """MdAPE over `rows`, or with `gpus` the mean of each GPU's MdAPE over its `rows`."""
+    if gpus is None:
+        return mdape(pred[rows], y[rows])
+    return float(np.mean([mdape(pred[rows & (gpus == g)], y[rows & (gpus == g)]) for g in set(gpus[rows].tolist())]))
 
 
 def _differs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -411,7 +421,7 @@ def fit(X: np.ndarray, y: np.ndarray, target: str, *, groups: np.ndarray | None 
         oofs = oof_predictions(X, y, target, folds, cfg, balance, hardware, laws, modes)
         candidates = [(v, replace(cfg, sibling_law=a, seen_mode=m)) for (a, m), v in oofs.items()]
         if transfer and framework_laws:
-            found = (per_framework(oofs, y, X[:, FEATURES.index("framework")], cfg, m) for m in modes)
+            found = (per_framework(oofs, y, X[:, FEATURES.index("framework")], cfg, m, hardware.gpu) for m in modes)
             candidates += [c for c in found if c is not None]
         for oof, c in candidates:
             score = mdape(oof, y)
