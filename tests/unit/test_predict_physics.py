@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from unbroken.predict import diagnostics, evaluate, features, measurements, models, tables
+from unbroken.predict import diagnostics, evaluate, features, measurements, models, siblings, tables
 from unbroken.predict.dataset import build
 from unbroken.predict.features import ROOFLINE, OperatingPoint
 
@@ -161,7 +161,8 @@ def _scaled_world(alpha_of: dict[str, float], gpus=("A100", "H100 SXM", "MI300X"
     return build([measurements.Measurement(**{**m.__dict__, "itl_s": v}) for m, v in zip(rows, itl)], *_specs())
 
 
-def test_sibling_hindsight_finds_each_frameworks_alpha_and_skips_a_part_with_no_sibling():
+def test_sibling_hindsight_finds_each_frameworks_alpha_and_skips_a_part_with_no_sibling(monkeypatch):
+    monkeypatch.setattr(siblings, "SIBLING_MIN_ROWS", 1)  # toy parts of 3 rows per setup (real ones: 41 and more)
     d = diagnostics.sibling_hindsight(_scaled_world({"vLLM": 0.25, "llama.cpp": 1.0}))
     assert set(d["per_gpu"]) == {"NVIDIA A100-SXM4-40GB", "NVIDIA H100 SXM5 80GB"}  # the MI300X has no sibling
     for g in d["per_gpu"].values():

@@ -22,6 +22,13 @@ RATIO = {a: siblings.Law("ratio", a) for a in (0.5, 0.75, 1.0)}
 QUICK = models.XgbConfig(n_estimators=30, max_depth=3, learning_rate=0.3)
 
 
+@pytest.fixture(autouse=True)
+def _toy_parts_are_siblings(monkeypatch):
+    """The toy worlds here measure a part 3-36 times per setup; the real threshold
+    (SIBLING_MIN_ROWS) has its own test, which sets it back."""
+    monkeypatch.setattr(siblings, "SIBLING_MIN_ROWS", 1)
+
+
 @functools.cache
 def _specs():
     return tables.load_gpus(), tables.load_models()
@@ -263,6 +270,29 @@ def test_a_frameworks_law_weighs_every_gpu_alike():
     oof, cfg = models.per_framework(oofs, y, framework, QUICK, "trees", gpus)
     assert (cfg.law_for(0.0), cfg.law_for(1.0)) == (B, A)
     np.testing.assert_allclose(oof, np.r_[np.full(6, 1.1), 1.0, 1.0])
+
+
+def test_a_part_with_a_few_rows_in_a_setup_is_nobodys_sibling_there(monkeypatch):
+    """A GPU measured a few times (a few-shot split's held-out one, a user's) is a part, so its own rows
+    are recognised, but the trees' ITL of it is no measurement to carry to another GPU."""
+    monkeypatch.setattr(siblings, "SIBLING_MIN_ROWS", 30)
+    gpus, mods = _specs()
+    vllm, llama = (float(FRAMEWORKS.index(f)) for f in ("vLLM", "llama.cpp"))
+    server = float(SCENARIOS.index("server"))
+
+    def rows(gpu: str, n: int, framework: str) -> np.ndarray:
+        return matrix([(gpus.get(gpu), mods.get("meta-llama/Meta-Llama-3.1-8B"),
+                        OperatingPoint(batch=float(b + 1), framework=framework)) for b in range(n)])
+
+    X = np.vstack([rows("MI250", 40, "vLLM"), rows("MI250", 3, "llama.cpp"), rows("MI300X", 5, "vLLM")])
+    hw = siblings.Hardware(np.array(["MI250"] * 43 + ["MI300X"] * 5), np.array(["AMD"] * 48))
+    mi250, mi300x = siblings.parts(X, hw)
+    assert mi250.setups == {(vllm, server)} and mi300x.setups == frozenset()
+    figures = X[-1, list(GPU_COLUMNS)]
+    assert siblings.own_part((mi250, mi300x), "AMD", figures) is mi300x  # its own rows: still known
+    assert siblings.sibling((mi250, mi300x), "AMD", figures, (vllm, server), measured_ok=True) is mi250
+    assert siblings.sibling((mi250, mi300x), "AMD", X[0, list(GPU_COLUMNS)], (vllm, server), measured_ok=True) is None
+    assert siblings.sibling((mi250,), "AMD", figures, (llama, server)) is None  # 3 llama.cpp rows: not enough
 
 
 def _stack_world(odd: float = 1.0, powers: dict[str, float] | None = None) -> "evaluate.Table":

@@ -26,7 +26,7 @@ from unbroken.predict import measurements
 from unbroken.predict.dataset import Table, build
 from unbroken.predict.features import FEATURES, OperatingPoint, matrix, point_of
 from unbroken.predict.models import DEFAULT, Predictor, XgbConfig, fit, forms_for, measured_widths
-from unbroken.predict.siblings import LAWS, Hardware, Part
+from unbroken.predict.siblings import LAWS, SIBLING_MIN_ROWS, Hardware, Part
 from unbroken.predict.tables import GpuSpec, GpuTable, ModelSpec, ModelTable
 
 
@@ -111,7 +111,7 @@ def cache_dir() -> Path:
 # how train() fits, beyond its arguments: a cache made under another recipe is not reused
 RECIPE = ("gpu-balanced-weights, few-shot widths and seen modes at 1/5/20/100 rows, sibling transfer and levels, "
           f"transfer laws {'/'.join(map(str, LAWS))} per framework, siblings per framework and scenario, "
-          "a sibling's ITL beyond its largest batch along its slope")
+          f"a sibling's ITL beyond its largest batch along its slope, siblings of >= {SIBLING_MIN_ROWS} rows per setup")
 
 
 def _key(table: Table, coverage: float, config: XgbConfig, k: int) -> str:

@@ -176,14 +176,25 @@ class Part:
 EFFICIENCY_PERCENTILE = 10
 
 
+# a part is a sibling in a setup where it has at least this many training rows: the transfer reads the
+# trees' ITL on the sibling, which is a measurement's only where the trees fitted enough of them. With
+# one row of a held-out accelerator in training (few-shot LOGO), the MI250 served as the MI300X's
+# sibling in the inner folds, the law chosen there fitted the trees' guess of it, and the outer split
+# missed it by 38% against 10% with no row at all (docs/predict.md). The fewest rows a part of the
+# shipped data ran in a setup: 41 (the SN40L). A GPU with fewer keeps its own level (`own_levels`).
+SIBLING_MIN_ROWS = 30
+
+
 def parts(X: np.ndarray, hw: Hardware, itl_s: np.ndarray | None = None) -> tuple[Part, ...]:
-    """The measured parts in training rows `X` (one per GPU label); with the rows' measured `itl_s`,
-    each setup's efficiency too."""
+    """The measured parts in training rows `X` (one per GPU label), each with the setups it ran at
+    least SIBLING_MIN_ROWS times (those it may be a sibling in); with the rows' measured `itl_s`, each
+    setup's efficiency too."""
     out = []
     for g in sorted(set(hw.gpu.tolist())):
         rows = np.flatnonzero(hw.gpu == g)
         ran = X[rows][:, [_FRAMEWORK, _SCENARIO]]
-        setups = frozenset(map(tuple, ran[np.isfinite(ran).all(axis=1)].tolist()))
+        ran, counts = np.unique(ran[np.isfinite(ran).all(axis=1)], axis=0, return_counts=True)
+        setups = frozenset(map(tuple, ran[counts >= SIBLING_MIN_ROWS].tolist()))
         out.append(Part(name=str(g), maker=str(hw.maker[rows[0]]), figures=tuple(X[rows[0]][list(GPU_COLUMNS)].tolist()),
                         setups=setups, efficiency=() if itl_s is None else _efficiency(X[rows], itl_s[rows], setups),
                         largest_batch=_largest_batch(X[rows], setups)))
