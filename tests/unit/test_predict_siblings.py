@@ -231,7 +231,7 @@ def test_one_specs_law_carries_a_memory_upgrade_and_a_new_generation():
     assert min(max(err(siblings.Law("ratio", a), *p) for p in pairs) for a in np.arange(0, 2.01, 0.05)) > 0.05
 
 
-def test_a_two_exponent_law_needs_more_siblings_than_exponents():
+def test_a_two_exponent_law_needs_more_siblings_than_exponents(monkeypatch):
     def hw(*gpus_makers) -> siblings.Hardware:
         g, m = zip(*gpus_makers)
         return siblings.Hardware(np.repeat(g, 3), np.repeat(m, 3))
@@ -240,6 +240,10 @@ def test_a_two_exponent_law_needs_more_siblings_than_exponents():
     assert siblings.laws_for(two) == tuple(a for a in siblings.LAWS if a.kind != "specs")
     assert siblings.laws_for(hw(("A100", "NVIDIA"), ("V100", "NVIDIA"), ("H100", "NVIDIA"))) == siblings.LAWS
     assert siblings.laws_for(hw(("A100", "NVIDIA"), ("MI250", "AMD"), ("Max 1550", "Intel"))) == ()
+    # a GPU with fewer rows than a sibling needs does not count (a few-shot split's held-out one)
+    monkeypatch.setattr(siblings, "SIBLING_MIN_ROWS", 3)
+    few = siblings.Hardware(np.array(["A100"] * 3 + ["V100"] * 3 + ["H100"] * 2), np.array(["NVIDIA"] * 8))
+    assert siblings.laws_for(few) == siblings.laws_for(two)
     assert any(a.kind == "specs" for a in siblings.LAWS)
 
 

@@ -118,15 +118,27 @@ LAWS = tuple(Law("ratio", a) for a in (0.25, 0.5, 0.75, 1.0, 1.25)) + \
     tuple(Law("specs", a, b) for a in (0, 0.25, 0.5, 0.75, 1.0, 1.25) for b in (0, 0.25, 0.5, 0.75))
 
 
+# a part is a sibling in a setup where it has at least this many training rows: the transfer reads the
+# trees' ITL on the sibling, which is a measurement's only where the trees fitted enough of them. With
+# one row of the held-out MI300X in its training split (few-shot LOGO), it served as the MI250's
+# sibling in the inner folds, the law was chosen on the trees' guess of it, and the split missed the
+# MI300X by 48% (21% once it no longer did; docs/predict.md). The fewest rows a part of the shipped
+# data ran in a setup: 41 (the SN40L). A GPU with fewer is still known by its own rows (`own_levels`).
+SIBLING_MIN_ROWS = 30
+
+
 def laws_for(hw: "Hardware") -> tuple[Law, ...]:
-    """The LAWS a search over training rows of these GPUs may choose among: a law only where more
-    GPUs than its parameters have a same-maker part to be predicted from on leave-one-GPU-out folds.
-    Two pairs fit a two-exponent law exactly, noise included: ML.ENERGY 2023 under LOGO trains on two
-    parts, and the specs law its one pair chose missed the V100 by 21% where one exponent missed by
-    9% (docs/predict.md)."""
+    """The LAWS a search over training rows of these GPUs (one per row) may choose among: a law only
+    where more GPUs than its parameters have a same-maker part to be predicted from on
+    leave-one-GPU-out folds, counting the GPUs with SIBLING_MIN_ROWS rows or more (the others are
+    nobody's sibling). Two pairs fit a two-exponent law exactly, noise included: ML.ENERGY 2023 under
+    LOGO trains on two parts, and the specs law its one pair chose missed the V100 by 21% where one
+    exponent missed by 9% (docs/predict.md)."""
     makers = {}
+    names, counts = np.unique(hw.gpu, return_counts=True)
+    measured = set(names[counts >= SIBLING_MIN_ROWS].tolist())
     for g, m in set(zip(hw.gpu.tolist(), hw.maker.tolist())):
-        if m:
+        if m and g in measured:
             makers[m] = makers.get(m, 0) + 1
     pairs = sum(n for n in makers.values() if n >= 2)
     return tuple(a for a in LAWS if a.parameters < pairs)
@@ -174,15 +186,6 @@ class Part:
 
 
 EFFICIENCY_PERCENTILE = 10
-
-
-# a part is a sibling in a setup where it has at least this many training rows: the transfer reads the
-# trees' ITL on the sibling, which is a measurement's only where the trees fitted enough of them. With
-# one row of a held-out accelerator in training (few-shot LOGO), the MI250 served as the MI300X's
-# sibling in the inner folds, the law chosen there fitted the trees' guess of it, and the outer split
-# missed it by 38% against 10% with no row at all (docs/predict.md). The fewest rows a part of the
-# shipped data ran in a setup: 41 (the SN40L). A GPU with fewer keeps its own level (`own_levels`).
-SIBLING_MIN_ROWS = 30
 
 
 def parts(X: np.ndarray, hw: Hardware, itl_s: np.ndarray | None = None) -> tuple[Part, ...]:
