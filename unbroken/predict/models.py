@@ -341,8 +341,8 @@ def per_framework(oofs: dict[tuple, np.ndarray], y: np.ndarray, framework: np.nd
     sibling_law is the one chosen for most rows. Best: the least MdAPE over that framework's rows
     that some law moves, with `gpus` (each row's GPU) the mean of each GPU's MdAPE over them, so a
     part measured 1,105 times does not outvote three measured 300 times (the reason for
-    `balanced_weights`; the A100's TensorRT-LLM rows, 21% too slow at seed 0, came out level; docs/predict.md);
-    ties: the law offered first.
+    `balanced_weights`; the A100's TensorRT-LLM rows, 21% too slow at seed 0, came out level;
+    docs/predict.md); ties: the law offered first.
 
     A framework whose rows no law moves (no sibling ran it) is left out: the trees predict it
     whatever its law, and should a sibling run it at the refit it takes the remaining law. A

@@ -163,7 +163,8 @@ def _part_from_json(d: dict) -> Part:
     return Part(name=d["name"], maker=d["maker"], figures=tuple(math.nan if v is None else float(v) for v in d["figures"]),
                 setups=frozenset((float(f), float(c)) for f, c in d["setups"]),
                 efficiency=tuple((float(f), float(c), float(k)) for f, c, k in d.get("efficiency", ())),
-                largest_batch=tuple((float(f), float(c), float(b)) for f, c, b in d.get("largest_batch", ())))
+                largest_batch=tuple((float(f), float(c), float(b))
+                                    for f, c, b in d.get("largest_batch", ())))
 
 
 def _categories(saved: dict) -> dict:

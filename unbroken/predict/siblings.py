@@ -26,6 +26,7 @@ its own level per framework (`own_levels`).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -134,12 +135,8 @@ def laws_for(hw: "Hardware") -> tuple[Law, ...]:
     nobody's sibling). Two pairs fit a two-exponent law exactly, noise included: ML.ENERGY 2023 under
     LOGO trains on two parts, and the specs law its one pair chose missed the V100 by 21% where one
     exponent missed by 9% (docs/predict.md)."""
-    makers = {}
-    names, counts = np.unique(hw.gpu, return_counts=True)
-    measured = set(names[counts >= SIBLING_MIN_ROWS].tolist())
-    for g, m in set(zip(hw.gpu.tolist(), hw.maker.tolist())):
-        if m and g in measured:
-            makers[m] = makers.get(m, 0) + 1
+    rows = Counter(hw.gpu.tolist())
+    makers = Counter(m for g, m in set(zip(hw.gpu.tolist(), hw.maker.tolist())) if m and rows[g] >= SIBLING_MIN_ROWS)
     pairs = sum(n for n in makers.values() if n >= 2)
     return tuple(a for a in LAWS if a.parameters < pairs)
 
@@ -170,11 +167,11 @@ class Part:
     largest_batch: tuple[tuple[float, float, float], ...] = ()
 
     def efficiency_of(self, setup: tuple[float, float]) -> float:
-        return next((k for f, c, k in self.efficiency if (f, c) == tuple(setup)), math.nan)
+        return _in_setup(self.efficiency, setup)
 
     def largest_batch_of(self, setup: tuple[float, float]) -> float:
         """log2 of the largest batch this part ran in `setup` (NaN: none known)."""
-        return next((b for f, c, b in self.largest_batch if (f, c) == tuple(setup)), math.nan)
+        return _in_setup(self.largest_batch, setup)
 
     def distance(self, figures: np.ndarray) -> float:
         a, b = np.log(np.asarray(self.figures)[_DISTANCE]), np.log(figures[_DISTANCE])
@@ -198,19 +195,32 @@ def parts(X: np.ndarray, hw: Hardware, itl_s: np.ndarray | None = None) -> tuple
         ran = X[rows][:, [_FRAMEWORK, _SCENARIO]]
         ran, counts = np.unique(ran[np.isfinite(ran).all(axis=1)], axis=0, return_counts=True)
         setups = frozenset(map(tuple, ran[counts >= SIBLING_MIN_ROWS].tolist()))
-        out.append(Part(name=str(g), maker=str(hw.maker[rows[0]]), figures=tuple(X[rows[0]][list(GPU_COLUMNS)].tolist()),
-                        setups=setups, efficiency=() if itl_s is None else _efficiency(X[rows], itl_s[rows], setups),
-                        largest_batch=_largest_batch(X[rows], setups)))
+        Xg, efficiency = X[rows], ()
+        if itl_s is not None:
+            ratio = itl_s[rows] / np.exp(Xg[:, ROOFLINE])
+            efficiency = _per_setup(Xg, setups, np.where(ratio > 0, ratio, np.nan),
+                                    lambda r: np.percentile(r, EFFICIENCY_PERCENTILE))
+        out.append(Part(name=str(g), maker=str(hw.maker[rows[0]]), figures=tuple(Xg[0][list(GPU_COLUMNS)].tolist()),
+                        setups=setups, efficiency=efficiency,
+                        largest_batch=_per_setup(Xg, setups, Xg[:, _BATCH], np.max)))
     return tuple(out)
 
 
-def _largest_batch(X: np.ndarray, setups: frozenset) -> tuple[tuple[float, float, float], ...]:
+def _per_setup(X: np.ndarray, setups: frozenset, values: np.ndarray,
+               reduce: Callable[[np.ndarray], float]) -> tuple[tuple[float, float, float], ...]:
+    """(framework, scenario, `reduce` of the finite `values` of that setup's rows X) for each setup with
+    such a value: a part's efficiency (10th percentile of ITL ÷ roofline), its largest batch."""
     out = []
     for f, c in sorted(setups):
-        b = X[(X[:, _FRAMEWORK] == f) & (X[:, _SCENARIO] == c), _BATCH]
-        if np.isfinite(b).any():
-            out.append((f, c, float(np.nanmax(b))))
+        ok = (X[:, _FRAMEWORK] == f) & (X[:, _SCENARIO] == c) & np.isfinite(values)
+        if ok.any():
+            out.append((f, c, float(reduce(values[ok]))))
     return tuple(out)
+
+
+def _in_setup(triples: tuple[tuple[float, float, float], ...], setup: tuple[float, float]) -> float:
+    """The value a `_per_setup` tuple holds for `setup` (NaN: none)."""
+    return next((v for f, c, v in triples if (f, c) == tuple(setup)), math.nan)
 
 
 def beyond_batches(predict_s: Callable[[np.ndarray], np.ndarray], Xs: np.ndarray, largest: float) -> np.ndarray:
@@ -228,15 +238,6 @@ def beyond_batches(predict_s: Callable[[np.ndarray], np.ndarray], Xs: np.ndarray
         slope = np.clip(np.log2(top / below), 0.0, 1.0)
         itl[far] = top * np.exp2(slope * (Xs[far, _BATCH] - largest))
     return itl
-
-
-def _efficiency(X: np.ndarray, itl_s: np.ndarray, setups: frozenset) -> tuple[tuple[float, float, float], ...]:
-    out, ratio = [], itl_s / np.exp(X[:, ROOFLINE])
-    for f, c in sorted(setups):
-        ok = (X[:, _FRAMEWORK] == f) & (X[:, _SCENARIO] == c) & np.isfinite(ratio) & (ratio > 0)
-        if ok.any():
-            out.append((f, c, float(np.percentile(ratio[ok], EFFICIENCY_PERCENTILE))))
-    return tuple(out)
 
 
 def _transferable(figures: np.ndarray) -> bool:
