@@ -69,23 +69,26 @@ def test_a_row_moved_to_another_batch_reads_as_built_at_it(data):
     np.testing.assert_allclose(with_batch(matrix([(g, model, op)]), math.log2(b2)), at_b2, rtol=1e-9, equal_nan=True)
 
 
-def test_a_siblings_itl_beyond_its_largest_batch_follows_its_slope():
-    """Trees flat beyond batch 64 (what they learnt at the edge); the truth, ITL = 1 ms x batch ** 0.8,
-    is recovered from the slope between batch 32 and 64. A part that ran batch 256 is read as it is,
-    and a slope steeper than linear is held at 1."""
+def test_a_siblings_itl_beyond_its_largest_batch_follows_its_line():
+    """Trees flat beyond batch 64 (what they learnt at the edge); the truth, ITL = 2 ms + 0.1 ms x
+    batch (weights once, each sequence on top), is recovered from the line through batch 32 and 64.
+    A part that ran batch 256 is read as it is; a line steeper than proportional is held at
+    proportional, one that falls is held flat."""
     gpus, mods = _specs()
     X = matrix([(gpus.get("MI250"), mods.get("meta-llama/Meta-Llama-3.1-8B"), OperatingPoint(batch=float(b)))
                 for b in (16, 64, 128, 256)])
     batch = np.exp2(X[:, FEATURES.index("log2_batch")])
 
-    def trees(Xs: np.ndarray, power: float = 0.8) -> np.ndarray:
-        return 1e-3 * np.minimum(np.exp2(Xs[:, FEATURES.index("log2_batch")]), 64.0) ** power
+    def trees(Xs: np.ndarray, host: float = 2e-3, per_seq: float = 1e-4) -> np.ndarray:
+        return host + per_seq * np.minimum(np.exp2(Xs[:, FEATURES.index("log2_batch")]), 64.0)
 
-    np.testing.assert_allclose(siblings.beyond_batches(trees, X, 6.0), 1e-3 * batch ** 0.8, rtol=1e-9)
+    np.testing.assert_allclose(siblings.beyond_batches(trees, X, 6.0), 2e-3 + 1e-4 * batch, rtol=1e-9)
     np.testing.assert_allclose(siblings.beyond_batches(trees, X, 8.0), trees(X))  # it ran them all
     np.testing.assert_allclose(siblings.beyond_batches(trees, X, math.nan), trees(X))  # nothing known
-    steep = siblings.beyond_batches(lambda Xs: trees(Xs, 1.5), X, 6.0)
-    np.testing.assert_allclose(steep, 1e-3 * np.minimum(batch, 64) ** 1.5 * np.maximum(batch / 64, 1), rtol=1e-9)
+    steep = siblings.beyond_batches(lambda Xs: trees(Xs, host=-2e-3), X, 6.0)  # 2.7x from 32 to 64
+    np.testing.assert_allclose(steep, trees(X, host=-2e-3) * np.maximum(batch / 64, 1), rtol=1e-9)
+    falling = siblings.beyond_batches(lambda Xs: trees(Xs, per_seq=-1e-5), X, 6.0)
+    np.testing.assert_allclose(falling, trees(X, per_seq=-1e-5), rtol=1e-9)
     known = siblings.parts(X, siblings.Hardware(np.array(["a"] * 4), np.array(["AMD"] * 4)))
     assert known[0].largest_batch_of((float(FRAMEWORKS.index("vLLM")), float(SCENARIOS.index("server")))) == 8.0
 
