@@ -10,7 +10,7 @@ from hypothesis import given, strategies as st
 
 from unbroken.predict import baselines, evaluate, measurements, models, service, tables
 from unbroken.predict.dataset import build
-from unbroken.predict.features import SCENARIOS, OperatingPoint
+from unbroken.predict.features import FEATURES, SCENARIOS, OperatingPoint
 
 FAST = models.XgbConfig(n_estimators=20, max_depth=3, learning_rate=0.3)
 
@@ -166,9 +166,9 @@ def test_balanced_weights_give_every_gpu_the_same_total_weight(labels):
 
 
 def test_balanced_fit_lets_a_sparsely_measured_gpu_move_the_trees():
-    # GPU "a": 95 rows at target 1, GPU "b": 5 rows at target 3, one feature that cannot tell them
+    # GPU "a": 95 rows at target 1, GPU "b": 5 rows at target 3, features that cannot tell them
     # apart: unweighted the trees predict about the rows' mean (1.1), balanced the GPUs' mean (2)
-    X, y = np.zeros((100, 1)), np.r_[np.full(95, 1.0), np.full(5, 3.0)]
+    X, y = np.zeros((100, len(FEATURES))), np.r_[np.full(95, 1.0), np.full(5, 3.0)]
     gpus = np.array(["a"] * 95 + ["b"] * 5)
     cfg = models.XgbConfig(n_estimators=50, max_depth=1, learning_rate=0.5, subsample=1.0, colsample_bytree=1.0)
     plain = models.fit(X, y, "power", grid=(cfg,), k=2).predict(X[:1])[0][0]

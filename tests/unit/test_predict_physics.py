@@ -50,6 +50,46 @@ def test_kv_and_prefill_terms_by_hand():
     assert features.kv_latency_s(a100, llama, OperatingPoint()) == 0.0
 
 
+def test_a_mixtures_decode_reads_every_expert_its_batch_routes_to():
+    """Mixtral-8x7B (46.7 B, 12.9 B active, 2 of 8 experts per token): batch 1 reads the active
+    weights, batch 16 nearly all (8 x (1 - 0.75 ** 16) = 7.92 experts), and its roofline at batch 16
+    streams them; a dense model reads its weights at any batch; the trees never see the counts."""
+    gpus, mods = _specs()
+    a100, mixtral, llama = gpus.get("A100"), mods.get("mistralai/Mixtral-8x7B-v0.1"), mods.get("meta-llama/Llama-2-7b-hf")
+    assert (mixtral.num_experts, mixtral.experts_per_token) == (8, 2) and math.isnan(llama.num_experts)
+    expert = (46.7 - 12.9) / 6
+    assert features.decode_read_b_params(46.7, 12.9, 8, 2, 1) == pytest.approx(12.9)
+    assert features.decode_read_b_params(46.7, 12.9, 8, 2, 16) == pytest.approx(12.9 + expert * (8 * (1 - 0.75 ** 16) - 2))
+    op = OperatingPoint(batch=16)
+    assert features.roofline_s(a100, mixtral, op) == pytest.approx(
+        max(2 * features.decode_read_b_params(46.7, 12.9, 8, 2, 16) / 1560, features.compute_latency_s(a100, mixtral, 1, 16)))
+    assert features.bandwidth_latency_s(a100, mixtral, 1) == pytest.approx(2 * 12.9 / 1560)  # WattGPU's term
+    assert features.decode_read_b_params(6.74, 6.74, math.nan, math.nan, 64) == 6.74
+    names = [features.FEATURES[i] for i in features.TREE_COLUMNS]
+    assert "num_experts" not in names and len(names) == len(features.FEATURES) - 2
+
+
+@given(st.floats(1.0, 500.0), st.floats(0.01, 1.0), st.integers(2, 256), st.data())
+def test_a_mixtures_read_grows_with_the_batch_from_active_to_total(total, share, experts, data):
+    per_token = data.draw(st.integers(1, experts - 1))
+    active = total * max(share, per_token / experts)  # the routed experts' share is at most 1 - k/E of the total
+    batches = np.array([1.0, 2.0, 16.0, 1024.0, 1e6])
+    read = features.decode_read_b_params(total, active, experts, per_token, batches)
+    assert read[0] == pytest.approx(active) and read[-1] == pytest.approx(total, rel=1e-6)
+    assert np.all(np.diff(read) >= -1e-9 * total) and np.all(read <= total * (1 + 1e-9))
+
+
+@pytest.mark.parametrize("row, error", [({"num_experts": "8"}, "together"),
+                                        ({"num_experts": "8", "experts_per_token": "9"}, "at most num_experts")])
+def test_expert_counts_that_cannot_be_are_rejected(tmp_path, row, error):
+    f = tmp_path / "m.csv"
+    cols = {"model_name": "x/moe", "total_b_params": "40", "active_b_params": "10", "num_layers": "32",
+            "hidden_size": "4096", "num_attention_heads": "32", "num_key_value_heads": "8", **row}
+    f.write_text(";".join(cols) + "\n" + ";".join(cols.values()) + "\n")
+    with pytest.raises(tables.SpecError, match=error):
+        tables.load_models((f,))
+
+
 @pytest.mark.parametrize("form", models.FORMS)
 def test_target_forms_round_trip(v2, form):
     z = models.to_target("itl", v2.itl_s, v2.X, form)

@@ -23,12 +23,16 @@ FRAMEWORKS = ("transformers", "vLLM", "TensorRT-LLM", "Deepspeed-MII", "Deepspee
 
 FEATURES = (
     "log_total_b_params", "log_active_b_params", "num_layers", "num_key_value_heads", "hidden_size",
-    "memory_bandwidth_gb_s", "base_clock_mhz", "boost_clock_mhz", "boost_ratio", "tensor_tflops",
+    "num_experts", "experts_per_token", "memory_bandwidth_gb_s", "base_clock_mhz", "boost_clock_mhz", "boost_ratio", "tensor_tflops",
     "memory_size_gb", "memory_type", "release_year", "bandwidth_latency_s", "compute_latency_s",
     "log2_batch", "n_gpus", "scenario", "framework", "log_seq_tokens", "weights_per_gpu_gb",
     "log_kv_latency_s", "log_prefill_latency_s", "log_roofline_s",
 ) + tuple(f"framework_is_{f}" for f in FRAMEWORKS)
 ROOFLINE = FEATURES.index("log_roofline_s")
+# the columns the trees see: all but a mixture's expert counts, which the roofline uses (a decode step
+# reads every expert some sequence routes to) and the trees do not: given them, the trees split on
+# them elsewhere (LLM-Inference-Bench ITL LOGO 15.8% without, 17.5% with; docs/predict.md)
+TREE_COLUMNS = [i for i, f in enumerate(FEATURES) if f not in ("num_experts", "experts_per_token")]
 # the columns that are the GPU's own figures (the rest describe the model and the operating point,
 # or derive from both: the latencies, recomputed by `with_gpu`)
 GPU_COLUMNS = tuple(FEATURES.index(f) for f in (
@@ -98,10 +102,34 @@ def prefill_latency_s(gpu: GpuSpec, model: ModelSpec, op: OperatingPoint) -> flo
     return flops / (gpu.tensor_tflops * 1e12 * op.n_gpus) / out
 
 
+def decode_read_b_params(total, active, experts, per_token, batch):
+    """Billions of weights one decode step of `batch` sequences reads (numpy-broadcast): a dense
+    model's active (= total) parameters; a mixture of `experts` routed experts, `per_token` per
+    token, reads its shared weights and every expert some sequence routes to, on average (routing
+    uniform and independent) experts × (1 − (1 − per_token/experts) ** batch) of them. Mixtral-8x7B
+    reads 12.9 B at batch 1 and 46.2 of its 46.7 B at batch 16: at the batches served, its decode
+    streams all its weights, not the active share (NaN experts: dense)."""
+    total, active, experts, per_token, batch = np.broadcast_arrays(*(np.asarray(v, dtype=float) for v in
+                                                                     (total, active, experts, per_token, batch)))
+    moe = np.isfinite(experts) & (experts > per_token) & (total > active)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        expert = (total - active) / (experts - per_token)  # one routed expert's weights
+        touched = experts * (1.0 - (1.0 - per_token / experts) ** batch)
+        read = active + expert * (touched - per_token)
+    return np.where(moe, read, active)
+
+
+def _read_factor(model: ModelSpec, batch: float) -> float:
+    """Weights a decode step reads ÷ the active weights (1 for a dense model)."""
+    return float(decode_read_b_params(model.total_b_params, model.active_b_params, model.num_experts,
+                                      model.experts_per_token, batch)) / model.active_b_params
+
+
 def roofline_s(gpu: GpuSpec, model: ModelSpec, op: OperatingPoint) -> float:
     """Per-token roofline: prefill share + max(weights and KV read, decode compute); NaN only where
-    both the bandwidth and the TFLOPS are missing."""
-    read = bandwidth_latency_s(gpu, model, op.n_gpus) + kv_latency_s(gpu, model, op)
+    both the bandwidth and the TFLOPS are missing. The weights read are those the step touches
+    (`decode_read_b_params`); WattGPU's bandwidth-latency feature keeps the active parameters."""
+    read = _read_factor(model, op.batch) * bandwidth_latency_s(gpu, model, op.n_gpus) + kv_latency_s(gpu, model, op)
     return prefill_latency_s(gpu, model, op) + float(np.fmax(read, compute_latency_s(gpu, model, op.n_gpus, op.batch)))
 
 
@@ -129,6 +157,7 @@ def feature_row(gpu: GpuSpec, model: ModelSpec, op: OperatingPoint) -> list[floa
         "log_active_b_params": math.log(model.active_b_params),
         "num_layers": model.num_layers, "num_key_value_heads": model.num_key_value_heads,
         "hidden_size": model.hidden_size,
+        "num_experts": model.num_experts, "experts_per_token": model.experts_per_token,
         "memory_bandwidth_gb_s": gpu.memory_bandwidth_gb_s, "base_clock_mhz": gpu.base_clock_mhz,
         "boost_clock_mhz": gpu.boost_clock_mhz, "boost_ratio": gpu.boost_clock_mhz / gpu.base_clock_mhz,
         "tensor_tflops": gpu.tensor_tflops, "memory_size_gb": gpu.memory_size_gb,
@@ -184,7 +213,10 @@ def _recompute_roofline(X: np.ndarray) -> None:
     """`X`'s roofline column from its latency columns, in place (`roofline_s`)."""
     i = FEATURES.index
     kv, prefill = (np.nan_to_num(np.exp(X[:, i(c)])) for c in ("log_kv_latency_s", "log_prefill_latency_s"))
-    read = X[:, i("bandwidth_latency_s")] + kv
+    factor = decode_read_b_params(*(np.exp(X[:, i(c)]) for c in ("log_total_b_params", "log_active_b_params")),
+                                  X[:, i("num_experts")], X[:, i("experts_per_token")],
+                                  np.exp2(X[:, i("log2_batch")])) / np.exp(X[:, i("log_active_b_params")])
+    read = factor * X[:, i("bandwidth_latency_s")] + kv
     X[:, ROOFLINE] = np.log(prefill + np.fmax(read, X[:, i("compute_latency_s")]))
 
 

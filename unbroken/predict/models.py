@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from unbroken.predict import siblings
-from unbroken.predict.features import FEATURES, ROOFLINE
+from unbroken.predict.features import FEATURES, ROOFLINE, TREE_COLUMNS
 from unbroken.predict.siblings import Hardware, Law, Part
 
 TARGETS = ("power", "itl")
@@ -121,15 +121,29 @@ def balanced_weights(labels: np.ndarray) -> np.ndarray:
     return w / w.mean()
 
 
-def fit_xgb(X: np.ndarray, z: np.ndarray, cfg: XgbConfig, weights: np.ndarray | None = None):
+class Trees:
+    """An XGBoost regressor over the feature columns the trees see (`features.TREE_COLUMNS`): it
+    takes whole feature rows, as every caller holds them."""
+
+    def __init__(self, booster) -> None:
+        self.booster = booster
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        return self.booster.predict(X[:, TREE_COLUMNS])
+
+    def save_model(self, path) -> None:
+        self.booster.save_model(path)
+
+
+def fit_xgb(X: np.ndarray, z: np.ndarray, cfg: XgbConfig, weights: np.ndarray | None = None) -> Trees:
     import xgboost as xgb
 
     model = xgb.XGBRegressor(n_estimators=cfg.n_estimators, max_depth=cfg.max_depth,
                              learning_rate=cfg.learning_rate, subsample=cfg.subsample,
                              colsample_bytree=cfg.colsample_bytree, min_child_weight=cfg.min_child_weight,
                              n_jobs=cfg.n_jobs, random_state=cfg.seed, tree_method="hist", verbosity=0)
-    model.fit(X, z, sample_weight=weights)
-    return model
+    model.fit(X[:, TREE_COLUMNS], z, sample_weight=weights)
+    return Trees(model)
 
 
 class _Memo:

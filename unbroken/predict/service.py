@@ -25,7 +25,7 @@ from unbroken.fsutil import atomic_write_json
 from unbroken.predict import measurements
 from unbroken.predict.dataset import Table, build
 from unbroken.predict.features import FEATURES, OperatingPoint, matrix, point_of
-from unbroken.predict.models import DEFAULT, Predictor, XgbConfig, fit, forms_for, measured_widths
+from unbroken.predict.models import DEFAULT, Predictor, Trees, XgbConfig, fit, forms_for, measured_widths
 from unbroken.predict.siblings import LAWS, SIBLING_MIN_ROWS, Hardware, Part
 from unbroken.predict.tables import GpuSpec, GpuTable, ModelSpec, ModelTable
 
@@ -142,8 +142,9 @@ def _load(target: str, folder: Path) -> Predictor | None:
         return None
     try:
         meta = json.loads(meta_path.read_text())
-        model = xgb.XGBRegressor()
-        model.load_model(model_path)
+        booster = xgb.XGBRegressor()
+        booster.load_model(model_path)
+        model = Trees(booster)
     except (OSError, ValueError, xgb.core.XGBoostError):
         return None  # a damaged cache is retrained, not trusted
     return Predictor(target=target, model=model, config=XgbConfig(**meta["config"]), halfwidth=meta["halfwidth"],

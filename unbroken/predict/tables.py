@@ -74,12 +74,24 @@ class ModelSpec:
     num_attention_heads: float
     num_key_value_heads: float
     source: str = ""
+    # a mixture of experts: its routed experts and how many each token uses (NaN: a dense model);
+    # a decode step of a batch reads every expert some token routes to (`features.decode_read_b_params`)
+    num_experts: float = math.nan
+    experts_per_token: float = math.nan
 
     def __post_init__(self) -> None:
         check_units(self.name, {k: getattr(self, k) for k in MODEL_RANGES}, MODEL_RANGES)
         if not math.isnan(self.active_b_params) and self.active_b_params > self.total_b_params * 1.001:
             raise SpecError(f"model {self.name!r}: active_b_params {self.active_b_params} exceeds total_b_params "
                             f"{self.total_b_params}; active parameters are a subset of the total")
+        experts = (self.num_experts, self.experts_per_token)
+        if any(math.isnan(v) for v in experts) and not all(math.isnan(v) for v in experts):
+            raise SpecError(f"model {self.name!r}: give num_experts and experts_per_token together (a mixture of "
+                            f"experts) or neither (a dense model), got {experts[0]!r} and {experts[1]!r}")
+        if not math.isnan(self.num_experts) and not 1 <= self.experts_per_token <= self.num_experts <= 4096:
+            raise SpecError(f"model {self.name!r}: experts_per_token {self.experts_per_token:g} must be at least 1 and "
+                            f"at most num_experts {self.num_experts:g} (at most 4096): each token routes to some "
+                            f"of the experts")
 
 
 def check_units(name: str, values: dict[str, float], ranges: dict[str, tuple[float, float]]) -> None:
@@ -206,14 +218,27 @@ class ModelTable:
                         f"config.json) to a CSV in the model_specs_extra.csv format and pass it with --model-specs FILE")
 
 
+# the config.json fields that name a mixture's routed experts and the experts per token, by family
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
+_PER_TOKEN = ("experts_per_token", "num_experts_per_tok")
+
+
+def _first_number(r: dict[str, str], columns: tuple[str, ...]) -> float:
+    return next((v for v in (_num(r.get(c)) for c in columns) if not math.isnan(v)), math.nan)
+
+
 def _model_from_row(r: dict[str, str], source: str) -> ModelSpec:
     total = _num(r.get("total_b_params"))
     active = _num(r.get("active_b_params"))
+    experts, per_token = _first_number(r, _EXPERTS), _first_number(r, _PER_TOKEN)
+    if not experts > 1:  # one expert, or none named: a dense model
+        experts = per_token = math.nan
     return ModelSpec(name=r["model_name"].strip(), total_b_params=total,
                      active_b_params=total if math.isnan(active) else active,
                      num_layers=_num(r.get("num_layers")), hidden_size=_num(r.get("hidden_size")),
                      num_attention_heads=_num(r.get("num_attention_heads")),
-                     num_key_value_heads=_num(r.get("num_key_value_heads")), source=source)
+                     num_key_value_heads=_num(r.get("num_key_value_heads")), source=source,
+                     num_experts=experts, experts_per_token=per_token)
 
 
 def config_row(name: str) -> dict[str, str] | None:
