@@ -55,14 +55,15 @@ def test_a_mixtures_decode_reads_every_expert_its_batch_routes_to():
     weights, batch 16 nearly all (8 x (1 - 0.75 ** 16) = 7.92 experts), and its roofline at batch 16
     streams them; a dense model reads its weights at any batch; the trees never see the counts."""
     gpus, mods = _specs()
-    a100, mixtral, llama = gpus.get("A100"), mods.get("mistralai/Mixtral-8x7B-v0.1"), mods.get("meta-llama/Llama-2-7b-hf")
+    a100, llama = gpus.get("A100"), mods.get("meta-llama/Llama-2-7b-hf")
+    mixtral = mods.get("mistralai/Mixtral-8x7B-v0.1")
     assert (mixtral.num_experts, mixtral.experts_per_token) == (8, 2) and math.isnan(llama.num_experts)
     expert = (46.7 - 12.9) / 6
     assert features.decode_read_b_params(46.7, 12.9, 8, 2, 1) == pytest.approx(12.9)
-    assert features.decode_read_b_params(46.7, 12.9, 8, 2, 16) == pytest.approx(12.9 + expert * (8 * (1 - 0.75 ** 16) - 2))
-    op = OperatingPoint(batch=16)
-    assert features.roofline_s(a100, mixtral, op) == pytest.approx(
-        max(2 * features.decode_read_b_params(46.7, 12.9, 8, 2, 16) / 1560, features.compute_latency_s(a100, mixtral, 1, 16)))
+    at_16 = features.decode_read_b_params(46.7, 12.9, 8, 2, 16)
+    assert at_16 == pytest.approx(12.9 + expert * (8 * (1 - 0.75 ** 16) - 2))
+    compute = features.compute_latency_s(a100, mixtral, 1, 16)
+    assert features.roofline_s(a100, mixtral, OperatingPoint(batch=16)) == pytest.approx(max(2 * at_16 / 1560, compute))
     assert features.bandwidth_latency_s(a100, mixtral, 1) == pytest.approx(2 * 12.9 / 1560)  # WattGPU's term
     assert features.decode_read_b_params(6.74, 6.74, math.nan, math.nan, 64) == 6.74
     names = [features.FEATURES[i] for i in features.TREE_COLUMNS]

@@ -23,7 +23,8 @@ FRAMEWORKS = ("transformers", "vLLM", "TensorRT-LLM", "Deepspeed-MII", "Deepspee
 
 FEATURES = (
     "log_total_b_params", "log_active_b_params", "num_layers", "num_key_value_heads", "hidden_size",
-    "num_experts", "experts_per_token", "memory_bandwidth_gb_s", "base_clock_mhz", "boost_clock_mhz", "boost_ratio", "tensor_tflops",
+    "num_experts", "experts_per_token",
+    "memory_bandwidth_gb_s", "base_clock_mhz", "boost_clock_mhz", "boost_ratio", "tensor_tflops",
     "memory_size_gb", "memory_type", "release_year", "bandwidth_latency_s", "compute_latency_s",
     "log2_batch", "n_gpus", "scenario", "framework", "log_seq_tokens", "weights_per_gpu_gb",
     "log_kv_latency_s", "log_prefill_latency_s", "log_roofline_s",
@@ -129,7 +130,8 @@ def roofline_s(gpu: GpuSpec, model: ModelSpec, op: OperatingPoint) -> float:
     """Per-token roofline: prefill share + max(weights and KV read, decode compute); NaN only where
     both the bandwidth and the TFLOPS are missing. The weights read are those the step touches
     (`decode_read_b_params`); WattGPU's bandwidth-latency feature keeps the active parameters."""
-    read = _read_factor(model, op.batch) * bandwidth_latency_s(gpu, model, op.n_gpus) + kv_latency_s(gpu, model, op)
+    weights = _read_factor(model, op.batch) * bandwidth_latency_s(gpu, model, op.n_gpus)
+    read = weights + kv_latency_s(gpu, model, op)
     return prefill_latency_s(gpu, model, op) + float(np.fmax(read, compute_latency_s(gpu, model, op.n_gpus, op.batch)))
 
 
