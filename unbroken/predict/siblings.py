@@ -232,7 +232,7 @@ def beyond_batches(predict_s: Callable[[np.ndarray], np.ndarray], Xs: np.ndarray
     largest batches, linear in the batch: a decode step reads the weights once (the intercept) and
     each sequence's cache and compute on top (the slope), so its ITL per doubling grows toward 2x as
     the per-sequence share takes over (measured on the MI300X: 1.4x at 16 -> 32, 1.8-1.9x beyond 64),
-    which a constant log-log slope misses (44% on those rows, 31% along the line). The slope is held
+    which a constant log-log slope misses (44% on those rows, 32% along the line). The slope is held
     between flat and proportional: a decode step of b sequences takes at most b times one's."""
     itl = np.array(predict_s(Xs), dtype=float)  # a copy: predict_s may hand out a cached array
     far = np.isfinite(largest) & (Xs[:, _BATCH] > largest)

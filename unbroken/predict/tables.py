@@ -215,7 +215,8 @@ class ModelTable:
             return loose[model_key(name)]
         raise SpecError(f"model {name!r} is not in the model tables ({', '.join(self.files)}). Add a row "
                         f"(total/active parameters in billions, layers, hidden size, heads, KV heads and, for a "
-                        f"mixture of experts, its expert counts, from its config.json) to a CSV in the model_specs_extra.csv format and pass it with --model-specs FILE")
+                        f"mixture of experts, its expert counts, from its config.json) to a CSV in the "
+                        f"model_specs_extra.csv format and pass it with --model-specs FILE")
 
 
 # the config.json fields that name a mixture's routed experts and the experts per token, by family
