@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -66,3 +67,21 @@ def test_scratch_keeps_one_buffer_per_slot_growing_to_the_largest_size():
     c = tp.scratch(1, 101, torch.float32)
     assert c.shape == (101,) and c.data_ptr() != a.data_ptr()  # larger: grown
     assert tp.scratch(1, 10, torch.int64).data_ptr() == c.data_ptr()
+
+
+def test_gloos_timeout_just_before_our_deadline_is_reported_as_the_deadline():
+    """gloo waits whole milliseconds of what is left ("Timed out waiting 998ms" for a 1 s deadline),
+    so its timeout can fire just before the deadline by our clock: that failure names the deadline.
+    An error well before it keeps its own words."""
+    from unbroken.comm.group import CollectiveError
+    from unbroken.comm.transport import GLOO_CLOCK_SLACK_S
+
+    for left, words in ((GLOO_CLOCK_SLACK_S / 5, "did not end within 1.0s"), (30.0, "failed: peer closed")):
+        tp = Transport(None, rank=0, world=2, timeout_s=1.0)
+        tp.begin()
+        tp._deadline = time.monotonic() + left
+        x = _transfer()
+        x.error = RuntimeError("peer closed\nmore")
+        with pytest.raises(CollectiveError, match=words):
+            tp._fail("all-reduce (piece 0)", x)
+        assert tp.broken and words in tp.broken

@@ -36,6 +36,11 @@ import torch.distributed as dist
 
 from unbroken.comm.group import CollectiveError, GenerationChanged
 
+# gloo's own timeout, set to what is left of our deadline, can fire a few milliseconds before that
+# deadline by our clock (it waits whole milliseconds: "Timed out waiting 998ms" for a 1 s deadline); a
+# failure that close to the deadline is the deadline, and says so
+GLOO_CLOCK_SLACK_S = 0.05
+
 OnTransfer = Callable[[str, int, int, int, float, float], None]  # kind, peer, tag, nbytes, posted, ended
 
 
@@ -241,7 +246,7 @@ class Transport:
 
     def _fail(self, what: str, x: Transfer) -> None:
         """CollectiveError for `x`: its error, or else the deadline passed; the group is broken."""
-        if x.error is not None and time.monotonic() < self._deadline:
+        if x.error is not None and time.monotonic() < self._deadline - GLOO_CLOCK_SLACK_S:
             self.broken = f"{what}: {x.kind} with rank {x.peer} failed: {str(x.error).splitlines()[0][:160]}"
         else:
             self.broken = f"{what}: {x.kind} with rank {x.peer} did not end within {self.timeout_s:.1f}s"
