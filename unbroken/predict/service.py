@@ -111,7 +111,8 @@ def cache_dir() -> Path:
 # how train() fits, beyond its arguments: a cache made under another recipe is not reused
 RECIPE = ("gpu-balanced-weights, few-shot widths and seen modes at 1/5/20/100 rows, sibling transfer and levels, "
           f"transfer laws {'/'.join(map(str, LAWS))} per framework, siblings per framework and scenario, "
-          f"a sibling's ITL beyond its largest batch along its slope, siblings of >= {SIBLING_MIN_ROWS} rows per setup")
+          f"a sibling's ITL beyond its largest batch along its line in the batch, siblings of >= {SIBLING_MIN_ROWS} "
+          "rows per setup, a mixture's decode reading every expert its batch routes to")
 
 
 def _key(table: Table, coverage: float, config: XgbConfig, k: int) -> str:
